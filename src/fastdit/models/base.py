@@ -1,0 +1,204 @@
+"""The vocabulary a model adapter is written in: forward patterns, block groups, tiny pipelines, CLI presets.
+
+An adapter is a declaration (data). Generic appliers (cache, parallel, ...) read it; an adapter never applies
+anything itself.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["BlockGroup", "ForwardPattern", "ModelAdapter", "ModelPreset", "TinyPipeline"]
+
+
+class ForwardPattern(enum.IntEnum):
+    """What a transformer block takes and returns.
+
+    ====  ==================  ====================
+    id    inputs              outputs
+    ====  ==================  ====================
+    0     (hidden, encoder)   (hidden, encoder)
+    1     (hidden, encoder)   (encoder, hidden)
+    2     (hidden, encoder)   hidden
+    3     hidden              hidden
+    4     hidden              (hidden, encoder)
+    5     hidden              (encoder, hidden)
+    ====  ==================  ====================
+    """
+
+    P0 = 0
+    P1 = 1
+    P2 = 2
+    P3 = 3
+    P4 = 4
+    P5 = 5
+
+    @property
+    def takes_encoder(self) -> bool:
+        """Whether the block receives the encoder (text) stream as an input."""
+        return self in (ForwardPattern.P0, ForwardPattern.P1, ForwardPattern.P2)
+
+    @property
+    def returns_encoder(self) -> bool:
+        """Whether the block returns the encoder stream alongside the hidden states."""
+        return self in (ForwardPattern.P0, ForwardPattern.P1, ForwardPattern.P4, ForwardPattern.P5)
+
+    @property
+    def encoder_first(self) -> bool:
+        """Whether the returned tuple puts the encoder stream first."""
+        return self in (ForwardPattern.P1, ForwardPattern.P5)
+
+    def pack(self, hidden: torch.Tensor, encoder: torch.Tensor | None) -> Any:
+        """Build a block's return value in this pattern's layout."""
+        if not self.returns_encoder:
+            return hidden
+        return (encoder, hidden) if self.encoder_first else (hidden, encoder)
+
+    def unpack(self, output: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Split a block's return value into ``(hidden, encoder)`` (encoder is ``None`` if not returned).
+
+        Blocks that return more values than the pattern names (e.g. an extra mask) keep only the first two here;
+        callers that must preserve extras use :meth:`extras`.
+        """
+        if not self.returns_encoder:
+            if isinstance(output, torch.Tensor):
+                return output, None
+            return output[0], None
+        first, second = output[0], output[1]
+        return (second, first) if self.encoder_first else (first, second)
+
+    def extras(self, output: Any) -> tuple[Any, ...]:
+        """Values a block returned beyond the ones the pattern names (passed through unchanged)."""
+        if isinstance(output, torch.Tensor):
+            return ()
+        named = 2 if self.returns_encoder else 1
+        return tuple(output[named:])
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockGroup:
+    """One list of transformer blocks (a ``ModuleList`` attribute) and how its blocks are called.
+
+    Attributes:
+        path: Dotted attribute path from the transformer to the ``ModuleList`` (e.g. ``"transformer_blocks"``).
+        pattern: The blocks' :class:`ForwardPattern`.
+        hidden_arg: Name of the hidden-states parameter in the block's ``forward``.
+        encoder_arg: Name of the encoder-states parameter (patterns 0-2 only).
+    """
+
+    path: str
+    pattern: ForwardPattern
+    hidden_arg: str = "hidden_states"
+    encoder_arg: str = "encoder_hidden_states"
+
+    def __post_init__(self) -> None:
+        if not self.path or any(not part for part in self.path.split(".")):
+            raise ValueError(f"BlockGroup.path={self.path!r}: must be a dotted attribute path")
+        object.__setattr__(self, "pattern", ForwardPattern(self.pattern))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TinyPipeline:
+    """A complete random-weight pipeline of a family, small enough for CPU tests.
+
+    Attributes:
+        name: Variant name, unique within the family (e.g. ``"t2v"``).
+        build: Builds the pipeline (deterministic: seeded, ``.eval()``) with no network access.
+        call_kwargs: Keyword arguments for a short run (prompt, size, ``num_inference_steps=2``, ...); callers add
+            ``generator`` and ``output_type``.
+    """
+
+    name: str
+    build: Callable[[], Any]
+    call_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelPreset:
+    """A model the CLI can load by name (``fastdit generate <name>``).
+
+    Attributes:
+        name: Registry name, e.g. ``"flux"``.
+        pipeline_class: Fully qualified pipeline class, e.g. ``"diffusers.FluxPipeline"``.
+        hub_id: The usual Hub repository id (documentation only: fastdit never downloads).
+        defaults: Default call arguments (steps, guidance, size, frames).
+    """
+
+    name: str
+    pipeline_class: str
+    hub_id: str = ""
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def env_var(self) -> str:
+        """Environment variable holding the local weights directory, e.g. ``FLUX_DIR``."""
+        return self.name.upper().replace("-", "_").replace(".", "_") + "_DIR"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelAdapter:
+    """Everything fastdit needs to know about one transformer family.
+
+    Attributes:
+        family: Family name (also the module name under ``fastdit.models``).
+        transformer_classes: Fully qualified names of the transformer classes this adapter serves (exact match).
+        block_groups: The block lists, in execution order.
+        timestep_arg: Name of the transformer ``forward`` parameter carrying the timestep (used to tell steps and
+            runs apart when the pipeline does not announce them).
+        patch: Optional PatchFunctor: a callable ``patch(transformer) -> undo`` applying the minimal change the
+            generic runner needs (documented in the family file), returning a function that reverts it.
+        tiny_pipelines: Offline random-weight pipelines for tests and demos.
+        presets: Models of this family the CLI can load by name.
+        notes: Free text for ``docs/models.md`` (limitations, why a feature is unsupported).
+    """
+
+    family: str
+    transformer_classes: tuple[str, ...]
+    block_groups: tuple[BlockGroup, ...]
+    timestep_arg: str | None = "timestep"
+    patch: Callable[[torch.nn.Module], Callable[[], None]] | None = None
+    tiny_pipelines: tuple[TinyPipeline, ...] = ()
+    presets: tuple[ModelPreset, ...] = ()
+    notes: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.family:
+            raise ValueError("ModelAdapter.family='': must be non-empty")
+        if not self.transformer_classes:
+            raise ValueError(f"ModelAdapter.transformer_classes=() for family {self.family!r}: name at least one")
+        if not self.block_groups:
+            raise ValueError(f"ModelAdapter.block_groups=() for family {self.family!r}: name at least one")
+        names = [t.name for t in self.tiny_pipelines]
+        if len(set(names)) != len(names):
+            raise ValueError(f"ModelAdapter.tiny_pipelines for {self.family!r}: duplicate names {names}")
+
+    def tiny(self, name: str | None = None) -> TinyPipeline:
+        """Return the tiny pipeline called ``name`` (the first one if ``None``)."""
+        if not self.tiny_pipelines:
+            raise LookupError(f"family {self.family!r} declares no tiny pipeline")
+        if name is None:
+            return self.tiny_pipelines[0]
+        for tiny in self.tiny_pipelines:
+            if tiny.name == name:
+                return tiny
+        raise LookupError(
+            f"family {self.family!r} has no tiny pipeline {name!r}; known: {[t.name for t in self.tiny_pipelines]}"
+        )
+
+
+def qualified_name(cls: type) -> str:
+    """``module.QualName`` of a class: the exact key adapters are registered under."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def resolve_attr(root: Any, path: str) -> Any:
+    """Follow a dotted attribute path (``"a.b.0"``; integers index sequences)."""
+    obj = root
+    for part in path.split("."):
+        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
+    return obj

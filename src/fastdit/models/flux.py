@@ -1,0 +1,151 @@
+"""FLUX.1 (dev / schnell / Kontext): ``FluxTransformer2DModel``.
+
+Blocks (diffusers 0.42.x): 19 double-stream ``transformer_blocks`` and 38 single-stream ``single_transformer_blocks``;
+both take ``(hidden_states, encoder_hidden_states, temb, image_rotary_emb, joint_attention_kwargs)`` by keyword and
+return ``(encoder_hidden_states, hidden_states)`` (pattern 1).
+"""
+
+from __future__ import annotations
+
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.registry import register
+from fastdit.testing.components.encoders import build, clip_text_model, t5_encoder
+
+TRANSFORMER = "diffusers.models.transformers.transformer_flux.FluxTransformer2DModel"
+
+
+def tiny_transformer(seed: int = 0, *, num_layers: int = 1, num_single_layers: int = 2, guidance: bool = False):
+    """A 3-block ``FluxTransformer2DModel`` for 2x2-patchified 4-channel latents."""
+    from diffusers import FluxTransformer2DModel
+
+    return build(
+        FluxTransformer2DModel,
+        seed=seed,
+        patch_size=1,
+        in_channels=16,
+        out_channels=None,
+        num_layers=num_layers,
+        num_single_layers=num_single_layers,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        guidance_embeds=guidance,
+        axes_dims_rope=(4, 6, 6),
+    )
+
+
+def tiny_vae(seed: int = 0):
+    """A two-level ``AutoencoderKL`` with 4 latent channels (scale factor 2)."""
+    from diffusers import AutoencoderKL
+
+    return build(
+        AutoencoderKL,
+        seed=seed,
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=8,
+        sample_size=32,
+        shift_factor=0.0609,
+        scaling_factor=1.5035,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+
+
+def _components(seed: int, guidance: bool) -> dict:
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    text_encoder, tokenizer = clip_text_model(seed=seed)
+    text_encoder_2, tokenizer_2 = t5_encoder(seed=seed + 1)
+    return {
+        "transformer": tiny_transformer(seed, guidance=guidance),
+        "vae": tiny_vae(seed),
+        "text_encoder": text_encoder,
+        "tokenizer": tokenizer,
+        "text_encoder_2": text_encoder_2,
+        "tokenizer_2": tokenizer_2,
+        "scheduler": FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=False),
+    }
+
+
+def tiny_flux(seed: int = 0):
+    """A complete tiny ``FluxPipeline`` (FLUX.1-dev layout: guidance embedding on)."""
+    from diffusers import FluxPipeline
+
+    return FluxPipeline(**_components(seed, guidance=True))
+
+
+def tiny_flux_kontext(seed: int = 0):
+    """A complete tiny ``FluxKontextPipeline`` (image editing: the input image is concatenated as tokens)."""
+    from diffusers import FluxKontextPipeline
+
+    return FluxKontextPipeline(**_components(seed, guidance=True))
+
+
+def _kontext_image():
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    return Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8))
+
+
+_CALL = {
+    "prompt": "a cat holding a sign",
+    "height": 32,
+    "width": 32,
+    "num_inference_steps": 2,
+    "max_sequence_length": 16,
+}
+
+ADAPTER = register(
+    ModelAdapter(
+        family="flux",
+        transformer_classes=(TRANSFORMER,),
+        block_groups=(
+            BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P1),
+            BlockGroup(path="single_transformer_blocks", pattern=ForwardPattern.P1),
+        ),
+        tiny_pipelines=(
+            TinyPipeline(name="flux", build=tiny_flux, call_kwargs={**_CALL, "guidance_scale": 3.5}),
+            TinyPipeline(
+                name="kontext",
+                build=tiny_flux_kontext,
+                # Kontext scales the image and the output to ~1 MP unless told not to.
+                call_kwargs={
+                    **_CALL,
+                    "guidance_scale": 2.5,
+                    "image": _kontext_image(),
+                    "_auto_resize": False,
+                    "max_area": 32 * 32,
+                },
+            ),
+        ),
+        presets=(
+            ModelPreset(
+                name="flux",
+                pipeline_class="diffusers.FluxPipeline",
+                hub_id="black-forest-labs/FLUX.1-dev",
+                defaults={"num_inference_steps": 28, "guidance_scale": 3.5, "height": 1024, "width": 1024},
+            ),
+            ModelPreset(
+                name="flux-schnell",
+                pipeline_class="diffusers.FluxPipeline",
+                hub_id="black-forest-labs/FLUX.1-schnell",
+                defaults={"num_inference_steps": 4, "guidance_scale": 0.0, "height": 1024, "width": 1024},
+            ),
+            ModelPreset(
+                name="flux-kontext",
+                pipeline_class="diffusers.FluxKontextPipeline",
+                hub_id="black-forest-labs/FLUX.1-Kontext-dev",
+                defaults={"num_inference_steps": 28, "guidance_scale": 2.5},
+            ),
+        ),
+    )
+)

@@ -1,0 +1,113 @@
+"""Tokenizers built locally from small vocabularies: no Hub access, deterministic, real transformers classes."""
+
+from __future__ import annotations
+
+import string
+from functools import cache
+
+__all__ = ["WORDS", "byte_level_bpe", "clip_tokenizer", "qwen2_tokenizer", "t5_tokenizer"]
+
+# Words the tiny pipelines and the reference pipeline are prompted with.
+WORDS: tuple[str, ...] = (
+    "a", "an", "the", "of", "handwritten", "digit", "photo", "cat", "dog", "sign", "holding", "red", "blue",
+    "zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine",
+    "0", "1", "2", "3", "4", "5", "6", "7", "8", "9",
+)  # fmt: skip
+
+
+@cache
+def clip_tokenizer(model_max_length: int = 77):
+    """A ``CLIPTokenizer`` over single characters and :data:`WORDS` (word pieces end in ``</w>``)."""
+    from transformers import CLIPTokenizer
+
+    vocab: dict[str, int] = {}
+    for token in ("<|startoftext|>", "<|endoftext|>"):
+        vocab[token] = len(vocab)
+    for ch in string.ascii_lowercase + string.digits + string.punctuation:
+        vocab.setdefault(ch, len(vocab))
+        vocab.setdefault(ch + "</w>", len(vocab))
+    merges: list[tuple[str, str]] = []
+    for word in WORDS:
+        # Merge left to right: "c a t</w>" -> "ca t</w>" -> "cat</w>".
+        pieces = [*word[:-1], word[-1] + "</w>"]
+        while len(pieces) > 1:
+            pair = (pieces[0], pieces[1])
+            if pair not in merges:
+                merges.append(pair)
+            merged = pieces[0] + pieces[1]
+            vocab.setdefault(merged, len(vocab))
+            pieces = [merged, *pieces[2:]]
+    return CLIPTokenizer(
+        vocab=vocab,
+        merges=merges,
+        model_max_length=model_max_length,
+        bos_token="<|startoftext|>",
+        eos_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
+
+
+@cache
+def t5_tokenizer(model_max_length: int = 64):
+    """A ``T5TokenizerFast`` (unigram) over :data:`WORDS` and single characters."""
+    from transformers import T5TokenizerFast
+
+    pieces = ["<pad>", "</s>", "<unk>"]
+    scores = [0.0, 0.0, 0.0]
+    for word in WORDS:
+        pieces.append("▁" + word)
+        scores.append(-1.0)
+    for ch in string.ascii_lowercase + string.digits + string.punctuation:
+        for piece in (ch, "▁" + ch):
+            if piece not in pieces:
+                pieces.append(piece)
+                scores.append(-5.0)
+    pieces.append("▁")
+    scores.append(-8.0)
+    return T5TokenizerFast(vocab=list(zip(pieces, scores, strict=True)), extra_ids=0, model_max_length=model_max_length)
+
+
+def byte_level_bpe(special_tokens: tuple[str, ...], model_max_length: int):
+    """A byte-level BPE ``tokenizers.Tokenizer`` whose vocabulary is the 256 bytes, :data:`WORDS` and the specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    merges: list[tuple[str, str]] = []
+    space = "Ġ"  # byte-level encoding of " "
+    for word in WORDS:
+        pieces = list(space + word)
+        while len(pieces) > 1:
+            pair = (pieces[0], pieces[1])
+            if pair not in merges:
+                merges.append(pair)
+            merged = pieces[0] + pieces[1]
+            vocab.setdefault(merged, len(vocab))
+            pieces = [merged, *pieces[2:]]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(special_tokens))
+    return tok
+
+
+@cache
+def qwen2_tokenizer(model_max_length: int = 256):
+    """A ``Qwen2TokenizerFast`` (byte-level BPE) with the chat special tokens Qwen pipelines use."""
+    from transformers import PreTrainedTokenizerFast, Qwen2TokenizerFast
+
+    specials = (
+        "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+        "<|image_pad|>", "<|video_pad|>",
+    )  # fmt: skip
+    base = PreTrainedTokenizerFast(tokenizer_object=byte_level_bpe(specials, model_max_length))
+    return Qwen2TokenizerFast(
+        tokenizer_object=base._tokenizer,
+        model_max_length=model_max_length,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        bos_token=None,
+    )

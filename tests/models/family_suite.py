@@ -1,0 +1,66 @@
+"""Capability tests every family file gets by subclassing :class:`FamilySuite` (set ``family``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fastdit.models.registry import get_family
+from fastdit.models.validate import check_adapter, probe_patterns
+from fastdit.testing.pipelines import build_tiny, run_tiny
+
+_BUILT: dict = {}
+
+
+def _variants(family: str) -> list[str]:
+    return [t.name for t in get_family(family).tiny_pipelines]
+
+
+class FamilySuite:
+    """Subclass with ``family = "<name>"``; tests run once per tiny pipeline variant of the family."""
+
+    family: str = ""
+
+    @pytest.fixture
+    def built(self) -> dict:
+        # One build per variant per module: building is the slow part of a tiny run.
+        return _BUILT
+
+    def _pipe(self, built: dict, variant: str):
+        key = (self.family, variant)
+        if key not in built:
+            built.clear()  # keep one family's pipelines in memory at a time
+            built[key] = build_tiny(self.family, variant)
+        return built[key]
+
+    def test_adapter_matches_transformer(self, built: dict, variant: str) -> None:
+        pipe, _ = self._pipe(built, variant)
+        adapter = get_family(self.family)
+        for transformer in _transformers(pipe, adapter):
+            check_adapter(transformer, adapter)
+
+    def test_runs_two_steps_finite(self, built: dict, variant: str) -> None:
+        pipe, tiny = self._pipe(built, variant)
+        out = run_tiny(pipe, tiny)
+        assert out.size > 0
+        assert np.isfinite(out).all()
+
+    def test_block_patterns_probe(self, built: dict, variant: str) -> None:
+        pipe, tiny = self._pipe(built, variant)
+        adapter = get_family(self.family)
+        for transformer in _transformers(pipe, adapter):
+            probe_patterns(transformer, adapter, lambda: run_tiny(pipe, tiny)).raise_if_failed()
+
+
+def _transformers(pipe, adapter) -> list:
+    from fastdit.models.registry import adapter_for
+
+    found = [m for m in pipe.components.values() if m is not None and adapter_for(m) is adapter]
+    assert found, f"no component of {type(pipe).__name__} is served by the {adapter.family!r} adapter"
+    return found
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Parametrize ``variant`` over the family's tiny pipelines (called from each family test module)."""
+    if "variant" in metafunc.fixturenames:
+        metafunc.parametrize("variant", _variants(metafunc.cls.family))
