@@ -1,0 +1,236 @@
+"""Wan 2.1 / 2.2 (T2V, I2V, the two-expert A14B models): ``WanTransformer3DModel``.
+
+Blocks (diffusers 0.42.1): one list ``blocks`` of ``WanTransformerBlock``; the model calls each positionally as
+``block(hidden_states, encoder_hidden_states, timestep_proj, rotary_emb)`` and the block returns ``hidden_states``
+alone (pattern 2). Wan 2.2 A14B pipelines hold two transformers of this class, ``transformer`` (high noise) and
+``transformer_2`` (low noise), switched at ``boundary_ratio``; both are served by this adapter.
+"""
+
+from __future__ import annotations
+
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.registry import register
+from fastdit.testing.components.encoders import build, umt5_encoder
+
+TRANSFORMER = "diffusers.models.transformers.transformer_wan.WanTransformer3DModel"
+
+# Latent channels of the tiny VAE (the Wan 2.1 VAE's 16, so its default latent statistics apply).
+_Z_DIM = 16
+_TEXT_DIM = 32
+
+
+def tiny_transformer(seed: int = 0, *, in_channels: int = _Z_DIM, image_dim: int | None = None):
+    """A 3-block ``WanTransformer3DModel``; ``in_channels=36`` and ``image_dim`` give the Wan 2.1 I2V layout."""
+    from diffusers import WanTransformer3DModel
+
+    return build(
+        WanTransformer3DModel,
+        seed=seed,
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=in_channels,
+        out_channels=_Z_DIM,
+        text_dim=_TEXT_DIM,
+        freq_dim=32,
+        ffn_dim=32,
+        num_layers=3,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+        image_dim=image_dim,
+    )
+
+
+def tiny_vae(seed: int = 0):
+    """An ``AutoencoderKLWan`` with 3 base channels (spatial factor 8, temporal factor 4, as the real one)."""
+    from diffusers import AutoencoderKLWan
+
+    return build(
+        AutoencoderKLWan,
+        seed=seed,
+        base_dim=3,
+        z_dim=_Z_DIM,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+    )
+
+
+def tiny_vae22(seed: int = 0):
+    """A Wan 2.2 style ``AutoencoderKLWan`` (residual blocks, 2x2 pixel patchify: spatial factor 16)."""
+    from diffusers import AutoencoderKLWan
+
+    return build(
+        AutoencoderKLWan,
+        seed=seed,
+        base_dim=4,
+        z_dim=_Z_DIM,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        is_residual=True,
+        in_channels=12,
+        out_channels=12,
+        patch_size=2,
+        scale_factor_spatial=16,
+    )
+
+
+def tiny_image_encoder(seed: int = 0):
+    """``(CLIPVisionModel, CLIPImageProcessorPil)`` for 32x32 images (Wan 2.1 I2V conditions on CLIP features)."""
+    from transformers import CLIPImageProcessorPil, CLIPVisionConfig, CLIPVisionModel
+
+    config = CLIPVisionConfig(
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+    )
+    processor = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    return build(CLIPVisionModel, config, seed=seed), processor
+
+
+def _common(seed: int) -> dict:
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    text_encoder, tokenizer = umt5_encoder(d_model=_TEXT_DIM, seed=seed)
+    return {
+        "vae": tiny_vae(seed),
+        "text_encoder": text_encoder,
+        "tokenizer": tokenizer,
+        "scheduler": FlowMatchEulerDiscreteScheduler(shift=5.0),
+    }
+
+
+def tiny_wan_t2v(seed: int = 0):
+    """A complete tiny Wan 2.1 ``WanPipeline`` (text to video)."""
+    from diffusers import WanPipeline
+
+    return WanPipeline(transformer=tiny_transformer(seed), **_common(seed))
+
+
+def tiny_wan22_t2v(seed: int = 0):
+    """A complete tiny Wan 2.2 A14B ``WanPipeline``: a high-noise and a low-noise expert switched at the boundary."""
+    from diffusers import WanPipeline
+
+    return WanPipeline(
+        transformer=tiny_transformer(seed),
+        transformer_2=tiny_transformer(seed + 1),
+        # With shift 5 and 2 steps the timesteps are 1000 and ~833: one step per expert.
+        boundary_ratio=0.875,
+        **_common(seed),
+    )
+
+
+def tiny_wan_i2v(seed: int = 0):
+    """A complete tiny Wan 2.1 ``WanImageToVideoPipeline`` (CLIP image features + first-frame latents)."""
+    from diffusers import WanImageToVideoPipeline
+
+    image_encoder, image_processor = tiny_image_encoder(seed)
+    return WanImageToVideoPipeline(
+        # 16 noise + 4 mask + 16 first-frame latent channels.
+        transformer=tiny_transformer(seed, in_channels=2 * _Z_DIM + 4, image_dim=8),
+        image_encoder=image_encoder,
+        image_processor=image_processor,
+        **_common(seed),
+    )
+
+
+def tiny_wan22_i2v(seed: int = 0):
+    """A complete tiny Wan 2.2 A14B ``WanImageToVideoPipeline``: two experts and no CLIP image encoder."""
+    from diffusers import WanImageToVideoPipeline
+
+    channels = 2 * _Z_DIM + 4
+    return WanImageToVideoPipeline(
+        transformer=tiny_transformer(seed, in_channels=channels),
+        transformer_2=tiny_transformer(seed + 1, in_channels=channels),
+        boundary_ratio=0.875,
+        **_common(seed),
+    )
+
+
+def tiny_wan22_ti2v(seed: int = 0):
+    """A complete tiny Wan 2.2 TI2V-5B ``WanImageToVideoPipeline``: one expert, per-token timesteps."""
+    from diffusers import WanImageToVideoPipeline
+
+    components = _common(seed)
+    components["vae"] = tiny_vae22(seed)
+    # expand_timesteps: the first frame is clean (timestep 0) and the rest noisy, so the timestep is per token.
+    return WanImageToVideoPipeline(transformer=tiny_transformer(seed), expand_timesteps=True, **components)
+
+
+def _image():
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    return Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8))
+
+
+def _preset(
+    name: str, pipeline: str, hub_id: str, steps: int, guidance: float, size: tuple[int, int], frames: int, **extra
+) -> ModelPreset:
+    height, width = size
+    defaults = {"num_inference_steps": steps, "guidance_scale": guidance, "height": height, "width": width}
+    return ModelPreset(
+        name=name,
+        pipeline_class=f"diffusers.{pipeline}",
+        hub_id=hub_id,
+        defaults={**defaults, "num_frames": frames, **extra},
+    )
+
+
+_CALL = {
+    "prompt": "a cat holding a sign",
+    "negative_prompt": "blue",
+    "height": 32,
+    "width": 32,
+    "num_frames": 5,
+    "num_inference_steps": 2,
+    "guidance_scale": 5.0,
+    "max_sequence_length": 16,
+}
+
+ADAPTER = register(
+    ModelAdapter(
+        family="wan",
+        transformer_classes=(TRANSFORMER,),
+        block_groups=(BlockGroup(path="blocks", pattern=ForwardPattern.P2),),
+        tiny_pipelines=(
+            TinyPipeline(name="t2v", build=tiny_wan_t2v, call_kwargs=_CALL),
+            TinyPipeline(name="i2v", build=tiny_wan_i2v, call_kwargs={**_CALL, "image": _image()}),
+            TinyPipeline(name="wan2.2-t2v", build=tiny_wan22_t2v, call_kwargs=_CALL),
+            TinyPipeline(name="wan2.2-i2v", build=tiny_wan22_i2v, call_kwargs={**_CALL, "image": _image()}),
+            TinyPipeline(name="wan2.2-ti2v", build=tiny_wan22_ti2v, call_kwargs={**_CALL, "image": _image()}),
+        ),
+        presets=(
+            _preset("wan2.1-t2v", "WanPipeline", "Wan-AI/Wan2.1-T2V-14B-Diffusers", 50, 5.0, (480, 832), 81),
+            _preset(
+                "wan2.1-i2v", "WanImageToVideoPipeline", "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", 50, 5.0, (480, 832), 81
+            ),
+            _preset(
+                "wan2.2-t2v",
+                "WanPipeline",
+                "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
+                40,
+                4.0,
+                (720, 1280),
+                81,
+                guidance_scale_2=3.0,
+            ),
+            _preset(
+                "wan2.2-i2v", "WanImageToVideoPipeline", "Wan-AI/Wan2.2-I2V-A14B-Diffusers", 40, 3.5, (720, 1280), 81
+            ),
+            _preset("wan2.2-ti2v", "WanPipeline", "Wan-AI/Wan2.2-TI2V-5B-Diffusers", 50, 5.0, (704, 1280), 121),
+        ),
+        notes=(
+            "RoPE is computed from the latent shape inside forward (module `rope`); I2V 2.1 prepends 257 CLIP image "
+            "tokens to the text, so the encoder length is odd. Wan 2.2 A14B runs two transformers (one per noise "
+            "range): cache state must be kept per transformer. TI2V-5B passes a per-token timestep "
+            "(temb of shape (B, S, 6, D)) that must be split with the hidden states under context parallelism."
+        ),
+    )
+)
