@@ -1,0 +1,75 @@
+"""When to skip the middle blocks: the DBCache decision as a pure function of host values.
+
+Everything here runs outside compiled code and takes only Python numbers, so under context or tensor parallelism
+every rank reaches the same decision once the residual difference has been reduced across ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from fastdit.cache.state import BranchState
+from fastdit.config import DBCache
+
+__all__ = ["Reducer", "decide", "forced_decision", "relative_l1"]
+
+# Sums a small tensor across the ranks that share one sample (identity on one process).
+Reducer = Callable[[torch.Tensor], torch.Tensor]
+
+
+def relative_l1(current: torch.Tensor, previous: torch.Tensor, reduce: Reducer | None = None) -> float:
+    """``mean|current − previous| / mean|previous|`` over every element (and every rank, with ``reduce``)."""
+    a = current.float()
+    b = previous.float()
+    sums = torch.stack([(a - b).abs().sum(), b.abs().sum()])
+    if reduce is not None:
+        sums = reduce(sums)
+    num, den = sums.tolist()
+    return num / den if den > 0 else float("inf")
+
+
+def forced_decision(config: DBCache, state: BranchState, has_cache: bool) -> bool | None:
+    """Decide from the schedule alone: ``True`` compute, ``False`` cache, ``None`` let the residual test decide."""
+    step = state.step
+    if not has_cache:
+        return True
+    mask = config.step_mask
+    if mask is not None:
+        if step in mask.compute_steps:
+            return True
+        if mask.policy == "static":
+            return False
+    if step < config.warmup_steps and step % config.warmup_interval == 0:
+        return True
+    if config.max_cached_steps is not None and len(state.cached_steps) >= config.max_cached_steps:
+        return True
+    if config.max_continuous_cached_steps is not None and state.continuous_cached >= config.max_continuous_cached_steps:
+        return True
+    return None
+
+
+def decide(config: DBCache, state: BranchState, residual: torch.Tensor, reduce: Reducer | None) -> bool:
+    """Return whether this step computes the middle blocks, and record the step in ``state``.
+
+    The residual of the front blocks is compared with the one of the last *computed* step, so slow drift over several
+    cached steps accumulates until it crosses the threshold.
+    """
+    has_cache = state.front_residual is not None and bool(state.segments)
+    forced = forced_decision(config, state, has_cache)
+    diff: float | None = None
+    if has_cache and state.front_residual.shape == residual.shape:
+        diff = relative_l1(residual, state.front_residual, reduce)
+    elif has_cache:
+        forced = True  # shape changed inside a run (should not happen): never reuse a mismatched residual
+    compute = forced if forced is not None else not (diff is not None and diff < config.threshold)
+    state.diffs.append(diff)
+    if compute:
+        state.continuous_cached = 0
+        state.front_residual = residual
+    else:
+        state.continuous_cached += 1
+        state.cached_steps.append(state.step)
+    state.computing = compute
+    return compute

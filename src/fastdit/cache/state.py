@@ -1,0 +1,146 @@
+"""Per-run cache state, keyed by cache context and CFG branch.
+
+A *run* is one pipeline call; a *step* is one transformer call of a branch. Pipelines announce the branch with
+diffusers' ``cache_context("cond" | "uncond")``; when they don't, consecutive calls with the same timestep are taken
+as the branches of one step (true CFG), and a timestep that goes up, or a change of input shape, starts a new run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["BranchState", "RunTracker", "SegmentMemory"]
+
+
+@dataclass
+class SegmentMemory:
+    """What a middle segment (a contiguous run of middle blocks of one block list) remembers between steps."""
+
+    hidden_in: torch.Tensor | None = None
+    encoder_in: torch.Tensor | None = None
+    hidden_residual: torch.Tensor | None = None
+    encoder_residual: torch.Tensor | None = None
+    # Last computed encoder output: patterns 4/5 create the encoder stream inside the blocks.
+    encoder_out: torch.Tensor | None = None
+    # TaylorSeer: Taylor coefficients [f, f', f''] of the hidden residual at ``taylor_step``.
+    taylor: list[torch.Tensor] = field(default_factory=list)
+    taylor_encoder: list[torch.Tensor] = field(default_factory=list)
+    taylor_step: int | None = None
+
+
+@dataclass
+class BranchState:
+    """The cache state of one branch (``cond``, ``uncond``, ...) during one run."""
+
+    step: int = -1
+    computing: bool = True
+    front_hidden_in: torch.Tensor | None = None
+    front_residual: torch.Tensor | None = None
+    continuous_cached: int = 0
+    cached_steps: list[int] = field(default_factory=list)
+    diffs: list[float | None] = field(default_factory=list)
+    blocks_computed: int = 0
+    blocks_total: int = 0
+    segments: dict[int, SegmentMemory] = field(default_factory=dict)
+    # Per-block memories for DBPrune: block index → (input, residual, extras) and pruned counters.
+    block_memory: dict[int, Any] = field(default_factory=dict)
+
+    def segment(self, index: int) -> SegmentMemory:
+        """The memory of middle segment ``index`` (created on first use)."""
+        return self.segments.setdefault(index, SegmentMemory())
+
+    def summary(self) -> dict[str, Any]:
+        """Plain-data statistics of this branch's run."""
+        num_steps = self.step + 1
+        return {
+            "steps": num_steps,
+            "cached_steps": list(self.cached_steps),
+            "num_cached_steps": len(self.cached_steps),
+            "residual_diffs": [None if d is None else round(d, 6) for d in self.diffs],
+            "blocks_computed": self.blocks_computed,
+            "blocks_total": self.blocks_total,
+        }
+
+
+@dataclass
+class _ContextTrack:
+    started: bool = False
+    last_timestep: float | None = None
+    signature: tuple | None = None
+    branch: int = 0
+    branches: dict[int, BranchState] = field(default_factory=dict)
+
+
+class RunTracker:
+    """Finds the branch state for each transformer call and starts new runs.
+
+    Args:
+        separate_branches: Keep one state per CFG branch (``False`` shares one state by all calls).
+    """
+
+    def __init__(self, separate_branches: bool = True) -> None:
+        self.separate_branches = separate_branches
+        self._contexts: dict[str, _ContextTrack] = {}
+        self.active: BranchState | None = None
+        self.runs = 0
+        self._finished: dict[str, BranchState] = {}
+
+    def reset(self) -> None:
+        """End the current run (the next call starts a new one); its statistics stay readable via :meth:`report`.
+
+        diffusers pipelines call this at the end of every ``__call__`` (through their stateful-hook reset), which
+        gives an exact run boundary; the timestep/shape heuristics cover everything else.
+        """
+        if self._contexts:
+            self._finished = self.branches()
+        self._contexts.clear()
+        self.active = None
+
+    def report(self) -> dict[str, BranchState]:
+        """The branches of the current run, or of the last finished one if none is in progress."""
+        return self.branches() or dict(self._finished)
+
+    def begin_call(self, context: str, timestep: float | None, signature: tuple) -> BranchState:
+        """Return the state for a transformer call and advance its step counter.
+
+        Args:
+            context: Cache-context name announced by the pipeline (``"default"`` if none).
+            timestep: The call's timestep as a float, if the model takes one.
+            signature: Shapes of the call's tensors; a change starts a new run.
+        """
+        track = self._contexts.setdefault(context, _ContextTrack())
+        rising = timestep is not None and track.last_timestep is not None and timestep > track.last_timestep + 1e-9
+        new_run = not track.started or track.signature != signature or rising
+        if new_run:
+            if track.branches:
+                self._finished = self.branches()
+            track.branches.clear()
+            track.branch = 0
+            self.runs += 1
+        elif timestep is not None and track.last_timestep is not None and abs(timestep - track.last_timestep) <= 1e-9:
+            track.branch += 1  # same timestep again: the next CFG branch of the same step
+        else:
+            track.branch = 0
+        track.started = True
+        track.last_timestep = timestep
+        track.signature = signature
+        key = track.branch if self.separate_branches else 0
+        state = track.branches.setdefault(key, BranchState())
+        state.step += 1
+        self.active = state
+        return state
+
+    def end_call(self) -> None:
+        """Mark the end of a transformer call."""
+        self.active = None
+
+    def branches(self) -> dict[str, BranchState]:
+        """Every live branch state, named ``context`` or ``context/branch``."""
+        out = {}
+        for name, track in self._contexts.items():
+            for index, state in sorted(track.branches.items()):
+                out[name if index == 0 else f"{name}/{index}"] = state
+        return out
