@@ -1,0 +1,96 @@
+"""AuraFlow (v0.1-v0.3): ``AuraFlowTransformer2DModel``.
+
+Blocks (diffusers 0.42.1): ``joint_transformer_blocks`` (MMDiT) are called by keyword with
+``(hidden_states, encoder_hidden_states, temb, attention_kwargs)`` and return ``(encoder_hidden_states,
+hidden_states)`` (pattern 1). Then the model concatenates ``[text, image]`` into one sequence and runs
+``single_transformer_blocks``, called by keyword with ``(hidden_states, temb, attention_kwargs)``, returning that
+sequence (pattern 3); the image part is sliced off after the loop.
+"""
+
+from __future__ import annotations
+
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.registry import register
+from fastdit.testing.components.autoencoder_kl import autoencoder_kl
+from fastdit.testing.components.encoders import build, umt5_encoder
+
+TRANSFORMER = "diffusers.models.transformers.auraflow_transformer_2d.AuraFlowTransformer2DModel"
+
+_TEXT_DIM = 32
+
+
+def tiny_transformer(seed: int = 0):
+    """A 3-block ``AuraFlowTransformer2DModel`` (1 joint + 2 single blocks) for 4-channel latents."""
+    from diffusers import AuraFlowTransformer2DModel
+
+    inner_dim = 2 * 16
+    return build(
+        AuraFlowTransformer2DModel,
+        seed=seed,
+        sample_size=16,
+        patch_size=2,
+        in_channels=4,
+        out_channels=4,
+        num_mmdit_layers=1,
+        num_single_dit_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=_TEXT_DIM,
+        caption_projection_dim=inner_dim,
+        # A square table of learned positions (16 x 16 patches) from which the latent grid is cropped.
+        pos_embed_max_size=256,
+    )
+
+
+def tiny_auraflow(seed: int = 0):
+    """A complete tiny ``AuraFlowPipeline`` (UMT5 text encoder, SDXL-style VAE)."""
+    from diffusers import AuraFlowPipeline, FlowMatchEulerDiscreteScheduler
+
+    text_encoder, tokenizer = umt5_encoder(d_model=_TEXT_DIM, seed=seed + 1)
+    return AuraFlowPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=autoencoder_kl(latent_channels=4, scaling_factor=0.13025, seed=seed),
+        transformer=tiny_transformer(seed),
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+    )
+
+
+ADAPTER = register(
+    ModelAdapter(
+        family="auraflow",
+        transformer_classes=(TRANSFORMER,),
+        block_groups=(
+            BlockGroup(path="joint_transformer_blocks", pattern=ForwardPattern.P1),
+            BlockGroup(path="single_transformer_blocks", pattern=ForwardPattern.P3),
+        ),
+        tiny_pipelines=(
+            TinyPipeline(
+                name="auraflow",
+                build=tiny_auraflow,
+                call_kwargs={
+                    "prompt": "a cat holding a sign",
+                    "height": 32,
+                    "width": 32,
+                    "num_inference_steps": 2,
+                    "guidance_scale": 3.5,
+                    "max_sequence_length": 16,
+                },
+            ),
+        ),
+        presets=(
+            ModelPreset(
+                name="auraflow",
+                pipeline_class="diffusers.AuraFlowPipeline",
+                hub_id="fal/AuraFlow-v0.3",
+                defaults={"num_inference_steps": 50, "guidance_scale": 3.5, "height": 1024, "width": 1024},
+            ),
+        ),
+        notes=(
+            "The model prepends 8 learned register tokens to the text stream before the joint blocks and "
+            "concatenates [text, image] before the single blocks, whose hidden stream is therefore text+image. "
+            "Positions are a learned table cropped around the centre of the latent grid (no RoPE); padded prompt "
+            "tokens are zeroed by the pipeline, no attention mask reaches the blocks. CFG is batched."
+        ),
+    )
+)
