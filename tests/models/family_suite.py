@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import fastdit
+
 from fastdit.models.registry import get_family
 from fastdit.models.validate import check_adapter, probe_patterns
 from fastdit.testing.pipelines import build_tiny, run_tiny
@@ -50,6 +52,37 @@ class FamilySuite:
         adapter = get_family(self.family)
         for transformer in _transformers(pipe, adapter):
             probe_patterns(transformer, adapter, lambda: run_tiny(pipe, tiny)).raise_if_failed()
+
+
+    def test_cache_threshold_zero_is_bit_identical(self, built: dict, variant: str) -> None:
+        pipe, tiny = self._pipe(built, variant)
+        baseline = run_tiny(pipe, tiny)
+        fastdit.accelerate(pipe, cache=fastdit.DBCache(fn=1, bn=1, threshold=0.0, warmup_steps=0))
+        try:
+            cached = run_tiny(pipe, tiny)
+            stats = fastdit.summary(pipe)
+        finally:
+            fastdit.disable(pipe)
+        assert stats.num_cached_steps == 0
+        np.testing.assert_array_equal(cached, baseline)
+        np.testing.assert_array_equal(run_tiny(pipe, tiny), baseline)  # disable restores the original
+
+    def test_cache_forced_schedule_skips_expected_steps(self, built: dict, variant: str) -> None:
+        pipe, tiny = self._pipe(built, variant)
+        mask = fastdit.StepMask(compute_steps=(0,), policy="static")
+        fastdit.accelerate(pipe, cache=fastdit.DBCache(fn=1, bn=1, warmup_steps=0, step_mask=mask))
+        try:
+            out = run_tiny(pipe, tiny)
+            stats = fastdit.summary(pipe)
+        finally:
+            fastdit.disable(pipe)
+        assert np.isfinite(out).all()
+        multi_step = [b for info in stats.transformers.values() for b in info["cache"]["branches"].values()]
+        assert any(b["steps"] > 1 for b in multi_step), "no branch ran two steps: the schedule was not exercised"
+        assert stats.num_cached_steps > 0
+        for name, info in stats.transformers.items():
+            for branch, b in info["cache"]["branches"].items():
+                assert b["cached_steps"] == list(range(1, b["steps"])), (name, branch)
 
 
 def _transformers(pipe, adapter) -> list:
