@@ -1,0 +1,167 @@
+"""SkyReels-V2 (T2V, I2V, diffusion forcing): ``SkyReelsV2Transformer3DModel``.
+
+Blocks (diffusers 0.42.1): one list ``blocks`` of ``SkyReelsV2TransformerBlock``; the model calls each positionally
+as ``block(hidden_states, encoder_hidden_states, timestep_proj, rotary_emb, causal_mask)`` and the block returns
+``hidden_states`` alone (pattern 2). The model is Wan 2.1 with an fps embedding and diffusion forcing; the pipelines
+use the Wan VAE, UMT5 and (I2V) CLIP vision features.
+"""
+
+from __future__ import annotations
+
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.registry import register
+from fastdit.models.wan import tiny_image_encoder, tiny_vae
+from fastdit.testing.components.encoders import build, umt5_encoder
+
+TRANSFORMER = "diffusers.models.transformers.transformer_skyreels_v2.SkyReelsV2Transformer3DModel"
+
+_Z_DIM = 16  # latent channels of the Wan VAE
+_TEXT_DIM = 32
+
+
+def tiny_transformer(
+    seed: int = 0, *, in_channels: int = _Z_DIM, image_dim: int | None = None, inject_sample_info: bool = False
+):
+    """A 3-block ``SkyReelsV2Transformer3DModel``; ``inject_sample_info`` adds the fps embedding (DF models)."""
+    from diffusers import SkyReelsV2Transformer3DModel
+
+    return build(
+        SkyReelsV2Transformer3DModel,
+        seed=seed,
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=in_channels,
+        out_channels=_Z_DIM,
+        text_dim=_TEXT_DIM,
+        freq_dim=32,
+        ffn_dim=32,
+        num_layers=3,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+        image_dim=image_dim,
+        inject_sample_info=inject_sample_info,
+    )
+
+
+def _common(seed: int) -> dict:
+    from diffusers import UniPCMultistepScheduler
+
+    text_encoder, tokenizer = umt5_encoder(d_model=_TEXT_DIM, seed=seed)
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=8.0)
+    return {"vae": tiny_vae(seed), "text_encoder": text_encoder, "tokenizer": tokenizer, "scheduler": scheduler}
+
+
+def tiny_skyreels_t2v(seed: int = 0):
+    """A complete tiny ``SkyReelsV2Pipeline`` (text to video)."""
+    from diffusers import SkyReelsV2Pipeline
+
+    return SkyReelsV2Pipeline(transformer=tiny_transformer(seed), **_common(seed))
+
+
+def tiny_skyreels_i2v(seed: int = 0):
+    """A complete tiny ``SkyReelsV2ImageToVideoPipeline`` (CLIP image tokens + first-frame latents)."""
+    from diffusers import SkyReelsV2ImageToVideoPipeline
+
+    image_encoder, image_processor = tiny_image_encoder(seed)
+    return SkyReelsV2ImageToVideoPipeline(
+        # 16 noise + 4 mask + 16 first-frame latent channels.
+        transformer=tiny_transformer(seed, in_channels=2 * _Z_DIM + 4, image_dim=8),
+        image_encoder=image_encoder,
+        image_processor=image_processor,
+        **_common(seed),
+    )
+
+
+def tiny_skyreels_df(seed: int = 0):
+    """A complete tiny ``SkyReelsV2DiffusionForcingPipeline`` (per-frame timesteps, fps embedding)."""
+    from diffusers import SkyReelsV2DiffusionForcingPipeline
+
+    return SkyReelsV2DiffusionForcingPipeline(
+        transformer=tiny_transformer(seed, inject_sample_info=True), **_common(seed)
+    )
+
+
+def _image():
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    return Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8))
+
+
+_CALL = {
+    "prompt": "a cat holding a sign",
+    "negative_prompt": "blue",
+    "height": 32,
+    "width": 32,
+    "num_frames": 5,
+    "num_inference_steps": 2,
+    "guidance_scale": 5.0,
+    "max_sequence_length": 16,
+}
+
+ADAPTER = register(
+    ModelAdapter(
+        family="skyreels_v2",
+        transformer_classes=(TRANSFORMER,),
+        block_groups=(BlockGroup(path="blocks", pattern=ForwardPattern.P2),),
+        tiny_pipelines=(
+            TinyPipeline(name="t2v", build=tiny_skyreels_t2v, call_kwargs=_CALL),
+            TinyPipeline(name="i2v", build=tiny_skyreels_i2v, call_kwargs={**_CALL, "image": _image()}),
+            # 13 frames -> 4 latent frames in causal blocks of 2: attention gets a block-causal mask.
+            TinyPipeline(
+                name="df",
+                build=tiny_skyreels_df,
+                call_kwargs={**_CALL, "num_frames": 13, "base_num_frames": 13, "ar_step": 0, "causal_block_size": 2},
+            ),
+        ),
+        presets=(
+            ModelPreset(
+                name="skyreels-v2-t2v",
+                pipeline_class="diffusers.SkyReelsV2Pipeline",
+                hub_id="Skywork/SkyReels-V2-T2V-14B-540P-Diffusers",
+                defaults={
+                    "num_inference_steps": 50,
+                    "guidance_scale": 6.0,
+                    "height": 544,
+                    "width": 960,
+                    "num_frames": 97,
+                },
+            ),
+            ModelPreset(
+                name="skyreels-v2-i2v",
+                pipeline_class="diffusers.SkyReelsV2ImageToVideoPipeline",
+                hub_id="Skywork/SkyReels-V2-I2V-14B-540P-Diffusers",
+                defaults={
+                    "num_inference_steps": 50,
+                    "guidance_scale": 5.0,
+                    "height": 544,
+                    "width": 960,
+                    "num_frames": 97,
+                },
+            ),
+            ModelPreset(
+                name="skyreels-v2-df",
+                pipeline_class="diffusers.SkyReelsV2DiffusionForcingPipeline",
+                hub_id="Skywork/SkyReels-V2-DF-14B-540P-Diffusers",
+                defaults={
+                    "num_inference_steps": 30,
+                    "guidance_scale": 6.0,
+                    "height": 544,
+                    "width": 960,
+                    "num_frames": 97,
+                    "ar_step": 5,
+                    "causal_block_size": 5,
+                },
+            ),
+        ),
+        notes=(
+            "Wan-like: RoPE from the latent shape inside forward, CLIP image tokens prepended to the text (I2V). "
+            "Diffusion forcing passes per-frame timesteps (temb (B, 6, S, D), split it with the hidden states under "
+            "context parallelism) and a block-causal attention mask over frames (S x S: reorder, never split); the "
+            "DF pipeline also rewrites the transformer config (num_frame_per_block) at call time."
+        ),
+    )
+)
