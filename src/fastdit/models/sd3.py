@@ -90,13 +90,7 @@ ADAPTER = register(
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P1),),
         tiny_pipelines=(
             TinyPipeline(name="sd3", build=tiny_sd3, call_kwargs=_CALL),
-            TinyPipeline(
-                name="sd3.5-medium",
-                build=tiny_sd35,
-                # Skip-layer guidance adds a third transformer call per step that skips the listed blocks; the
-                # stop fraction is raised so it runs within two steps.
-                call_kwargs={**_CALL, "skip_guidance_layers": [1], "skip_layer_guidance_stop": 1.0},
-            ),
+            TinyPipeline(name="sd3.5-medium", build=tiny_sd35, call_kwargs=_CALL),
         ),
         presets=(
             ModelPreset(
@@ -126,9 +120,10 @@ ADAPTER = register(
         ),
         notes=(
             "The last block returns None for the encoder stream (context_pre_only). CFG is batched (one forward per "
-            "step), but skip-layer guidance (`skip_guidance_layers`, SD3.5 Medium) adds a third forward with "
-            "`skip_layers` that leaves out blocks; ControlNet residuals are added between blocks. Positions are a "
-            "learned table cropped to the latent size, no RoPE and no attention mask."
+            "step), but skip-layer guidance (`skip_guidance_layers`, SD3.5 Medium) adds a second forward per step "
+            "with batch 1 (not 2) and `skip_layers` that leaves out blocks, and no cache_context: a cache must give "
+            "it its own state. ControlNet residuals are added between blocks. Positions are a learned table "
+            "cropped to the latent size, no RoPE and no attention mask."
         ),
     )
 )
