@@ -196,6 +196,11 @@ class Summary:
             )
             for branch, b in stats["branches"].items():
                 diffs = ", ".join("-" if d is None else f"{d:.3f}" for d in b["residual_diffs"])
+                if "pruned_blocks_per_step" in b:
+                    lines.append(
+                        f"  {branch}: {b['steps']} steps, blocks pruned per step {b['pruned_blocks_per_step']}"
+                    )
+                    continue
                 lines.append(f"  {branch}: {b['num_cached_steps']}/{b['steps']} steps cached {b['cached_steps']}")
                 lines.append(f"    residual diffs: [{diffs}]")
         return "\n".join(lines)

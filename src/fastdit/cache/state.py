@@ -45,8 +45,10 @@ class BranchState:
     blocks_computed: int = 0
     blocks_total: int = 0
     segments: dict[int, SegmentMemory] = field(default_factory=dict)
-    # Per-block memories for DBPrune: block index → (input, residual, extras) and pruned counters.
+    # Per-block memories: extras a block returned (DBCache) or its input/residual (DBPrune).
     block_memory: dict[int, Any] = field(default_factory=dict)
+    # DBPrune: blocks pruned in each step.
+    pruned: list[int] = field(default_factory=list)
 
     def segment(self, index: int) -> SegmentMemory:
         """The memory of middle segment ``index`` (created on first use)."""
@@ -62,6 +64,7 @@ class BranchState:
             "residual_diffs": [None if d is None else round(d, 6) for d in self.diffs],
             "blocks_computed": self.blocks_computed,
             "blocks_total": self.blocks_total,
+            **({"pruned_blocks_per_step": list(self.pruned)} if self.pruned else {}),
         }
 
 
