@@ -1,0 +1,126 @@
+"""Chroma (Chroma1-HD / Base / Flash, text-to-image and image-to-image): ``ChromaTransformer2DModel``.
+
+Blocks (diffusers 0.42.1): ``transformer_blocks`` (double stream) are called by keyword with ``(hidden_states,
+encoder_hidden_states, temb, image_rotary_emb, attention_mask, joint_attention_kwargs)`` and return
+``(encoder_hidden_states, hidden_states)`` (pattern 1). The model then concatenates ``[text, image]`` and runs
+``single_transformer_blocks``, called by keyword with ``(hidden_states, temb, image_rotary_emb, attention_mask,
+joint_attention_kwargs)`` and returning the joint sequence (pattern 3).
+"""
+
+from __future__ import annotations
+
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.registry import register
+from fastdit.testing.components.autoencoder_kl import autoencoder_kl
+from fastdit.testing.components.encoders import build, t5_encoder
+
+TRANSFORMER = "diffusers.models.transformers.transformer_chroma.ChromaTransformer2DModel"
+
+_TEXT_DIM = 32
+
+
+def tiny_transformer(seed: int = 0):
+    """A 3-block ``ChromaTransformer2DModel`` (1 double + 2 single) for 2x2-packed 4-channel latents."""
+    from diffusers import ChromaTransformer2DModel
+
+    return build(
+        ChromaTransformer2DModel,
+        seed=seed,
+        patch_size=1,
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=_TEXT_DIM,
+        axes_dims_rope=(4, 6, 6),
+        approximator_num_channels=16,
+        approximator_hidden_dim=32,
+        approximator_layers=1,
+    )
+
+
+def _components(seed: int) -> dict:
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    text_encoder, tokenizer = t5_encoder(d_model=_TEXT_DIM, seed=seed + 1)
+    return {
+        "transformer": tiny_transformer(seed),
+        "vae": autoencoder_kl(latent_channels=4, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False),
+        "text_encoder": text_encoder,
+        "tokenizer": tokenizer,
+        "scheduler": FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=False),
+    }
+
+
+def tiny_chroma(seed: int = 0):
+    """A complete tiny ``ChromaPipeline``."""
+    from diffusers import ChromaPipeline
+
+    return ChromaPipeline(**_components(seed))
+
+
+def tiny_chroma_img2img(seed: int = 0):
+    """A complete tiny ``ChromaImg2ImgPipeline``."""
+    from diffusers import ChromaImg2ImgPipeline
+
+    return ChromaImg2ImgPipeline(**_components(seed))
+
+
+def _input_image():
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    return Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8))
+
+
+_CALL = {
+    "prompt": "a cat holding a sign",
+    "negative_prompt": "a dog",
+    "height": 32,
+    "width": 32,
+    "num_inference_steps": 2,
+    "guidance_scale": 4.0,
+    "max_sequence_length": 16,
+}
+
+ADAPTER = register(
+    ModelAdapter(
+        family="chroma",
+        transformer_classes=(TRANSFORMER,),
+        block_groups=(
+            BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P1),
+            BlockGroup(path="single_transformer_blocks", pattern=ForwardPattern.P3),
+        ),
+        tiny_pipelines=(
+            TinyPipeline(name="chroma", build=tiny_chroma, call_kwargs=_CALL),
+            TinyPipeline(
+                name="img2img",
+                build=tiny_chroma_img2img,
+                # strength 0.5 of 4 scheduled steps leaves 2 denoising steps.
+                call_kwargs={**_CALL, "image": _input_image(), "strength": 0.5, "num_inference_steps": 4},
+            ),
+        ),
+        presets=(
+            ModelPreset(
+                name="chroma",
+                pipeline_class="diffusers.ChromaPipeline",
+                hub_id="lodestones/Chroma1-HD",
+                defaults={"num_inference_steps": 40, "guidance_scale": 3.0, "height": 1024, "width": 1024},
+            ),
+            ModelPreset(
+                name="chroma-flash",
+                pipeline_class="diffusers.ChromaPipeline",
+                hub_id="lodestones/Chroma1-Flash",
+                defaults={"num_inference_steps": 8, "guidance_scale": 1.0, "height": 1024, "width": 1024},
+            ),
+        ),
+        notes=(
+            "True CFG: the pipeline runs the transformer twice per step (cond, then uncond, each with its own prompt "
+            "mask) without cache_context. Every block receives its own `temb` slice of the "
+            "approximator output, and an `attention_mask` over [text, image] that masks padded prompt tokens; "
+            "RoPE comes from `txt_ids`/`img_ids` inputs (computed outside the blocks)."
+        ),
+    )
+)
