@@ -119,7 +119,7 @@ def tiny_wan22_t2v(seed: int = 0):
     return WanPipeline(
         transformer=tiny_transformer(seed),
         transformer_2=tiny_transformer(seed + 1),
-        # With shift 5 and 2 steps the timesteps are 1000 and ~833: one step per expert.
+        # With shift 5 and 4 steps the timesteps are about 1000, 910, 717, 24: two steps per expert.
         boundary_ratio=0.875,
         **_common(seed),
     )
@@ -147,19 +147,19 @@ def tiny_wan22_i2v(seed: int = 0):
     return WanImageToVideoPipeline(
         transformer=tiny_transformer(seed, in_channels=channels),
         transformer_2=tiny_transformer(seed + 1, in_channels=channels),
-        boundary_ratio=0.875,
+        boundary_ratio=0.9,  # two of the 4 tiny steps per expert, as above
         **_common(seed),
     )
 
 
 def tiny_wan22_ti2v(seed: int = 0):
-    """A complete tiny Wan 2.2 TI2V-5B ``WanImageToVideoPipeline``: one expert, per-token timesteps."""
-    from diffusers import WanImageToVideoPipeline
+    """A complete tiny Wan 2.2 TI2V-5B ``WanPipeline`` (text-to-video mode): per-token timesteps, 16x VAE."""
+    from diffusers import WanPipeline
 
     components = _common(seed)
     components["vae"] = tiny_vae22(seed)
-    # expand_timesteps: the first frame is clean (timestep 0) and the rest noisy, so the timestep is per token.
-    return WanImageToVideoPipeline(transformer=tiny_transformer(seed), expand_timesteps=True, **components)
+    # expand_timesteps: the transformer receives one timestep per latent token, shape (batch, tokens).
+    return WanPipeline(transformer=tiny_transformer(seed), expand_timesteps=True, **components)
 
 
 def _image():
@@ -202,9 +202,14 @@ ADAPTER = register(
         tiny_pipelines=(
             TinyPipeline(name="t2v", build=tiny_wan_t2v, call_kwargs=_CALL),
             TinyPipeline(name="i2v", build=tiny_wan_i2v, call_kwargs={**_CALL, "image": _image()}),
-            TinyPipeline(name="wan2.2-t2v", build=tiny_wan22_t2v, call_kwargs=_CALL),
-            TinyPipeline(name="wan2.2-i2v", build=tiny_wan22_i2v, call_kwargs={**_CALL, "image": _image()}),
-            TinyPipeline(name="wan2.2-ti2v", build=tiny_wan22_ti2v, call_kwargs={**_CALL, "image": _image()}),
+            # Two experts: 4 steps so that each runs two of them (cache tests need a step to reuse).
+            TinyPipeline(name="wan2.2-t2v", build=tiny_wan22_t2v, call_kwargs={**_CALL, "num_inference_steps": 4}),
+            TinyPipeline(
+                name="wan2.2-i2v",
+                build=tiny_wan22_i2v,
+                call_kwargs={**_CALL, "num_inference_steps": 4, "image": _image()},
+            ),
+            TinyPipeline(name="wan2.2-ti2v", build=tiny_wan22_ti2v, call_kwargs=_CALL),
         ),
         presets=(
             _preset("wan2.1-t2v", "WanPipeline", "Wan-AI/Wan2.1-T2V-14B-Diffusers", 50, 5.0, (480, 832), 81),
@@ -229,8 +234,9 @@ ADAPTER = register(
         notes=(
             "RoPE is computed from the latent shape inside forward (module `rope`); I2V 2.1 prepends 257 CLIP image "
             "tokens to the text, so the encoder length is odd. Wan 2.2 A14B runs two transformers (one per noise "
-            "range): cache state must be kept per transformer. TI2V-5B passes a per-token timestep "
-            "(temb of shape (B, S, 6, D)) that must be split with the hidden states under context parallelism."
+            "range): cache state must be kept per transformer. TI2V-5B passes a per-token timestep (B, S) "
+            "(temb (B, S, 6, D): split it with the hidden states under context parallelism); in its I2V mode the "
+            "first-frame tokens carry timestep 0, so read the step from the largest timestep, not the first."
         ),
     )
 )
