@@ -1,0 +1,149 @@
+"""Qwen-Image and Qwen-Image-Edit: ``QwenImageTransformer2DModel``.
+
+Blocks (diffusers 0.42.1): one list, ``transformer_blocks`` (60 dual-stream ``QwenImageTransformerBlock``), called by
+keyword with ``(hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb, image_rotary_emb,
+joint_attention_kwargs, modulate_index)``; each returns ``(encoder_hidden_states, hidden_states)`` (pattern 1).
+Between blocks the forward only adds ControlNet residuals (when given). The editing pipelines append the input
+image's latent tokens to the noisy latent tokens, so the image stream is longer than the generated image.
+"""
+
+from __future__ import annotations
+
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.registry import register
+from fastdit.testing.components.encoders import build, qwen2_5_vl_model
+from fastdit.testing.components.qwen2_5_vl import qwen2_vl_processor
+
+TRANSFORMER = "diffusers.models.transformers.transformer_qwenimage.QwenImageTransformer2DModel"
+
+_LATENT_CHANNELS = 4
+
+
+def tiny_transformer(seed: int = 0, *, num_layers: int = 3):
+    """A 3-block ``QwenImageTransformer2DModel`` (2 heads x 16, text width 32) for 4-channel latents."""
+    from diffusers import QwenImageTransformer2DModel
+
+    return build(
+        QwenImageTransformer2DModel,
+        seed=seed,
+        patch_size=2,
+        in_channels=_LATENT_CHANNELS * 4,
+        out_channels=_LATENT_CHANNELS,
+        num_layers=num_layers,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        axes_dims_rope=(4, 6, 6),
+    )
+
+
+def tiny_vae(seed: int = 0, *, num_downsamples: int = 3, base_dim: int = 4, num_res_blocks: int = 1):
+    """A tiny ``AutoencoderKLQwenImage`` (causal 3-D convolutions) with scale factor ``2 ** num_downsamples``."""
+    from diffusers import AutoencoderKLQwenImage
+
+    return build(
+        AutoencoderKLQwenImage,
+        seed=seed,
+        base_dim=base_dim,
+        z_dim=_LATENT_CHANNELS,
+        dim_mult=[1] * (num_downsamples + 1),
+        num_res_blocks=num_res_blocks,
+        temperal_downsample=[False] * num_downsamples,
+        latents_mean=[0.0] * _LATENT_CHANNELS,
+        latents_std=[1.0] * _LATENT_CHANNELS,
+    )
+
+
+def tiny_qwen_image(seed: int = 0):
+    """A complete tiny ``QwenImagePipeline`` (Qwen2.5-VL text encoder, VAE scale factor 8)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+
+    text_encoder, tokenizer = qwen2_5_vl_model(seed=seed)
+    return QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=tiny_vae(seed),
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=tiny_transformer(seed),
+    )
+
+
+def tiny_qwen_image_edit(seed: int = 0):
+    """A complete tiny ``QwenImageEditPipeline`` (Qwen2.5-VL sees the input image through a 56x56 processor).
+
+    The pipeline always resizes the input image to ~1 MP before the VAE encode, so this VAE downsamples 32x with
+    no residual blocks in the encoder: the input image becomes 16x16 latent tokens and the encode stays cheap.
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline
+
+    text_encoder, tokenizer = qwen2_5_vl_model(seed=seed)
+    return QwenImageEditPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=tiny_vae(seed, num_downsamples=5, base_dim=2, num_res_blocks=0),
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        processor=qwen2_vl_processor(tokenizer),
+        transformer=tiny_transformer(seed),
+    )
+
+
+def _edit_image():
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    return Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8))
+
+
+# A negative prompt turns on true CFG: two transformer calls per step ("cond" then "uncond" cache contexts).
+_CALL = {
+    "prompt": "a cat holding a sign",
+    "negative_prompt": "blue",
+    "true_cfg_scale": 4.0,
+    "num_inference_steps": 2,
+    "max_sequence_length": 16,
+}
+
+ADAPTER = register(
+    ModelAdapter(
+        family="qwenimage",
+        transformer_classes=(TRANSFORMER,),
+        block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P1),),
+        tiny_pipelines=(
+            TinyPipeline(name="qwen-image", build=tiny_qwen_image, call_kwargs={**_CALL, "height": 32, "width": 32}),
+            TinyPipeline(
+                name="edit",
+                build=tiny_qwen_image_edit,
+                # Output size is free (multiple of 64 here); the input image is resized to ~1 MP regardless.
+                call_kwargs={**_CALL, "image": _edit_image(), "height": 128, "width": 128},
+            ),
+        ),
+        presets=(
+            ModelPreset(
+                name="qwen-image",
+                pipeline_class="diffusers.QwenImagePipeline",
+                hub_id="Qwen/Qwen-Image",
+                defaults={"num_inference_steps": 50, "true_cfg_scale": 4.0, "height": 1328, "width": 1328},
+            ),
+            ModelPreset(
+                name="qwen-image-edit",
+                pipeline_class="diffusers.QwenImageEditPipeline",
+                hub_id="Qwen/Qwen-Image-Edit",
+                defaults={"num_inference_steps": 50, "true_cfg_scale": 4.0},
+            ),
+            ModelPreset(
+                name="qwen-image-edit-plus",
+                pipeline_class="diffusers.QwenImageEditPlusPipeline",
+                hub_id="Qwen/Qwen-Image-Edit-2509",
+                defaults={"num_inference_steps": 40, "true_cfg_scale": 4.0},
+            ),
+        ),
+        notes=(
+            "Blocks take a text padding mask (encoder_hidden_states_mask) used inside joint attention: under context "
+            "parallelism it must be reordered with the text tokens. RoPE is built per forward from img_shapes and the "
+            "text length; true CFG runs two transformer calls per step (cond/uncond). Edit pipelines append the "
+            "input image's tokens to the image stream, and Edit-2511-style checkpoints (zero_cond_t) double the "
+            "timestep batch and pass a per-token modulate_index."
+        ),
+    )
+)
