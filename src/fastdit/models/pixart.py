@@ -1,0 +1,115 @@
+"""PixArt-α and PixArt-Σ: ``PixArtTransformer2DModel``.
+
+Blocks (diffusers 0.42.1): one list, ``transformer_blocks``, of ``BasicTransformerBlock``s (self-attention, then
+cross-attention to the T5 prompt, then a feed-forward; AdaLN-single modulation from the ``timestep`` argument).
+Each is called with ``hidden_states`` positionally and ``(attention_mask, encoder_hidden_states,
+encoder_attention_mask, timestep, cross_attention_kwargs, class_labels)`` by keyword, and returns the hidden states
+alone. The prompt is only read (cross-attention keys/values), never updated: pattern 2.
+"""
+
+from __future__ import annotations
+
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.registry import register
+from fastdit.testing.components.autoencoder_kl import autoencoder_kl
+from fastdit.testing.components.encoders import build, t5_encoder
+
+TRANSFORMER = "diffusers.models.transformers.pixart_transformer_2d.PixArtTransformer2DModel"
+
+_TEXT_DIM = 32
+
+
+def tiny_transformer(seed: int = 0, *, sample_size: int = 16):
+    """A 3-block ``PixArtTransformer2DModel`` predicting noise and variance (8 output channels) for 4-channel latents.
+
+    ``sample_size=128`` selects the 1024-px PixArt-α layout, whose AdaLN-single also embeds resolution and aspect
+    ratio (the pipeline passes them only for that size); that embedding splits the width in three, hence 3 heads.
+    """
+    from diffusers import PixArtTransformer2DModel
+
+    return build(
+        PixArtTransformer2DModel,
+        seed=seed,
+        num_attention_heads=3,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=8,
+        num_layers=3,
+        cross_attention_dim=48,
+        sample_size=sample_size,
+        patch_size=2,
+        caption_channels=_TEXT_DIM,
+        norm_num_groups=8,
+    )
+
+
+def _components(seed: int, sample_size: int) -> dict:
+    from diffusers import DPMSolverMultistepScheduler
+
+    text_encoder, tokenizer = t5_encoder(d_model=_TEXT_DIM, seed=seed + 1)
+    return {
+        "tokenizer": tokenizer,
+        "text_encoder": text_encoder,
+        "vae": autoencoder_kl(latent_channels=4, seed=seed),
+        "transformer": tiny_transformer(seed, sample_size=sample_size),
+        "scheduler": DPMSolverMultistepScheduler(),
+    }
+
+
+def tiny_pixart_alpha(seed: int = 0):
+    """A complete tiny ``PixArtAlphaPipeline`` in the 1024-px layout (resolution/aspect-ratio conditioning)."""
+    from diffusers import PixArtAlphaPipeline
+
+    return PixArtAlphaPipeline(**_components(seed, sample_size=128))
+
+
+def tiny_pixart_sigma(seed: int = 0):
+    """A complete tiny ``PixArtSigmaPipeline``."""
+    from diffusers import PixArtSigmaPipeline
+
+    return PixArtSigmaPipeline(**_components(seed, sample_size=16))
+
+
+_CALL = {
+    "prompt": "a cat holding a sign",
+    "height": 32,
+    "width": 32,
+    "num_inference_steps": 2,
+    "guidance_scale": 4.5,
+    "max_sequence_length": 16,
+    "clean_caption": False,
+    # Binning snaps the size to the aspect-ratio table of the real model (512-2048 px).
+    "use_resolution_binning": False,
+}
+
+ADAPTER = register(
+    ModelAdapter(
+        family="pixart",
+        transformer_classes=(TRANSFORMER,),
+        block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P2),),
+        tiny_pipelines=(
+            TinyPipeline(name="alpha", build=tiny_pixart_alpha, call_kwargs=_CALL),
+            TinyPipeline(name="sigma", build=tiny_pixart_sigma, call_kwargs=_CALL),
+        ),
+        presets=(
+            ModelPreset(
+                name="pixart-alpha",
+                pipeline_class="diffusers.PixArtAlphaPipeline",
+                hub_id="PixArt-alpha/PixArt-XL-2-1024-MS",
+                defaults={"num_inference_steps": 20, "guidance_scale": 4.5, "height": 1024, "width": 1024},
+            ),
+            ModelPreset(
+                name="pixart-sigma",
+                pipeline_class="diffusers.PixArtSigmaPipeline",
+                hub_id="PixArt-alpha/PixArt-Sigma-XL-2-1024-MS",
+                defaults={"num_inference_steps": 20, "guidance_scale": 4.5, "height": 1024, "width": 1024},
+            ),
+        ),
+        notes=(
+            "Cross-attention only reads the prompt, so the encoder stream is constant over the blocks and the "
+            "image sequence can be split alone (keys/values of the cross-attention stay whole); the prompt mask "
+            "arrives as `encoder_attention_mask` (a bias). Sin-cos positions are added before the blocks (no "
+            "RoPE). CFG is batched. The pipelines snap the size to ~1 MP bins unless `use_resolution_binning=False`."
+        ),
+    )
+)
