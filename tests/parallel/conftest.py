@@ -1,0 +1,25 @@
+"""Session-scoped gloo worker pools: starting processes costs seconds, so every distributed test shares them."""
+
+from __future__ import annotations
+
+import pytest
+
+from fastdit.testing.distributed import WorkerPool, get_pool
+
+
+@pytest.fixture(scope="session")
+def dist2() -> WorkerPool:
+    """A pool of 2 ranks."""
+    return get_pool(2)
+
+
+@pytest.fixture(scope="session")
+def dist3() -> WorkerPool:
+    """A pool of 3 ranks (for uneven splits)."""
+    return get_pool(3)
+
+
+@pytest.fixture(scope="session")
+def dist4() -> WorkerPool:
+    """A pool of 4 ranks (for 2-D meshes)."""
+    return get_pool(4)
