@@ -1,0 +1,106 @@
+"""CogView4 and CogView4-Control: ``CogView4Transformer2DModel``.
+
+Blocks (diffusers 0.42.1): one list, ``transformer_blocks`` (28 ``CogView4TransformerBlock``), called positionally
+with ``(hidden_states, encoder_hidden_states, temb, image_rotary_emb, attention_mask, attention_kwargs)``; each
+returns ``(hidden_states, encoder_hidden_states)`` (pattern 0). Text and image tokens are concatenated inside each
+block's attention; nothing runs between blocks.
+"""
+
+from __future__ import annotations
+
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.registry import register
+from fastdit.testing.components.autoencoder_kl import autoencoder_kl
+from fastdit.testing.components.encoders import build
+from fastdit.testing.components.glm import glm_model
+
+TRANSFORMER = "diffusers.models.transformers.transformer_cogview4.CogView4Transformer2DModel"
+
+_LATENT_CHANNELS = 16
+
+
+def tiny_transformer(seed: int = 0, *, num_layers: int = 3, in_channels: int = _LATENT_CHANNELS):
+    """A 3-block ``CogView4Transformer2DModel`` (2 heads x 16, GLM width 32)."""
+    from diffusers import CogView4Transformer2DModel
+
+    return build(
+        CogView4Transformer2DModel,
+        seed=seed,
+        patch_size=2,
+        in_channels=in_channels,
+        out_channels=_LATENT_CHANNELS,
+        num_layers=num_layers,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        text_embed_dim=32,
+        time_embed_dim=16,
+        condition_dim=8,
+        pos_embed_max_size=16,
+        sample_size=16,
+        rope_axes_dim=(16, 16),
+    )
+
+
+def _components(seed: int, in_channels: int) -> dict:
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    text_encoder, tokenizer = glm_model(seed=seed)
+    return {
+        "tokenizer": tokenizer,
+        "text_encoder": text_encoder,
+        "vae": autoencoder_kl(latent_channels=_LATENT_CHANNELS, num_levels=2, scaling_factor=1.0, seed=seed),
+        "transformer": tiny_transformer(seed, in_channels=in_channels),
+        # CogView4 checkpoints ship a time-shifted flow-matching schedule with dynamic shifting.
+        "scheduler": FlowMatchEulerDiscreteScheduler(
+            base_shift=0.25, max_shift=0.75, base_image_seq_len=256, use_dynamic_shifting=True, time_shift_type="linear"
+        ),
+    }
+
+
+def tiny_cogview4(seed: int = 0):
+    """A complete tiny ``CogView4Pipeline`` (GLM text encoder, 16-channel KL VAE with scale factor 2)."""
+    from diffusers import CogView4Pipeline
+
+    return CogView4Pipeline(**_components(seed, _LATENT_CHANNELS))
+
+
+# guidance_scale > 1 turns on CFG: two transformer calls per step ("cond" then "uncond" cache contexts).
+_CALL = {
+    "prompt": "a cat holding a sign",
+    "negative_prompt": "blue",
+    "guidance_scale": 5.0,
+    "height": 32,
+    "width": 32,
+    "num_inference_steps": 2,
+    "max_sequence_length": 16,
+}
+
+ADAPTER = register(
+    ModelAdapter(
+        family="cogview4",
+        transformer_classes=(TRANSFORMER,),
+        block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P0),),
+        # No tiny Control pipeline: it samples the control latents with the global RNG (latent_dist.sample()
+        # without the caller's generator), so two seeded runs differ.
+        tiny_pipelines=(TinyPipeline(name="cogview4", build=tiny_cogview4, call_kwargs=_CALL),),
+        presets=(
+            ModelPreset(
+                name="cogview4",
+                pipeline_class="diffusers.CogView4Pipeline",
+                hub_id="THUDM/CogView4-6B",
+                defaults={"num_inference_steps": 50, "guidance_scale": 3.5, "height": 1024, "width": 1024},
+            ),
+            ModelPreset(
+                name="cogview4-control",
+                pipeline_class="diffusers.CogView4ControlPipeline",
+                hub_id="THUDM/CogView4-6B-Control",
+                defaults={"num_inference_steps": 50, "guidance_scale": 3.5},
+            ),
+        ),
+        notes=(
+            "RoPE is computed from hidden_states.shape inside forward (interpolated onto a fixed rope_axes_dim grid) "
+            "and covers image tokens only; text tokens are left-padded to a multiple of 16 with no attention mask. "
+            "CFG runs two transformer calls per step (cond/uncond)."
+        ),
+    )
+)
