@@ -1,0 +1,235 @@
+"""HunyuanVideo (T2V, I2V, SkyReels-V1 I2V): ``HunyuanVideoTransformer3DModel``.
+
+Blocks (diffusers 0.42.1): dual-stream ``transformer_blocks`` then single-stream ``single_transformer_blocks``. The
+model calls both positionally as ``block(hidden_states, encoder_hidden_states, temb, attention_mask,
+image_rotary_emb, token_replace_emb, first_frame_num_tokens)``; every block returns ``(hidden_states,
+encoder_hidden_states)`` (pattern 0) — the single-stream blocks concatenate the two streams inside and split them
+again before returning. With ``image_condition_type="token_replace"`` (HunyuanVideo-I2V) the lists hold the
+``HunyuanVideoTokenReplace*`` block classes, which take the same arguments and return the same pair.
+"""
+
+from __future__ import annotations
+
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.registry import register
+from fastdit.testing.components.encoders import build, clip_text_model
+from fastdit.testing.components.llama import llama_model
+from fastdit.testing.components.llava import NUM_IMAGE_TOKENS, llava_image_processor, llava_model
+
+TRANSFORMER = "diffusers.models.transformers.transformer_hunyuan_video.HunyuanVideoTransformer3DModel"
+
+_LATENT = 4  # latent channels of the tiny VAE
+_TEXT_DIM = 32  # hidden size of the tiny Llama / LLaVA text model
+_POOLED_DIM = 32  # hidden size of the tiny CLIP text model (its pooled output)
+
+# Short Llama-3 chat templates: the real ones are ~100 tokens of system prompt. ``crop_start`` is the number of
+# tokens before the user prompt under the tiny Llama tokenizer (measured), as the real templates state theirs.
+_T2V_TEMPLATE = {
+    "template": (
+        "<|start_header_id|>system<|end_header_id|>\n\nDescribe the video.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\n{}<|eot_id|>"
+    ),
+    "crop_start": 26,
+}
+# I2V: the ``<image>`` token (position 4) is expanded into the image features before the text model runs.
+_I2V_TEMPLATE = {
+    "template": (
+        "<|start_header_id|>system<|end_header_id|>\n\n<image>\nDescribe the video.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\n{}<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    ),
+    "crop_start": 28,
+    "image_emb_start": 4,
+    "image_emb_end": 4 + NUM_IMAGE_TOKENS,
+    "image_emb_len": NUM_IMAGE_TOKENS,
+}
+
+
+def tiny_transformer(
+    seed: int = 0, *, in_channels: int = _LATENT, guidance: bool = True, image_condition_type: str | None = None
+):
+    """A 1 dual + 2 single block ``HunyuanVideoTransformer3DModel`` (patch 2x2, one frame per token)."""
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    return build(
+        HunyuanVideoTransformer3DModel,
+        seed=seed,
+        in_channels=in_channels,
+        out_channels=_LATENT,
+        num_attention_heads=2,
+        attention_head_dim=16,
+        num_layers=1,
+        num_single_layers=2,
+        num_refiner_layers=1,
+        patch_size=2,
+        patch_size_t=1,
+        guidance_embeds=guidance,
+        text_embed_dim=_TEXT_DIM,
+        pooled_projection_dim=_POOLED_DIM,
+        rope_axes_dim=(4, 6, 6),
+        image_condition_type=image_condition_type,
+    )
+
+
+def tiny_vae(seed: int = 0):
+    """An ``AutoencoderKLHunyuanVideo`` with 8 channels per level (spatial factor 8, temporal factor 4)."""
+    from diffusers import AutoencoderKLHunyuanVideo
+
+    return build(
+        AutoencoderKLHunyuanVideo,
+        seed=seed,
+        latent_channels=_LATENT,
+        down_block_types=("HunyuanVideoDownBlock3D",) * 4,
+        up_block_types=("HunyuanVideoUpBlock3D",) * 4,
+        block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1,
+        norm_num_groups=4,
+        spatial_compression_ratio=8,
+        temporal_compression_ratio=4,
+    )
+
+
+def _components(seed: int, transformer, *, llava: bool = False) -> dict:
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    text_encoder, tokenizer = (llava_model if llava else llama_model)(hidden_size=_TEXT_DIM, seed=seed)
+    text_encoder_2, tokenizer_2 = clip_text_model(hidden_size=_POOLED_DIM, seed=seed + 1)
+    return {
+        "transformer": transformer,
+        "vae": tiny_vae(seed),
+        "text_encoder": text_encoder,
+        "tokenizer": tokenizer,
+        "text_encoder_2": text_encoder_2,
+        "tokenizer_2": tokenizer_2,
+        "scheduler": FlowMatchEulerDiscreteScheduler(shift=7.0),
+    }
+
+
+def tiny_hunyuan_video(seed: int = 0):
+    """A complete tiny ``HunyuanVideoPipeline`` (Llama + CLIP text encoders, guidance-distilled transformer)."""
+    from diffusers import HunyuanVideoPipeline
+
+    return HunyuanVideoPipeline(**_components(seed, tiny_transformer(seed)))
+
+
+def tiny_hunyuan_video_i2v(seed: int = 0, *, image_condition_type: str = "latent_concat"):
+    """A complete tiny ``HunyuanVideoImageToVideoPipeline`` (LLaVA text encoder sees the image too)."""
+    from diffusers import HunyuanVideoImageToVideoPipeline
+
+    # latent_concat: noise + image latents + a mask channel; token_replace: the first frame is replaced by the image.
+    in_channels = 2 * _LATENT + 1 if image_condition_type == "latent_concat" else _LATENT
+    transformer = tiny_transformer(
+        seed,
+        in_channels=in_channels,
+        guidance=image_condition_type == "token_replace",
+        image_condition_type=image_condition_type,
+    )
+    return HunyuanVideoImageToVideoPipeline(
+        image_processor=llava_image_processor(), **_components(seed, transformer, llava=True)
+    )
+
+
+def tiny_hunyuan_video_i2v_token_replace(seed: int = 0):
+    """The I2V pipeline with a ``token_replace`` transformer (HunyuanVideo-I2V's second release)."""
+    return tiny_hunyuan_video_i2v(seed, image_condition_type="token_replace")
+
+
+def tiny_skyreels_v1_i2v(seed: int = 0):
+    """A complete tiny ``HunyuanSkyreelsImageToVideoPipeline`` (image latents concatenated on channels, true CFG)."""
+    from diffusers import HunyuanSkyreelsImageToVideoPipeline
+
+    return HunyuanSkyreelsImageToVideoPipeline(**_components(seed, tiny_transformer(seed, in_channels=2 * _LATENT)))
+
+
+def _image():
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    return Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8))
+
+
+_CALL = {
+    "prompt": "a cat holding a sign",
+    "height": 32,
+    "width": 32,
+    "num_frames": 5,
+    "num_inference_steps": 2,
+    "guidance_scale": 6.0,
+    "max_sequence_length": 16,
+    "prompt_template": _T2V_TEMPLATE,
+}
+# The latent_concat I2V pipeline drops the first 4 decoded frames: 9 frames in, 5 out.
+_I2V_CALL = {**_CALL, "image": _image(), "num_frames": 9, "prompt_template": _I2V_TEMPLATE}
+
+ADAPTER = register(
+    ModelAdapter(
+        family="hunyuan_video",
+        transformer_classes=(TRANSFORMER,),
+        block_groups=(
+            BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P0),
+            BlockGroup(path="single_transformer_blocks", pattern=ForwardPattern.P0),
+        ),
+        tiny_pipelines=(
+            TinyPipeline(name="t2v", build=tiny_hunyuan_video, call_kwargs=_CALL),
+            TinyPipeline(name="i2v", build=tiny_hunyuan_video_i2v, call_kwargs={**_I2V_CALL, "guidance_scale": 1.0}),
+            TinyPipeline(
+                name="i2v-token-replace",
+                build=tiny_hunyuan_video_i2v_token_replace,
+                call_kwargs={**_I2V_CALL, "num_frames": 5},
+            ),
+            TinyPipeline(
+                name="skyreels-v1-i2v",
+                build=tiny_skyreels_v1_i2v,
+                call_kwargs={**_CALL, "image": _image(), "negative_prompt": "blue", "true_cfg_scale": 6.0},
+            ),
+        ),
+        presets=(
+            ModelPreset(
+                name="hunyuan-video",
+                pipeline_class="diffusers.HunyuanVideoPipeline",
+                hub_id="hunyuanvideo-community/HunyuanVideo",
+                defaults={
+                    "num_inference_steps": 50,
+                    "guidance_scale": 6.0,
+                    "height": 720,
+                    "width": 1280,
+                    "num_frames": 129,
+                },
+            ),
+            ModelPreset(
+                name="hunyuan-video-i2v",
+                pipeline_class="diffusers.HunyuanVideoImageToVideoPipeline",
+                hub_id="hunyuanvideo-community/HunyuanVideo-I2V",
+                defaults={
+                    "num_inference_steps": 50,
+                    "guidance_scale": 1.0,
+                    "true_cfg_scale": 1.0,
+                    "height": 720,
+                    "width": 1280,
+                    "num_frames": 129,
+                },
+            ),
+            ModelPreset(
+                name="skyreels-v1-i2v",
+                pipeline_class="diffusers.HunyuanSkyreelsImageToVideoPipeline",
+                hub_id="Skywork/SkyReels-V1-Hunyuan-I2V",
+                defaults={
+                    "num_inference_steps": 30,
+                    "guidance_scale": 1.0,
+                    "true_cfg_scale": 6.0,
+                    "height": 544,
+                    "width": 960,
+                    "num_frames": 97,
+                },
+            ),
+        ),
+        notes=(
+            "Text is padded to max_sequence_length and a key-padding mask over [video, text] tokens is built in "
+            "forward (under Ulysses it must be reordered with the tokens); RoPE comes from the latent shape. "
+            "token_replace I2V modulates the first frame's tokens differently (first_frame_num_tokens is a "
+            "position count: adjust it per rank under a sequence split). The I2V and SkyReels pipelines run true CFG "
+            "as two calls without cache_context."
+        ),
+    )
+)
