@@ -1,0 +1,131 @@
+"""Z-Image (Turbo / base, text-to-image and image-to-image): ``ZImageTransformer2DModel``.
+
+Blocks (diffusers 0.42.1): every block is a single-stream ``ZImageTransformerBlock`` whose hidden argument is ``x``,
+called positionally as ``(x, attn_mask, freqs_cis, adaln_input, noise_mask, adaln_noisy, adaln_clean)`` and
+returning one tensor (pattern 3). The forward runs three lists: ``noise_refiner`` on the image tokens, then
+``context_refiner`` on the caption tokens, then concatenates both into one padded sequence for the 30 main
+``layers``. Only ``layers`` is declared: the refiners transform two different streams before the unified sequence
+exists, so their residuals do not chain with the main stack.
+"""
+
+from __future__ import annotations
+
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.registry import register
+from fastdit.testing.components.autoencoder_kl import autoencoder_kl
+from fastdit.testing.components.encoders import build
+from fastdit.testing.components.qwen3 import qwen3_model
+
+TRANSFORMER = "diffusers.models.transformers.transformer_z_image.ZImageTransformer2DModel"
+
+_LATENT_CHANNELS = 16
+
+
+def tiny_transformer(seed: int = 0, *, num_layers: int = 3):
+    """A ``ZImageTransformer2DModel`` with 1+1 refiner blocks and ``num_layers`` main blocks (2 heads x 16)."""
+    from diffusers import ZImageTransformer2DModel
+
+    return build(
+        ZImageTransformer2DModel,
+        seed=seed,
+        all_patch_size=(2,),
+        all_f_patch_size=(1,),
+        in_channels=_LATENT_CHANNELS,
+        dim=32,
+        n_layers=num_layers,
+        n_refiner_layers=1,
+        n_heads=2,
+        n_kv_heads=2,
+        cap_feat_dim=32,
+        axes_dims=[4, 6, 6],
+        axes_lens=[256, 32, 32],
+    )
+
+
+def _components(seed: int) -> dict:
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    text_encoder, tokenizer = qwen3_model(seed=seed)
+    return {
+        "scheduler": FlowMatchEulerDiscreteScheduler(shift=3.0),
+        "vae": autoencoder_kl(latent_channels=_LATENT_CHANNELS, scaling_factor=0.3611, shift_factor=0.1159, seed=seed),
+        "text_encoder": text_encoder,
+        "tokenizer": tokenizer,
+        "transformer": tiny_transformer(seed),
+    }
+
+
+def tiny_z_image(seed: int = 0):
+    """A complete tiny ``ZImagePipeline`` (Qwen3 text encoder, 16-channel KL VAE with scale factor 2)."""
+    from diffusers import ZImagePipeline
+
+    return ZImagePipeline(**_components(seed))
+
+
+def tiny_z_image_img2img(seed: int = 0):
+    """A complete tiny ``ZImageImg2ImgPipeline``."""
+    from diffusers import ZImageImg2ImgPipeline
+
+    return ZImageImg2ImgPipeline(**_components(seed))
+
+
+def _init_image():
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    return Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8))
+
+
+# CFG here is batched: cond and uncond go through one transformer call per step.
+_CALL = {
+    "prompt": "a cat holding a sign",
+    "negative_prompt": "blue",
+    "guidance_scale": 4.0,
+    "height": 32,
+    "width": 32,
+    "num_inference_steps": 2,
+    "max_sequence_length": 48,
+}
+
+ADAPTER = register(
+    ModelAdapter(
+        family="z_image",
+        transformer_classes=(TRANSFORMER,),
+        block_groups=(BlockGroup(path="layers", pattern=ForwardPattern.P3, hidden_arg="x"),),
+        # The forward's timestep is `t`, but Z-Image pipelines pass (1000 - t) / 1000, which rises during a run;
+        # the run tracker reads a rising timestep as a new run, so it is not declared. Runs are told apart by the
+        # input shapes only (the transformer has no CacheMixin, so pipelines do not reset hooks at the end).
+        timestep_arg=None,
+        tiny_pipelines=(
+            TinyPipeline(name="z-image", build=tiny_z_image, call_kwargs=_CALL),
+            TinyPipeline(
+                name="img2img",
+                build=tiny_z_image_img2img,
+                # strength 0.5 of 4 steps: two denoising steps start from the noised input image.
+                call_kwargs={**_CALL, "image": _init_image(), "strength": 0.5, "num_inference_steps": 4},
+            ),
+        ),
+        presets=(
+            ModelPreset(
+                name="z-image-turbo",
+                pipeline_class="diffusers.ZImagePipeline",
+                hub_id="Tongyi-MAI/Z-Image-Turbo",
+                defaults={"num_inference_steps": 9, "guidance_scale": 0.0, "height": 1024, "width": 1024},
+            ),
+            ModelPreset(
+                name="z-image",
+                pipeline_class="diffusers.ZImagePipeline",
+                hub_id="Tongyi-MAI/Z-Image",
+                defaults={"num_inference_steps": 50, "guidance_scale": 4.0, "height": 1024, "width": 1024},
+            ),
+        ),
+        notes=(
+            "The transformer takes lists of per-sample tensors (x, cap_feats) and a timestep t that rises from 0 to 1 "
+            "over a run; the pipeline opens no cache contexts, does not reset hooks, and batches cond and uncond in "
+            "one call. The "
+            "main layers see [image | caption] tokens, each part padded to a multiple of 32, with a padding mask "
+            "and RoPE positions built inside forward; the noise/context refiners run on each stream first."
+        ),
+    )
+)
