@@ -1,0 +1,92 @@
+"""Ovis-Image: ``OvisImageTransformer2DModel`` (a FLUX-style MMDiT conditioned on Qwen3).
+
+Blocks (diffusers 0.42.1): 6 dual-stream ``transformer_blocks`` then 27 single-stream ``single_transformer_blocks``;
+both are called by keyword with ``(hidden_states, encoder_hidden_states, temb, image_rotary_emb,
+joint_attention_kwargs)`` and return ``(encoder_hidden_states, hidden_states)`` (pattern 1; the single blocks
+concatenate and split the two streams internally). Nothing runs between blocks.
+"""
+
+from __future__ import annotations
+
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.registry import register
+from fastdit.testing.components.autoencoder_kl import autoencoder_kl
+from fastdit.testing.components.encoders import build
+from fastdit.testing.components.qwen3 import qwen3_model
+
+TRANSFORMER = "diffusers.models.transformers.transformer_ovis_image.OvisImageTransformer2DModel"
+
+_LATENT_CHANNELS = 4
+
+
+def tiny_transformer(seed: int = 0, *, num_layers: int = 1, num_single_layers: int = 2):
+    """A 3-block ``OvisImageTransformer2DModel`` (2 heads x 16, Qwen3 width 32) for 2x2-packed 4-channel latents."""
+    from diffusers import OvisImageTransformer2DModel
+
+    return build(
+        OvisImageTransformer2DModel,
+        seed=seed,
+        patch_size=1,
+        in_channels=_LATENT_CHANNELS * 4,
+        out_channels=_LATENT_CHANNELS * 4,
+        num_layers=num_layers,
+        num_single_layers=num_single_layers,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        axes_dims_rope=(4, 6, 6),
+    )
+
+
+def tiny_ovis_image(seed: int = 0):
+    """A complete tiny ``OvisImagePipeline`` (Qwen3 text encoder, FLUX-style KL VAE with scale factor 2)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, OvisImagePipeline
+
+    text_encoder, tokenizer = qwen3_model(seed=seed)
+    return OvisImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=autoencoder_kl(latent_channels=_LATENT_CHANNELS, scaling_factor=0.3611, shift_factor=0.1159, seed=seed),
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=tiny_transformer(seed),
+    )
+
+
+ADAPTER = register(
+    ModelAdapter(
+        family="ovis_image",
+        transformer_classes=(TRANSFORMER,),
+        block_groups=(
+            BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P1),
+            BlockGroup(path="single_transformer_blocks", pattern=ForwardPattern.P1),
+        ),
+        tiny_pipelines=(
+            TinyPipeline(
+                name="ovis-image",
+                build=tiny_ovis_image,
+                # guidance_scale > 1 turns on CFG: two transformer calls per step ("cond" then "uncond").
+                call_kwargs={
+                    "prompt": "a cat holding a sign",
+                    "negative_prompt": "blue",
+                    "guidance_scale": 5.0,
+                    "height": 32,
+                    "width": 32,
+                    "num_inference_steps": 2,
+                    "max_sequence_length": 16,
+                },
+            ),
+        ),
+        presets=(
+            ModelPreset(
+                name="ovis-image",
+                pipeline_class="diffusers.OvisImagePipeline",
+                hub_id="AIDC-AI/Ovis-Image-7B",
+                defaults={"num_inference_steps": 50, "guidance_scale": 5.0, "height": 1024, "width": 1024},
+            ),
+        ),
+        notes=(
+            "FLUX-like layout (img_ids/txt_ids, RoPE built from the concatenated ids, no attention mask: padded text "
+            "tokens are zeroed by the pipeline). CFG runs two transformer calls per step (cond/uncond)."
+        ),
+    )
+)
