@@ -1,0 +1,141 @@
+"""Sana (1.0 / 1.5) and Sana-Sprint: ``SanaTransformer2DModel``.
+
+Blocks (diffusers 0.42.1): one list, ``transformer_blocks``, of ``SanaTransformerBlock``s (linear self-attention,
+softmax cross-attention to the Gemma 2 prompt, a Mix-FFN with a depthwise 3x3 convolution over the token grid).
+Each is called positionally with ``(hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask,
+timestep, height, width)`` and returns the hidden states alone; the prompt is only read: pattern 2.
+"""
+
+from __future__ import annotations
+
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.registry import register
+from fastdit.testing.components.encoders import build
+from fastdit.testing.components.gemma2 import gemma2_model
+
+TRANSFORMER = "diffusers.models.transformers.sana_transformer.SanaTransformer2DModel"
+
+_TEXT_DIM = 32
+
+
+def tiny_transformer(seed: int = 0, *, sprint: bool = False):
+    """A 3-block ``SanaTransformer2DModel`` for 4-channel latents (Sana-Sprint layout when ``sprint``).
+
+    Sprint embeds the guidance scale, normalises q/k across heads and scales the trigonometric timestep by 1000.
+    """
+    from diffusers import SanaTransformer2DModel
+
+    extra = {"guidance_embeds": True, "qk_norm": "rms_norm_across_heads", "timestep_scale": 1000.0} if sprint else {}
+    return build(
+        SanaTransformer2DModel,
+        seed=seed,
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=16,
+        num_layers=3,
+        num_cross_attention_heads=2,
+        cross_attention_head_dim=16,
+        cross_attention_dim=32,
+        caption_channels=_TEXT_DIM,
+        sample_size=16,
+        patch_size=1,
+        **extra,
+    )
+
+
+def tiny_vae(seed: int = 0):
+    """A two-level ``AutoencoderDC`` (scale factor 2, 4 latent channels) with one EfficientViT level like DC-AE."""
+    from diffusers import AutoencoderDC
+
+    return build(
+        AutoencoderDC,
+        seed=seed,
+        in_channels=3,
+        latent_channels=4,
+        attention_head_dim=8,
+        encoder_block_types=("ResBlock", "EfficientViTBlock"),
+        decoder_block_types=("ResBlock", "EfficientViTBlock"),
+        encoder_block_out_channels=(8, 16),
+        decoder_block_out_channels=(8, 16),
+        encoder_layers_per_block=(1, 1),
+        decoder_layers_per_block=(1, 1),
+        encoder_qkv_multiscales=((), (5,)),
+        decoder_qkv_multiscales=((), (5,)),
+        scaling_factor=0.41407,
+    )
+
+
+def _components(seed: int, *, sprint: bool) -> dict:
+    text_encoder, tokenizer = gemma2_model(hidden_size=_TEXT_DIM, seed=seed + 1)
+    return {
+        "tokenizer": tokenizer,
+        "text_encoder": text_encoder,
+        "vae": tiny_vae(seed),
+        "transformer": tiny_transformer(seed, sprint=sprint),
+    }
+
+
+def tiny_sana(seed: int = 0):
+    """A complete tiny ``SanaPipeline`` (flow-matching DPM-Solver++)."""
+    from diffusers import DPMSolverMultistepScheduler, SanaPipeline
+
+    scheduler = DPMSolverMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    return SanaPipeline(**_components(seed, sprint=False), scheduler=scheduler)
+
+
+def tiny_sana_sprint(seed: int = 0):
+    """A complete tiny ``SanaSprintPipeline`` (sCM consistency sampler, guidance embedded, no CFG)."""
+    from diffusers import SanaSprintPipeline, SCMScheduler
+
+    return SanaSprintPipeline(**_components(seed, sprint=True), scheduler=SCMScheduler())
+
+
+_CALL = {
+    "prompt": "a cat holding a sign",
+    "height": 32,
+    "width": 32,
+    "num_inference_steps": 2,
+    "max_sequence_length": 16,
+    # Binning snaps the size to the aspect-ratio table of the real model (>= 512 px).
+    "use_resolution_binning": False,
+}
+
+ADAPTER = register(
+    ModelAdapter(
+        family="sana",
+        transformer_classes=(TRANSFORMER,),
+        block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P2),),
+        tiny_pipelines=(
+            TinyPipeline(name="sana", build=tiny_sana, call_kwargs={**_CALL, "guidance_scale": 4.5}),
+            TinyPipeline(name="sprint", build=tiny_sana_sprint, call_kwargs={**_CALL, "guidance_scale": 4.5}),
+        ),
+        presets=(
+            ModelPreset(
+                name="sana",
+                pipeline_class="diffusers.SanaPipeline",
+                hub_id="Efficient-Large-Model/Sana_1600M_1024px_diffusers",
+                defaults={"num_inference_steps": 20, "guidance_scale": 4.5, "height": 1024, "width": 1024},
+            ),
+            ModelPreset(
+                name="sana-1.5",
+                pipeline_class="diffusers.SanaPipeline",
+                hub_id="Efficient-Large-Model/SANA1.5_4.8B_1024px_diffusers",
+                defaults={"num_inference_steps": 20, "guidance_scale": 4.5, "height": 1024, "width": 1024},
+            ),
+            ModelPreset(
+                name="sana-sprint",
+                pipeline_class="diffusers.SanaSprintPipeline",
+                hub_id="Efficient-Large-Model/Sana_Sprint_1.6B_1024px_diffusers",
+                defaults={"num_inference_steps": 2, "guidance_scale": 4.5, "height": 1024, "width": 1024},
+            ),
+        ),
+        notes=(
+            "Self-attention is linear (ReLU kernel, not SDPA), so Ulysses/ring attention backends do not apply to "
+            "it; the Mix-FFN reshapes the tokens to the (height, width) grid passed to every block and runs a 3x3 "
+            "depthwise convolution, so a sequence split needs whole rows plus a one-row halo. Cross-attention reads "
+            "the prompt with `encoder_attention_mask`. CFG is batched (Sprint embeds guidance and runs one branch); "
+            "the pipelines snap sizes to ~1 MP bins unless `use_resolution_binning=False`."
+        ),
+    )
+)
