@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import pytest
@@ -86,9 +87,7 @@ def _tp_mlp(rank: int, world_size: int, seed: int) -> tuple[torch.Tensor, tuple[
     mlp = parallelize_module(_mlp(seed), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(seed + 1))
     with torch.no_grad():
-        # The row-wise all-reduce may still be in flight (an async collective tensor); any op waits for it, pickling
-        # does not.
-        out = mlp(x).clone()
+        out = mlp(x)  # an async collective tensor: the harness must wait for it before sending it back
     return out, tuple(mlp[0].weight.to_local().shape), tuple(mlp[2].weight.to_local().shape)
 
 
@@ -121,6 +120,12 @@ def _sleep_on_rank_zero(rank: int, world_size: int, seconds: float) -> int:
 def _exit_on_rank_one(rank: int, world_size: int) -> int:
     if rank == 1:
         os._exit(3)
+    return rank
+
+
+def _exit_cleanly_on_rank_zero(rank: int, world_size: int) -> int:
+    if rank == 0:
+        sys.exit(5)  # a BaseException, like pytest.fail/skip inside a worker
     return rank
 
 
@@ -224,6 +229,13 @@ def test_dead_worker_is_reported(dist2: WorkerPool) -> None:
         dist2.run(_exit_on_rank_one)
     assert info.value.exc_types == {1: "WorkerExited"}
     assert "code 3" in info.value.failures[1].message
+
+
+def test_base_exception_is_reported_not_lost(dist2: WorkerPool) -> None:
+    with pytest.raises(DistributedTestError) as info:
+        dist2.run(_exit_cleanly_on_rank_zero)
+    assert info.value.exc_types == {0: "SystemExit"}
+    assert info.value.unfinished == []
 
 
 def test_timeout_restarts_pool_and_next_call_succeeds(dist2: WorkerPool) -> None:

@@ -14,7 +14,8 @@ Example:
     [21, 21]
 
 The function must be defined at module level (workers import it by module path); it is called as
-``fn(rank, world_size, *args, **kwargs)``. Arguments and results travel by value with :mod:`pickle`.
+``fn(rank, world_size, *args, **kwargs)``. Arguments and results travel by value with :mod:`pickle`; tensors in
+the result whose collective is still in flight (async collective tensors) are waited for first.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils._pytree import tree_map_only
 
 __all__ = ["DistributedTestError", "RankFailure", "WorkerPool", "get_pool", "shutdown_pools"]
 
@@ -162,14 +164,21 @@ def _extend_sys_path(entries: list[str]) -> None:
             sys.path.insert(0, entry)
 
 
+def _wait_if_async(tensor: torch.Tensor) -> torch.Tensor:
+    # A collective's output may still be in flight (DTensor's RowwiseParallel returns an async collective tensor);
+    # pickling would send the buffer as it is now, i.e. before the reduction landed.
+    wait_fn = getattr(tensor, "wait", None)
+    return wait_fn() if callable(wait_fn) else tensor
+
+
 def _run_task(rank: int, world_size: int, message: bytes) -> bytes:
     try:
         sys_path, payload = pickle.loads(message)
         _extend_sys_path(sys_path)
         ref, args, kwargs = pickle.loads(payload)
         result = _resolve(ref)(rank, world_size, *args, **kwargs)
-        return pickle.dumps(("ok", result))
-    except Exception as exc:
+        return pickle.dumps(("ok", tree_map_only(torch.Tensor, _wait_if_async, result)))
+    except BaseException as exc:  # also pytest.fail/skip and sys.exit: report them instead of dying
         failure = RankFailure(rank, _exc_type_name(exc), str(exc), traceback.format_exc())
         return pickle.dumps(("error", failure))
 

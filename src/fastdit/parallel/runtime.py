@@ -1,0 +1,235 @@
+"""The process group and device mesh the engine runs on.
+
+:class:`ParallelRuntime` answers "which rank am I, on which device, and which group do I talk to for each kind of
+parallelism". It reuses a process group the caller already created, creates one when launched by ``torchrun``, and
+needs none at all for a single process. The mesh always has the four dims of :data:`MESH_DIMS`, size-1 ones included,
+so code can ask for ``group("ulysses")`` without first checking which techniques are enabled.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from fastdit.config import Parallel
+
+__all__ = ["MESH_DIMS", "ParallelRuntime"]
+
+# Outermost to innermost: ranks adjacent in number (same node, fastest links) share the innermost dims, which carry
+# the most traffic (tensor parallel every layer, Ulysses all-to-all every attention); CFG ranks exchange almost nothing.
+MESH_DIMS: tuple[str, ...] = ("cfg", "ring", "ulysses", "tp")
+
+# One mesh per (world group, device type, shape): building a mesh creates sub-groups collectively, so repeated
+# runtimes in one process (accelerate, disable, accelerate again) reuse it instead of leaking groups.
+_MESHES: dict[tuple[str, tuple[int, ...]], tuple[object, DeviceMesh]] = {}
+
+
+def _describe(parallel: Parallel) -> str:
+    degrees = [f"{name}={getattr(parallel, name)}" for name in MESH_DIMS if getattr(parallel, name) != 1]
+    return f"Parallel({', '.join(degrees)})"
+
+
+def _launched_by_torchrun() -> bool:
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def _env_int(name: str) -> int:
+    value = os.environ[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r}: must be an integer") from None
+
+
+def _process_count() -> int:
+    """How many processes this run has, read without any collective (so a mismatch never hangs a rank)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    if _launched_by_torchrun():
+        return _env_int("WORLD_SIZE")
+    return 1
+
+
+def _check_world_size(parallel: Parallel, num_processes: int) -> None:
+    if parallel.world_size != num_processes:
+        noun = "process" if parallel.world_size == 1 else "processes"
+        raise ValueError(
+            f"{_describe(parallel)} needs {parallel.world_size} {noun}, got {num_processes} "
+            f"(world_size = cfg × ring × ulysses × tp must equal the number of processes)"
+        )
+
+
+def _local_rank(rank: int) -> int:
+    return _env_int("LOCAL_RANK") if "LOCAL_RANK" in os.environ else rank
+
+
+def _resolve_device(device: torch.device | str | None, local_rank: int) -> torch.device:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        num_gpus = torch.cuda.device_count()
+        if local_rank >= num_gpus:
+            raise ValueError(f"local rank {local_rank} has no CUDA device: only {num_gpus} visible")
+        device = torch.device("cuda", local_rank)
+    return device
+
+
+def _init_from_env(device: torch.device, init_method: str | None) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = dist.get_default_backend_for_device(device)
+    dist.init_process_group(
+        backend,
+        init_method=init_method or "env://",
+        rank=_env_int("RANK"),
+        world_size=_env_int("WORLD_SIZE"),
+        timeout=timedelta(minutes=10),
+    )
+
+
+def _mesh(device_type: str, shape: tuple[int, ...]) -> DeviceMesh:
+    world = dist.group.WORLD
+    cached = _MESHES.get((device_type, shape))
+    if cached is not None and cached[0] is world:
+        return cached[1]
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+    _MESHES[(device_type, shape)] = (world, mesh)
+    return mesh
+
+
+class ParallelRuntime:
+    """Rank, device and per-dimension process groups of one run.
+
+    Build it with :meth:`from_config`. In a single process with every degree 1 there is no process group:
+    :attr:`mesh` is ``None``, :meth:`group` returns ``None`` and :meth:`barrier` does nothing.
+
+    Attributes:
+        parallel: The parallel configuration this runtime was built for.
+        rank: Global rank of this process.
+        world_size: Number of processes.
+        local_rank: Rank on this node (``LOCAL_RANK`` under ``torchrun``).
+        device: The device this rank computes on.
+        mesh: Device mesh with dims :data:`MESH_DIMS`, or ``None`` without a process group.
+        owns_process_group: Whether this runtime created the default process group (and :meth:`shutdown` ends it).
+    """
+
+    def __init__(
+        self,
+        parallel: Parallel,
+        *,
+        rank: int,
+        world_size: int,
+        local_rank: int,
+        device: torch.device,
+        mesh: DeviceMesh | None,
+        owns_process_group: bool,
+    ) -> None:
+        self.parallel = parallel
+        self.rank = rank
+        self.world_size = world_size
+        self.local_rank = local_rank
+        self.device = device
+        self.mesh = mesh
+        self.owns_process_group = owns_process_group
+
+    @classmethod
+    def from_config(
+        cls, parallel: Parallel, device: torch.device | str | None = None, *, init_method: str | None = None
+    ) -> ParallelRuntime:
+        """Build the runtime for ``parallel`` in this process.
+
+        Reuses the default process group if one exists; otherwise creates one when launched by ``torchrun``
+        (``WORLD_SIZE`` and ``RANK`` set; NCCL on CUDA, gloo on CPU). A single process needs no group.
+
+        Args:
+            parallel: Degrees of parallelism; their product must equal the number of processes.
+            device: Device to compute on. ``None``: ``cuda:<local rank>`` if CUDA is available, else CPU.
+            init_method: Rendezvous URL used when a process group is created (default ``env://``).
+
+        Raises:
+            ValueError: ``parallel.world_size`` differs from the number of processes. Raised on every rank before
+                any collective, so no rank is left waiting.
+        """
+        _check_world_size(parallel, _process_count())
+        owns_group = False
+        if not (dist.is_available() and dist.is_initialized()):
+            if not _launched_by_torchrun():
+                return cls._single_process(parallel, device)
+            device = _resolve_device(device, _local_rank(_env_int("RANK")))
+            _init_from_env(device, init_method)
+            owns_group = True
+        rank = dist.get_rank()
+        local_rank = _local_rank(rank)
+        device = _resolve_device(device, local_rank)
+        shape = tuple(getattr(parallel, name) for name in MESH_DIMS)
+        return cls(
+            parallel,
+            rank=rank,
+            world_size=dist.get_world_size(),
+            local_rank=local_rank,
+            device=device,
+            mesh=_mesh(device.type, shape),
+            owns_process_group=owns_group,
+        )
+
+    @classmethod
+    def _single_process(cls, parallel: Parallel, device: torch.device | str | None) -> ParallelRuntime:
+        device = _resolve_device(device, 0)
+        return cls(parallel, rank=0, world_size=1, local_rank=0, device=device, mesh=None, owns_process_group=False)
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this is rank 0, the rank that writes outputs and logs."""
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """Whether a process group backs this runtime."""
+        return self.mesh is not None
+
+    def size(self, dim: str) -> int:
+        """Degree of mesh dimension ``dim`` (one of :data:`MESH_DIMS`)."""
+        _check_dim(dim)
+        return getattr(self.parallel, dim)
+
+    def coordinate(self, dim: str) -> int:
+        """This rank's index within its group along ``dim`` (0 without a process group)."""
+        _check_dim(dim)
+        return 0 if self.mesh is None else self.mesh.get_local_rank(dim)
+
+    def group(self, dim: str) -> dist.ProcessGroup | None:
+        """The process group of this rank along ``dim``, or ``None`` without a process group."""
+        _check_dim(dim)
+        return None if self.mesh is None else self.mesh.get_group(dim)
+
+    def barrier(self) -> None:
+        """Wait until every rank reaches this point (no-op in a single process)."""
+        if self.mesh is None:
+            return
+        if self.device.type == "cuda":
+            # Without device_ids NCCL guesses the device from the rank, which is wrong on multi-node runs.
+            dist.barrier(device_ids=[self.device.index])
+        else:
+            dist.barrier()
+
+    def shutdown(self) -> None:
+        """Destroy the default process group if this runtime created it."""
+        if self.owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+            _MESHES.clear()
+            self.mesh = None
+        self.owns_process_group = False
+
+    def __repr__(self) -> str:
+        layout = "×".join(f"{name}{getattr(self.parallel, name)}" for name in MESH_DIMS)
+        return f"ParallelRuntime(rank={self.rank}/{self.world_size}, device={self.device}, mesh={layout})"
+
+
+def _check_dim(dim: str) -> None:
+    if dim not in MESH_DIMS:
+        raise ValueError(f"mesh dim {dim!r}: must be one of {MESH_DIMS}")
