@@ -1,0 +1,152 @@
+"""LongCat-Image and LongCat-Image-Edit: ``LongCatImageTransformer2DModel`` (a FLUX-style MMDiT on Qwen2.5-VL).
+
+Blocks (diffusers 0.42.1): 19 dual-stream ``transformer_blocks`` then 38 single-stream ``single_transformer_blocks``;
+both are called by keyword with ``(hidden_states, encoder_hidden_states, temb, image_rotary_emb)`` and return
+``(encoder_hidden_states, hidden_states)`` (pattern 1). Nothing runs between blocks.
+"""
+
+from __future__ import annotations
+
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.registry import register
+from fastdit.testing.components.autoencoder_kl import autoencoder_kl
+from fastdit.testing.components.encoders import build, qwen2_5_vl_model
+from fastdit.testing.components.qwen2_5_vl import qwen2_vl_processor
+
+TRANSFORMER = "diffusers.models.transformers.transformer_longcat_image.LongCatImageTransformer2DModel"
+
+# The pipelines hard-code 16 latent channels (packed 2x2 into 64 transformer channels).
+_LATENT_CHANNELS = 16
+_SCALING, _SHIFT = 0.3611, 0.1159
+
+
+def tiny_transformer(seed: int = 0, *, num_layers: int = 1, num_single_layers: int = 2):
+    """A 3-block ``LongCatImageTransformer2DModel`` (2 heads x 16, Qwen2.5-VL width 32)."""
+    from diffusers import LongCatImageTransformer2DModel
+
+    return build(
+        LongCatImageTransformer2DModel,
+        seed=seed,
+        patch_size=1,
+        in_channels=_LATENT_CHANNELS * 4,
+        num_layers=num_layers,
+        num_single_layers=num_single_layers,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=[4, 6, 6],
+    )
+
+
+def tiny_edit_vae(seed: int = 0, *, num_levels: int = 6, channels: int = 2):
+    """A narrow ``AutoencoderKL`` with scale factor 32 and no encoder resnets, cheap at 1024x1024.
+
+    LongCat-Image-Edit always works at ~1 MP (the output size follows the input's aspect ratio), so the VAE must be
+    cheap at full resolution and downsample far enough that the transformer sees few tokens.
+    """
+    from diffusers import AutoencoderKL
+
+    return build(
+        AutoencoderKL,
+        seed=seed,
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * num_levels,
+        up_block_types=("UpDecoderBlock2D",) * num_levels,
+        block_out_channels=(channels,) * num_levels,
+        layers_per_block=0,
+        latent_channels=_LATENT_CHANNELS,
+        norm_num_groups=channels,
+        sample_size=32,
+        scaling_factor=_SCALING,
+        shift_factor=_SHIFT,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+
+
+def _components(seed: int, vae) -> dict:
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    text_encoder, tokenizer = qwen2_5_vl_model(seed=seed)
+    return {
+        "scheduler": FlowMatchEulerDiscreteScheduler(),
+        "vae": vae,
+        "text_encoder": text_encoder,
+        "tokenizer": tokenizer,
+        "text_processor": qwen2_vl_processor(tokenizer),
+        "transformer": tiny_transformer(seed),
+    }
+
+
+def tiny_longcat_image(seed: int = 0):
+    """A complete tiny ``LongCatImagePipeline`` (Qwen2.5-VL text encoder, 16-channel KL VAE with scale factor 2)."""
+    from diffusers import LongCatImagePipeline
+
+    vae = autoencoder_kl(latent_channels=_LATENT_CHANNELS, scaling_factor=_SCALING, shift_factor=_SHIFT, seed=seed)
+    return LongCatImagePipeline(**_components(seed, vae))
+
+
+def tiny_longcat_image_edit(seed: int = 0):
+    """A complete tiny ``LongCatImageEditPipeline`` (the input image is VAE-encoded and appended as tokens)."""
+    from diffusers import LongCatImageEditPipeline
+
+    return LongCatImageEditPipeline(**_components(seed, tiny_edit_vae(seed)))
+
+
+def _edit_image():
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    return Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8))
+
+
+# guidance_scale > 1 turns on CFG: two transformer calls per step ("cond" then "uncond"). The prompt rewrite runs
+# text generation with the VL model; it is off so the run stays short and independent of sampling.
+_CALL = {
+    "prompt": "a cat holding a sign",
+    "negative_prompt": "blue",
+    "guidance_scale": 4.5,
+    "num_inference_steps": 2,
+}
+
+ADAPTER = register(
+    ModelAdapter(
+        family="longcat_image",
+        transformer_classes=(TRANSFORMER,),
+        block_groups=(
+            BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P1),
+            BlockGroup(path="single_transformer_blocks", pattern=ForwardPattern.P1),
+        ),
+        tiny_pipelines=(
+            TinyPipeline(
+                name="longcat-image",
+                build=tiny_longcat_image,
+                call_kwargs={**_CALL, "height": 32, "width": 32, "enable_prompt_rewrite": False},
+            ),
+            # The edit pipeline takes no height/width: its output is the input's aspect ratio at ~1 MP (1024x1024).
+            TinyPipeline(name="edit", build=tiny_longcat_image_edit, call_kwargs={**_CALL, "image": _edit_image()}),
+        ),
+        presets=(
+            ModelPreset(
+                name="longcat-image",
+                pipeline_class="diffusers.LongCatImagePipeline",
+                hub_id="meituan-longcat/LongCat-Image",
+                defaults={"num_inference_steps": 50, "guidance_scale": 4.5, "height": 1024, "width": 1024},
+            ),
+            ModelPreset(
+                name="longcat-image-edit",
+                pipeline_class="diffusers.LongCatImageEditPipeline",
+                hub_id="meituan-longcat/LongCat-Image-Edit",
+                defaults={"num_inference_steps": 50, "guidance_scale": 4.5},
+            ),
+        ),
+        notes=(
+            "FLUX-like layout (img_ids/txt_ids, RoPE from the concatenated ids). The text stream is always padded to "
+            "512 tokens and no attention mask reaches the transformer. Edit appends the input image's tokens to the "
+            "image stream and fixes the output at ~1 MP. CFG runs two transformer calls per step (cond/uncond)."
+        ),
+    )
+)
