@@ -1,0 +1,99 @@
+"""Lumina-Image 2.0: ``Lumina2Transformer2DModel``.
+
+Blocks (diffusers 0.42.1): three lists of ``Lumina2TransformerBlock``, all called positionally with
+``(hidden_states, attention_mask, image_rotary_emb, temb)`` and returning the hidden states alone (pattern 3).
+``context_refiner`` runs on the prompt alone (no modulation), ``noise_refiner`` on the image tokens alone; then the
+model packs ``[prompt (unpadded), image]`` into one sequence per sample and runs the main ``layers`` over it. Only
+``layers`` is declared as a block group: the refiners are short per-stream embedding stages that always run.
+"""
+
+from __future__ import annotations
+
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.registry import register
+from fastdit.testing.components.autoencoder_kl import autoencoder_kl
+from fastdit.testing.components.encoders import build
+from fastdit.testing.components.gemma2 import gemma2_model
+
+TRANSFORMER = "diffusers.models.transformers.transformer_lumina2.Lumina2Transformer2DModel"
+
+_TEXT_DIM = 32
+
+
+def tiny_transformer(seed: int = 0):
+    """A ``Lumina2Transformer2DModel`` with 3 main layers and one refiner layer per stream (2 query / 1 KV head)."""
+    from diffusers import Lumina2Transformer2DModel
+
+    return build(
+        Lumina2Transformer2DModel,
+        seed=seed,
+        sample_size=16,
+        patch_size=2,
+        in_channels=4,
+        hidden_size=32,
+        num_layers=3,
+        num_refiner_layers=1,
+        num_attention_heads=2,
+        num_kv_heads=1,
+        multiple_of=16,
+        axes_dim_rope=(4, 6, 6),
+        cap_feat_dim=_TEXT_DIM,
+    )
+
+
+def tiny_lumina2(seed: int = 0):
+    """A complete tiny ``Lumina2Pipeline`` (Gemma 2 text encoder, Flux-style VAE)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, Lumina2Pipeline
+
+    text_encoder, tokenizer = gemma2_model(hidden_size=_TEXT_DIM, seed=seed + 1)
+    return Lumina2Pipeline(
+        transformer=tiny_transformer(seed),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=6.0),
+        # The pipeline hard-codes a VAE scale factor of 8, so the VAE needs four levels.
+        vae=autoencoder_kl(
+            latent_channels=4, num_levels=4, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False
+        ),
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+    )
+
+
+ADAPTER = register(
+    ModelAdapter(
+        family="lumina2",
+        transformer_classes=(TRANSFORMER,),
+        block_groups=(BlockGroup(path="layers", pattern=ForwardPattern.P3),),
+        tiny_pipelines=(
+            TinyPipeline(
+                name="lumina2",
+                build=tiny_lumina2,
+                call_kwargs={
+                    "prompt": "a cat holding a sign",
+                    # 64 px -> 8x8 latents -> 16 image tokens.
+                    "height": 64,
+                    "width": 64,
+                    "num_inference_steps": 2,
+                    "guidance_scale": 4.0,
+                    # The pipeline prepends a long system prompt: 192 tokens keep it and the prompt untruncated.
+                    "max_sequence_length": 192,
+                },
+            ),
+        ),
+        presets=(
+            ModelPreset(
+                name="lumina2",
+                pipeline_class="diffusers.Lumina2Pipeline",
+                hub_id="Alpha-VLLM/Lumina-Image-2.0",
+                defaults={"num_inference_steps": 50, "guidance_scale": 4.0, "height": 1024, "width": 1024},
+            ),
+        ),
+        notes=(
+            "The joint sequence of `layers` is [prompt without padding, image], so its length and the 3-axis RoPE "
+            "(computed inside forward from the latent shape and the prompt mask) depend on the prompt; samples of "
+            "different prompt lengths are right-padded and get an attention mask. Attention is GQA (num_kv_heads). "
+            "The timestep rises during a run (0 = noise, 1 = image). True CFG: a second forward per step for the "
+            "negative prompt, same timestep, no cache_context, dropped after `cfg_trunc_ratio`. The refiner lists "
+            "(context_refiner, noise_refiner) run before `layers`."
+        ),
+    )
+)
