@@ -1,0 +1,142 @@
+"""HunyuanImage 2.1 (base and distilled): ``HunyuanImageTransformer2DModel``.
+
+Blocks (diffusers 0.42.1): 20 dual-stream ``transformer_blocks`` then 40 single-stream ``single_transformer_blocks``;
+both are called as ``block(hidden_states, encoder_hidden_states, temb, attention_mask=..., image_rotary_emb=...)``
+(three positional, two keyword) and return ``(hidden_states, encoder_hidden_states)`` (pattern 0). The text tokens
+first pass a token refiner (``context_embedder.token_refiner.refiner_blocks``, not declared: it runs once per call
+on the text alone). Nothing runs between blocks.
+"""
+
+from __future__ import annotations
+
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.registry import register
+from fastdit.testing.components.byt5 import byt5_encoder
+from fastdit.testing.components.encoders import build, qwen2_5_vl_model
+
+TRANSFORMER = "diffusers.models.transformers.transformer_hunyuanimage.HunyuanImageTransformer2DModel"
+
+_LATENT_CHANNELS = 16
+
+
+def tiny_transformer(seed: int = 0, *, distilled: bool = False):
+    """A 3-block ``HunyuanImageTransformer2DModel`` (2 heads x 16; Qwen2.5-VL and ByT5 widths 32).
+
+    ``distilled`` turns on the guidance embedding and MeanFlow's second timestep, as in the distilled checkpoint.
+    """
+    from diffusers import HunyuanImageTransformer2DModel
+
+    return build(
+        HunyuanImageTransformer2DModel,
+        seed=seed,
+        in_channels=_LATENT_CHANNELS,
+        out_channels=_LATENT_CHANNELS,
+        num_attention_heads=2,
+        attention_head_dim=16,
+        num_layers=1,
+        num_single_layers=2,
+        num_refiner_layers=1,
+        patch_size=(1, 1),
+        guidance_embeds=distilled,
+        use_meanflow=distilled,
+        text_embed_dim=32,
+        text_embed_2_dim=32,
+        rope_axes_dim=(8, 8),
+    )
+
+
+def tiny_vae(seed: int = 0):
+    """A tiny ``AutoencoderKLHunyuanImage`` with scale factor 2 (its GroupNorms need multiples of 32 channels)."""
+    from diffusers import AutoencoderKLHunyuanImage
+
+    return build(
+        AutoencoderKLHunyuanImage,
+        seed=seed,
+        in_channels=3,
+        out_channels=3,
+        latent_channels=_LATENT_CHANNELS,
+        block_out_channels=(32, 32),
+        layers_per_block=1,
+        spatial_compression_ratio=2,
+        sample_size=32,
+        scaling_factor=1.0,
+    )
+
+
+def _pipeline(seed: int, distilled: bool):
+    from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanImagePipeline
+    from diffusers.guiders import AdaptiveProjectedMixGuidance
+
+    text_encoder, tokenizer = qwen2_5_vl_model(seed=seed)
+    text_encoder_2, tokenizer_2 = byt5_encoder(seed=seed + 1)
+    # The base checkpoint ships a CFG/APG guider (two transformer calls per step); the distilled one ships none.
+    guider = None if distilled else AdaptiveProjectedMixGuidance(guidance_scale=3.5)
+    return HunyuanImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
+        vae=tiny_vae(seed),
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2,
+        transformer=tiny_transformer(seed, distilled=distilled),
+        guider=guider,
+    )
+
+
+def tiny_hunyuan_image(seed: int = 0):
+    """A complete tiny ``HunyuanImagePipeline`` (Qwen2.5-VL + ByT5 glyph encoder, CFG guider)."""
+    return _pipeline(seed, distilled=False)
+
+
+def tiny_hunyuan_image_distilled(seed: int = 0):
+    """A complete tiny distilled ``HunyuanImagePipeline`` (guidance embedding, MeanFlow, one call per step)."""
+    return _pipeline(seed, distilled=True)
+
+
+# The quoted word goes through the ByT5 glyph encoder as well.
+_CALL = {
+    "prompt": 'a cat holding a sign "hi"',
+    "negative_prompt": "blue",
+    "height": 32,
+    "width": 32,
+    "num_inference_steps": 2,
+}
+
+ADAPTER = register(
+    ModelAdapter(
+        family="hunyuan_image",
+        transformer_classes=(TRANSFORMER,),
+        block_groups=(
+            BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P0),
+            BlockGroup(path="single_transformer_blocks", pattern=ForwardPattern.P0),
+        ),
+        tiny_pipelines=(
+            TinyPipeline(name="hunyuan-image", build=tiny_hunyuan_image, call_kwargs=_CALL),
+            TinyPipeline(
+                name="distilled",
+                build=tiny_hunyuan_image_distilled,
+                call_kwargs={**_CALL, "distilled_guidance_scale": 3.25},
+            ),
+        ),
+        presets=(
+            ModelPreset(
+                name="hunyuan-image-2.1",
+                pipeline_class="diffusers.HunyuanImagePipeline",
+                hub_id="hunyuanvideo-community/HunyuanImage-2.1-Diffusers",
+                defaults={"num_inference_steps": 50, "height": 2048, "width": 2048},
+            ),
+            ModelPreset(
+                name="hunyuan-image-2.1-distilled",
+                pipeline_class="diffusers.HunyuanImagePipeline",
+                hub_id="hunyuanvideo-community/HunyuanImage-2.1-Distilled-Diffusers",
+                defaults={"num_inference_steps": 8, "distilled_guidance_scale": 3.25, "height": 2048, "width": 2048},
+            ),
+        ),
+        notes=(
+            "Blocks take a joint attention mask ([image | text] with text padding: Qwen text is padded to 1000 "
+            "tokens, ByT5 glyph text to 128, valid tokens moved first); under context parallelism it must be "
+            "reordered with the tokens. RoPE is computed from hidden_states.shape inside forward (image tokens only). "
+            "CFG runs through a diffusers guider: two calls per step, contexts pred_cond/pred_uncond."
+        ),
+    )
+)
