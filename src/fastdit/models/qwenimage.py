@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.testing.components.autoencoder_kl_qwenimage import autoencoder_kl_qwenimage
 from fastdit.testing.components.encoders import build, qwen2_5_vl_model
 from fastdit.testing.components.qwen2_5_vl import qwen2_vl_processor
 
@@ -37,23 +38,6 @@ def tiny_transformer(seed: int = 0, *, num_layers: int = 3):
     )
 
 
-def tiny_vae(seed: int = 0, *, num_downsamples: int = 3, base_dim: int = 4, num_res_blocks: int = 1):
-    """A tiny ``AutoencoderKLQwenImage`` (causal 3-D convolutions) with scale factor ``2 ** num_downsamples``."""
-    from diffusers import AutoencoderKLQwenImage
-
-    return build(
-        AutoencoderKLQwenImage,
-        seed=seed,
-        base_dim=base_dim,
-        z_dim=_LATENT_CHANNELS,
-        dim_mult=[1] * (num_downsamples + 1),
-        num_res_blocks=num_res_blocks,
-        temperal_downsample=[False] * num_downsamples,
-        latents_mean=[0.0] * _LATENT_CHANNELS,
-        latents_std=[1.0] * _LATENT_CHANNELS,
-    )
-
-
 def tiny_qwen_image(seed: int = 0):
     """A complete tiny ``QwenImagePipeline`` (Qwen2.5-VL text encoder, VAE scale factor 8)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
@@ -61,7 +45,7 @@ def tiny_qwen_image(seed: int = 0):
     text_encoder, tokenizer = qwen2_5_vl_model(seed=seed)
     return QwenImagePipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(),
-        vae=tiny_vae(seed),
+        vae=autoencoder_kl_qwenimage(latent_channels=_LATENT_CHANNELS, seed=seed),
         text_encoder=text_encoder,
         tokenizer=tokenizer,
         transformer=tiny_transformer(seed),
@@ -79,7 +63,9 @@ def tiny_qwen_image_edit(seed: int = 0):
     text_encoder, tokenizer = qwen2_5_vl_model(seed=seed)
     return QwenImageEditPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(),
-        vae=tiny_vae(seed, num_downsamples=5, base_dim=2, num_res_blocks=0),
+        vae=autoencoder_kl_qwenimage(
+            latent_channels=_LATENT_CHANNELS, num_downsamples=5, base_dim=2, num_res_blocks=0, seed=seed
+        ),
         text_encoder=text_encoder,
         tokenizer=tokenizer,
         processor=qwen2_vl_processor(tokenizer),
