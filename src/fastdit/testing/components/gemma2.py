@@ -6,6 +6,7 @@ pieces, and a BOS token is prepended.
 
 from __future__ import annotations
 
+import copy
 import string
 from functools import cache
 
@@ -66,7 +67,8 @@ def gemma2_config(hidden_size: int = 32, num_layers: int = 2):
 
 
 def gemma2_model(hidden_size: int = 32, num_layers: int = 2, seed: int = 0):
-    """``(Gemma2Model, GemmaTokenizer)``."""
+    """``(Gemma2Model, GemmaTokenizer)``; the tokenizer is a private copy because pipelines set its padding side."""
     from transformers import Gemma2Model
 
-    return build(Gemma2Model, gemma2_config(hidden_size, num_layers), seed=seed), gemma_tokenizer()
+    model = build(Gemma2Model, gemma2_config(hidden_size, num_layers), seed=seed)
+    return model, copy.deepcopy(gemma_tokenizer())

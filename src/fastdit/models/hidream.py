@@ -1,0 +1,150 @@
+"""HiDream-I1 (Full / Dev / Fast): ``HiDreamImageTransformer2DModel``.
+
+Blocks (diffusers 0.42.1): ``double_stream_blocks`` then ``single_stream_blocks``, each entry a ``HiDreamBlock``
+wrapper around the real block, all called by keyword with ``(hidden_states, hidden_states_masks,
+encoder_hidden_states, temb, image_rotary_emb)``. Double-stream blocks return ``(hidden_states,
+encoder_hidden_states)`` (pattern 0); single-stream blocks get ``encoder_hidden_states=None`` and return the joint
+sequence alone (pattern 3).
+"""
+
+from __future__ import annotations
+
+import copy
+
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.registry import register
+from fastdit.testing.components.autoencoder_kl import autoencoder_kl
+from fastdit.testing.components.encoders import build, clip_text_model_with_projection, t5_encoder
+from fastdit.testing.components.llama import llama_config, llama_tokenizer
+
+TRANSFORMER = "diffusers.models.transformers.transformer_hidream_image.HiDreamImageTransformer2DModel"
+
+_CLIP_PROJ = 16
+_T5_DIM = 32
+_LLAMA_DIM = 32
+_LLAMA_LAYERS = 2
+_NUM_DOUBLE = 1
+_NUM_SINGLE = 2
+
+
+def tiny_transformer(seed: int = 0):
+    """A 3-block ``HiDreamImageTransformer2DModel`` (1 double + 2 single, MoE feed-forward with 2 experts).
+
+    Every block reads its own Llama layer: ``llama_layers`` names one hidden state per block (there are only two in
+    the tiny encoder, so the last is reused).
+    """
+    from diffusers import HiDreamImageTransformer2DModel
+
+    num_blocks = _NUM_DOUBLE + _NUM_SINGLE
+    return build(
+        HiDreamImageTransformer2DModel,
+        seed=seed,
+        patch_size=2,
+        in_channels=4,
+        out_channels=4,
+        num_layers=_NUM_DOUBLE,
+        num_single_layers=_NUM_SINGLE,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        caption_channels=[_T5_DIM, _LLAMA_DIM],
+        text_emb_dim=2 * _CLIP_PROJ,
+        num_routed_experts=2,
+        num_activated_experts=1,
+        axes_dims_rope=(4, 6, 6),
+        # Non-square latents are padded to max_resolution**2 / patch**2 tokens: 16x16 latents -> 64 tokens.
+        max_resolution=(16, 16),
+        llama_layers=[min(i, _LLAMA_LAYERS - 1) for i in range(num_blocks)],
+    )
+
+
+def _llama():
+    from transformers import LlamaForCausalLM
+
+    # The pipeline asks for attention weights, which only the eager attention returns.
+    config = llama_config(_LLAMA_DIM, _LLAMA_LAYERS)
+    config._attn_implementation = "eager"
+    # A private tokenizer: the pipeline overwrites its pad token.
+    return build(LlamaForCausalLM, config, seed=3), copy.deepcopy(llama_tokenizer())
+
+
+def tiny_hidream(seed: int = 0):
+    """A complete tiny ``HiDreamImagePipeline`` (two CLIPs, T5, Llama; Flux-style VAE)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, HiDreamImagePipeline
+
+    text_encoder, tokenizer = clip_text_model_with_projection(_CLIP_PROJ, _CLIP_PROJ, seed=seed)
+    text_encoder_2, tokenizer_2 = clip_text_model_with_projection(_CLIP_PROJ, _CLIP_PROJ, seed=seed + 1)
+    text_encoder_3, tokenizer_3 = t5_encoder(d_model=_T5_DIM, seed=seed + 2)
+    text_encoder_4, tokenizer_4 = _llama()
+    pipe = HiDreamImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=autoencoder_kl(latent_channels=4, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False),
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2,
+        text_encoder_3=text_encoder_3,
+        tokenizer_3=tokenizer_3,
+        text_encoder_4=text_encoder_4,
+        tokenizer_4=tokenizer_4,
+        transformer=tiny_transformer(seed),
+    )
+    # The pipeline rescales every request to the area of a default_sample_size**2 latent (1024**2 px for the real
+    # model); the tiny model's area is 16**2 latents = 32**2 px, which max_resolution above also covers.
+    pipe.default_sample_size = 16
+    return pipe
+
+
+_CALL = {
+    "prompt": "a cat holding a sign",
+    "height": 32,
+    "width": 32,
+    "num_inference_steps": 2,
+    "guidance_scale": 5.0,
+    "max_sequence_length": 16,
+}
+
+ADAPTER = register(
+    ModelAdapter(
+        family="hidream",
+        transformer_classes=(TRANSFORMER,),
+        block_groups=(
+            BlockGroup(path="double_stream_blocks", pattern=ForwardPattern.P0),
+            BlockGroup(path="single_stream_blocks", pattern=ForwardPattern.P3),
+        ),
+        timestep_arg="timesteps",
+        tiny_pipelines=(
+            TinyPipeline(name="hidream", build=tiny_hidream, call_kwargs=_CALL),
+            # Non-square sizes take the padded path: image tokens padded to a fixed length plus a token mask.
+            TinyPipeline(name="non-square", build=tiny_hidream, call_kwargs={**_CALL, "height": 16}),
+        ),
+        presets=(
+            ModelPreset(
+                name="hidream-i1-full",
+                pipeline_class="diffusers.HiDreamImagePipeline",
+                hub_id="HiDream-ai/HiDream-I1-Full",
+                defaults={"num_inference_steps": 50, "guidance_scale": 5.0, "height": 1024, "width": 1024},
+            ),
+            ModelPreset(
+                name="hidream-i1-dev",
+                pipeline_class="diffusers.HiDreamImagePipeline",
+                hub_id="HiDream-ai/HiDream-I1-Dev",
+                defaults={"num_inference_steps": 28, "guidance_scale": 0.0, "height": 1024, "width": 1024},
+            ),
+            ModelPreset(
+                name="hidream-i1-fast",
+                pipeline_class="diffusers.HiDreamImagePipeline",
+                hub_id="HiDream-ai/HiDream-I1-Fast",
+                defaults={"num_inference_steps": 16, "guidance_scale": 0.0, "height": 1024, "width": 1024},
+            ),
+        ),
+        notes=(
+            "Block inputs are rebuilt between blocks: each double block gets [T5 + last Llama layer, its own Llama "
+            "layer] as encoder stream and the model keeps only the first part of what it returns; each single block "
+            "gets [joint sequence, its own Llama layer] and the model cuts the appended tokens off again. So a "
+            "block's input is not the previous block's output, and the encoder stream it returns is longer than the "
+            "one the next block is given. Non-square latents are padded to a fixed token count with "
+            "`hidden_states_masks`; MoE feed-forward (top-k routed experts); timestep argument is `timesteps`. "
+            "CFG is batched. The pipeline rescales every request to the model's default area (~1 MP)."
+        ),
+    )
+)
