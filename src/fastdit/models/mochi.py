@@ -1,0 +1,118 @@
+"""Mochi 1: ``MochiTransformer3DModel``.
+
+Blocks (diffusers 0.42.1): one list ``transformer_blocks`` of ``MochiTransformerBlock``; the model calls each by
+keyword as ``block(hidden_states=..., encoder_hidden_states=..., temb=..., encoder_attention_mask=...,
+image_rotary_emb=...)`` and the block returns ``(hidden_states, encoder_hidden_states)`` (pattern 0). The last block
+is built with ``context_pre_only=True``: it returns the encoder stream it was given, unchanged.
+"""
+
+from __future__ import annotations
+
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.registry import register
+from fastdit.testing.components.encoders import build, t5_encoder
+
+TRANSFORMER = "diffusers.models.transformers.transformer_mochi.MochiTransformer3DModel"
+
+# The pipeline hard-codes 12 latent channels (its latent statistics) and the VAE factors 8 (space) and 6 (time).
+_LATENT = 12
+_TEXT_DIM = 32
+_TEXT_LEN = 16
+
+
+def tiny_transformer(seed: int = 0):
+    """A 3-block ``MochiTransformer3DModel`` (patch 2)."""
+    from diffusers import MochiTransformer3DModel
+
+    return build(
+        MochiTransformer3DModel,
+        seed=seed,
+        patch_size=2,
+        num_attention_heads=2,
+        attention_head_dim=16,
+        num_layers=3,
+        pooled_projection_dim=16,
+        in_channels=_LATENT,
+        text_embed_dim=_TEXT_DIM,
+        time_embed_dim=8,
+        max_sequence_length=_TEXT_LEN,
+    )
+
+
+def tiny_vae(seed: int = 0):
+    """An ``AutoencoderKLMochi`` with 32 channels per level (space x8, time x6 as the real one).
+
+    Only the innermost level keeps a ResNet layer and there is no attention: full-resolution 3-D convolutions
+    dominate a tiny run otherwise.
+    """
+    from diffusers import AutoencoderKLMochi
+
+    return build(
+        AutoencoderKLMochi,
+        seed=seed,
+        # Its group norms have 32 groups: 32 channels is the least.
+        encoder_block_out_channels=(32, 32, 32, 32),
+        decoder_block_out_channels=(32, 32, 32, 32),
+        latent_channels=_LATENT,
+        layers_per_block=(0, 0, 0, 0, 1),
+        add_attention_block=(False,) * 5,
+    )
+
+
+def tiny_mochi(seed: int = 0):
+    """A complete tiny ``MochiPipeline`` (T5 text encoder, flow matching)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, MochiPipeline
+
+    text_encoder, tokenizer = t5_encoder(d_model=_TEXT_DIM, seed=seed)
+    return MochiPipeline(
+        transformer=tiny_transformer(seed),
+        vae=tiny_vae(seed),
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+    )
+
+
+ADAPTER = register(
+    ModelAdapter(
+        family="mochi",
+        transformer_classes=(TRANSFORMER,),
+        block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P0),),
+        tiny_pipelines=(
+            TinyPipeline(
+                name="t2v",
+                build=tiny_mochi,
+                # 7 frames -> 2 latent frames; 32x32 -> 4x4 latents -> 2x2 tokens per frame.
+                call_kwargs={
+                    "prompt": "a cat holding a sign",
+                    "negative_prompt": "blue",
+                    "height": 32,
+                    "width": 32,
+                    "num_frames": 7,
+                    "num_inference_steps": 2,
+                    "guidance_scale": 4.5,
+                    "max_sequence_length": _TEXT_LEN,
+                },
+            ),
+        ),
+        presets=(
+            ModelPreset(
+                name="mochi",
+                pipeline_class="diffusers.MochiPipeline",
+                hub_id="genmo/mochi-1-preview",
+                defaults={
+                    "num_inference_steps": 64,
+                    "guidance_scale": 4.5,
+                    "height": 480,
+                    "width": 848,
+                    "num_frames": 85,
+                },
+            ),
+        ),
+        notes=(
+            "Text is padded to max_sequence_length; blocks take encoder_attention_mask and the attention processor "
+            "drops padded text tokens per sample before joint attention. RoPE is computed from the latent shape "
+            "in forward. CFG is batched (one call per step, batch 2)."
+        ),
+    )
+)
