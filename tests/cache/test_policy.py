@@ -102,3 +102,13 @@ def test_tracker_branches_and_runs() -> None:
     assert tracker.runs == 3
     tracker.reset()
     assert tracker.branches() == {} and "default" in tracker.report()
+
+
+def test_tracker_follows_rising_schedules() -> None:
+    tracker = RunTracker()
+    for t in (0.0, 0.0, 0.3, 0.3, 0.7, 0.7):  # counts up, two branches per step
+        tracker.begin_call("default", t, ((1,),))
+    assert tracker.runs == 1
+    assert {k: v.step for k, v in tracker.branches().items()} == {"default": 2, "default/1": 2}
+    tracker.begin_call("default", 0.0, ((1,),))  # back to the start: new run
+    assert tracker.runs == 2

@@ -2,7 +2,9 @@
 
 A *run* is one pipeline call; a *step* is one transformer call of a branch. Pipelines announce the branch with
 diffusers' ``cache_context("cond" | "uncond")``; when they don't, consecutive calls with the same timestep are taken
-as the branches of one step (true CFG), and a timestep that goes up, or a change of input shape, starts a new run.
+as the branches of one step (true CFG). A run ends when a diffusers pipeline resets its stateful hooks at the end of
+its call; independently, a timestep that moves against the run's direction (most samplers count down, some count up),
+or a change of input shape, starts a new run.
 """
 
 from __future__ import annotations
@@ -72,9 +74,14 @@ class BranchState:
 class _ContextTrack:
     started: bool = False
     last_timestep: float | None = None
+    # +1 if the run's timesteps rise (Lumina2 counts 0 → 1), -1 if they fall (most samplers), 0 until known.
+    direction: int = 0
     signature: tuple | None = None
     branch: int = 0
     branches: dict[int, BranchState] = field(default_factory=dict)
+
+
+_EPS = 1e-9
 
 
 class RunTracker:
@@ -115,18 +122,22 @@ class RunTracker:
             signature: Shapes of the call's tensors; a change starts a new run.
         """
         track = self._contexts.setdefault(context, _ContextTrack())
-        rising = timestep is not None and track.last_timestep is not None and timestep > track.last_timestep + 1e-9
-        new_run = not track.started or track.signature != signature or rising
-        if new_run:
+        delta = None if timestep is None or track.last_timestep is None else timestep - track.last_timestep
+        # A timestep that moves against the run's direction starts a new run (the sampler started over).
+        backwards = delta is not None and track.direction != 0 and delta * track.direction < -_EPS
+        if not track.started or track.signature != signature or backwards:
             if track.branches:
                 self._finished = self.branches()
             track.branches.clear()
             track.branch = 0
+            track.direction = 0
             self.runs += 1
-        elif timestep is not None and track.last_timestep is not None and abs(timestep - track.last_timestep) <= 1e-9:
+        elif delta is not None and abs(delta) <= _EPS:
             track.branch += 1  # same timestep again: the next CFG branch of the same step
         else:
             track.branch = 0
+            if delta is not None and track.direction == 0:
+                track.direction = 1 if delta > 0 else -1
         track.started = True
         track.last_timestep = timestep
         track.signature = signature
