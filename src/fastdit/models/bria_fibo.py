@@ -1,0 +1,168 @@
+"""Bria FIBO and FIBO-Edit: ``BriaFiboTransformer2DModel`` (a FLUX-style MMDiT fed by every SmolLM3 layer).
+
+Blocks (diffusers 0.42.1): 8 dual-stream ``transformer_blocks`` called by keyword with ``(hidden_states,
+encoder_hidden_states, temb, image_rotary_emb, joint_attention_kwargs)`` and returning ``(encoder_hidden_states,
+hidden_states)`` (pattern 1), then 38 single-stream ``single_transformer_blocks`` called by keyword with
+``(hidden_states, temb, image_rotary_emb, joint_attention_kwargs)`` returning one tensor (pattern 3).
+
+The forward does work between blocks: before every block it overwrites the upper half of the text stream's channels
+with that block's projection of one text-encoder layer; around every single block it concatenates ``[text | image]``
+into ``hidden_states`` and splits the result again. A single block's hidden stream is therefore the joint sequence.
+"""
+
+from __future__ import annotations
+
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.registry import register
+from fastdit.testing.components.encoders import build
+from fastdit.testing.components.smollm3 import smollm3_model
+
+TRANSFORMER = "diffusers.models.transformers.transformer_bria_fibo.BriaFiboTransformer2DModel"
+
+_LATENT_CHANNELS = 4
+_TEXT_WIDTH = 32
+
+
+def tiny_transformer(seed: int = 0, *, num_layers: int = 1, num_single_layers: int = 2):
+    """A 3-block ``BriaFiboTransformer2DModel`` (2 heads x 16).
+
+    The forward projects one text-encoder hidden state per block, so ``num_layers + num_single_layers`` must equal
+    the encoder's hidden-state count (2 SmolLM3 layers + embeddings = 3).
+    """
+    from diffusers import BriaFiboTransformer2DModel
+
+    return build(
+        BriaFiboTransformer2DModel,
+        seed=seed,
+        patch_size=1,
+        in_channels=_LATENT_CHANNELS,
+        num_layers=num_layers,
+        num_single_layers=num_single_layers,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=2 * _TEXT_WIDTH,  # the pipeline concatenates the last two encoder layers
+        axes_dims_rope=[4, 6, 6],
+        text_encoder_dim=_TEXT_WIDTH,
+    )
+
+
+def tiny_vae(seed: int = 0):
+    """A Wan 2.2-style ``AutoencoderKLWan`` (residual, 2x2 pixel patchify): spatial factor 16, as FIBO expects."""
+    from diffusers import AutoencoderKLWan
+
+    return build(
+        AutoencoderKLWan,
+        seed=seed,
+        base_dim=4,
+        z_dim=_LATENT_CHANNELS,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        is_residual=True,
+        in_channels=12,
+        out_channels=12,
+        patch_size=2,
+        scale_factor_spatial=16,
+        latents_mean=[0.0] * _LATENT_CHANNELS,
+        latents_std=[1.0] * _LATENT_CHANNELS,
+    )
+
+
+def _components(seed: int) -> dict:
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    text_encoder, tokenizer = smollm3_model(hidden_size=_TEXT_WIDTH, seed=seed)
+    return {
+        "transformer": tiny_transformer(seed),
+        "scheduler": FlowMatchEulerDiscreteScheduler(),
+        "vae": tiny_vae(seed),
+        "text_encoder": text_encoder,
+        "tokenizer": tokenizer,
+    }
+
+
+def tiny_bria_fibo(seed: int = 0):
+    """A complete tiny ``BriaFiboPipeline`` (SmolLM3 text encoder, Wan 2.2-style VAE)."""
+    from diffusers import BriaFiboPipeline
+
+    return BriaFiboPipeline(**_components(seed))
+
+
+def tiny_bria_fibo_edit(seed: int = 0):
+    """A complete tiny ``BriaFiboEditPipeline`` (the reference image is VAE-encoded and appended as tokens)."""
+    from diffusers import BriaFiboEditPipeline
+
+    return BriaFiboEditPipeline(**_components(seed))
+
+
+def _reference_image():
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    return Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8))
+
+
+# FIBO is prompted with structured JSON. guidance_scale > 1 batches cond and uncond in one call; the default empty
+# negative prompt exercises the hard-coded <|begin_of_text|> id path.
+_CALL = {
+    "height": 64,
+    "width": 64,
+    "num_inference_steps": 2,
+    "guidance_scale": 5.0,
+    "max_sequence_length": 64,
+}
+
+ADAPTER = register(
+    ModelAdapter(
+        family="bria_fibo",
+        transformer_classes=(TRANSFORMER,),
+        block_groups=(
+            BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P1),
+            BlockGroup(path="single_transformer_blocks", pattern=ForwardPattern.P3),
+        ),
+        tiny_pipelines=(
+            TinyPipeline(
+                name="fibo",
+                build=tiny_bria_fibo,
+                call_kwargs={**_CALL, "prompt": '{"short_description": "a cat holding a sign"}'},
+            ),
+            TinyPipeline(
+                name="edit",
+                build=tiny_bria_fibo_edit,
+                # Explicit height/width: without them the output snaps to a ~1 MP preferred resolution.
+                call_kwargs={
+                    **_CALL,
+                    "prompt": '{"edit_instruction": "make the cat red"}',
+                    "image": _reference_image(),
+                },
+            ),
+        ),
+        presets=(
+            ModelPreset(
+                name="bria-fibo",
+                pipeline_class="diffusers.BriaFiboPipeline",
+                hub_id="briaai/FIBO",
+                defaults={"num_inference_steps": 50, "guidance_scale": 5.0, "height": 1024, "width": 1024},
+            ),
+            ModelPreset(
+                name="bria-fibo-edit",
+                pipeline_class="diffusers.BriaFiboEditPipeline",
+                hub_id="briaai/Fibo-Edit-1.5-base",
+                defaults={"num_inference_steps": 30, "guidance_scale": 5.0},
+            ),
+            ModelPreset(
+                name="bria-fibo-edit-turbo",
+                pipeline_class="diffusers.BriaFiboEditPipeline",
+                hub_id="briaai/Fibo-Edit-1.5-turbo",
+                defaults={"num_inference_steps": 4, "guidance_scale": 1.0},
+            ),
+        ),
+        notes=(
+            "Extra ops inside the block loop: the text stream's upper half is replaced per block by a projected "
+            "text-encoder layer, and single blocks get [text | image] concatenated as hidden_states (split again "
+            "after). A joint padding mask travels in joint_attention_kwargs when text is padded. CFG is batched in "
+            "one call and the pipeline opens no cache contexts."
+        ),
+    )
+)
