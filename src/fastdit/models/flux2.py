@@ -1,0 +1,166 @@
+"""FLUX.2 (dev with Mistral 3, klein with Qwen3; text-to-image and reference editing): ``Flux2Transformer2DModel``.
+
+Blocks (diffusers 0.42.1): ``transformer_blocks`` (double stream) are called by keyword with ``(hidden_states,
+encoder_hidden_states, temb_mod_img, temb_mod_txt, image_rotary_emb, joint_attention_kwargs)`` and return
+``(encoder_hidden_states, hidden_states)`` (pattern 1). The model then concatenates ``[text, image]`` and runs
+``single_transformer_blocks``, called by keyword with ``encoder_hidden_states=None`` plus ``(temb_mod,
+image_rotary_emb, joint_attention_kwargs)``; they return the joint sequence alone (pattern 3).
+"""
+
+from __future__ import annotations
+
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.registry import register
+from fastdit.testing.components.encoders import build
+from fastdit.testing.components.mistral3 import mistral3_model
+from fastdit.testing.components.qwen3 import qwen3_config, qwen3_tokenizer
+
+TRANSFORMER = "diffusers.models.transformers.transformer_flux2.Flux2Transformer2DModel"
+
+_TEXT_DIM = 32
+_TEXT_LAYERS = 3
+# The pipelines stack three hidden states of the text encoder on the feature axis; the tiny encoders have three
+# layers, so they take all of them (the real models take layers 10/20/30 and 9/18/27).
+_TEXT_OUT_LAYERS = (1, 2, 3)
+
+
+def tiny_transformer(seed: int = 0, *, guidance: bool):
+    """A 3-block ``Flux2Transformer2DModel`` (1 double + 2 single) for 2x2-packed 4-channel latents.
+
+    ``guidance`` embeds the guidance scale (FLUX.2 dev); klein has no guidance embedding and uses true CFG.
+    """
+    from diffusers import Flux2Transformer2DModel
+
+    return build(
+        Flux2Transformer2DModel,
+        seed=seed,
+        patch_size=1,
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=len(_TEXT_OUT_LAYERS) * _TEXT_DIM,
+        timestep_guidance_channels=32,
+        axes_dims_rope=(4, 4, 4, 4),
+        guidance_embeds=guidance,
+    )
+
+
+def tiny_vae(seed: int = 0):
+    """A two-level ``AutoencoderKLFlux2`` with 4 latent channels (scale factor 2, latents packed 2x2 -> 16)."""
+    from diffusers import AutoencoderKLFlux2
+
+    return build(
+        AutoencoderKLFlux2,
+        seed=seed,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=8,
+        sample_size=32,
+    )
+
+
+def _scheduler():
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, time_shift_type="exponential")
+
+
+def tiny_flux2_dev(seed: int = 0):
+    """A complete tiny ``Flux2Pipeline`` (Mistral 3 text encoder, embedded guidance)."""
+    from diffusers import Flux2Pipeline
+
+    text_encoder, tokenizer = mistral3_model(_TEXT_DIM, _TEXT_LAYERS, seed=seed + 1)
+    return Flux2Pipeline(
+        scheduler=_scheduler(),
+        vae=tiny_vae(seed),
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=tiny_transformer(seed, guidance=True),
+    )
+
+
+def tiny_flux2_klein(seed: int = 0):
+    """A complete tiny ``Flux2KleinPipeline`` (Qwen3 text encoder, base model with true CFG)."""
+    from diffusers import Flux2KleinPipeline
+    from transformers import Qwen3ForCausalLM
+
+    text_encoder = build(Qwen3ForCausalLM, qwen3_config(_TEXT_DIM, _TEXT_LAYERS), seed=seed + 1)
+    return Flux2KleinPipeline(
+        scheduler=_scheduler(),
+        vae=tiny_vae(seed),
+        text_encoder=text_encoder,
+        tokenizer=qwen3_tokenizer(),
+        transformer=tiny_transformer(seed, guidance=False),
+        is_distilled=False,
+    )
+
+
+def _reference_image():
+    import numpy as np
+    from PIL import Image
+
+    # The pipelines reject reference images under 64 px a side.
+    rng = np.random.default_rng(0)
+    return Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8))
+
+
+_CALL = {
+    "prompt": "a cat holding a sign",
+    "height": 32,
+    "width": 32,
+    "num_inference_steps": 2,
+    "max_sequence_length": 32,
+    "text_encoder_out_layers": _TEXT_OUT_LAYERS,
+}
+
+ADAPTER = register(
+    ModelAdapter(
+        family="flux2",
+        transformer_classes=(TRANSFORMER,),
+        block_groups=(
+            BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P1),
+            BlockGroup(path="single_transformer_blocks", pattern=ForwardPattern.P3),
+        ),
+        tiny_pipelines=(
+            TinyPipeline(name="dev", build=tiny_flux2_dev, call_kwargs={**_CALL, "guidance_scale": 4.0}),
+            TinyPipeline(name="klein", build=tiny_flux2_klein, call_kwargs={**_CALL, "guidance_scale": 4.0}),
+            TinyPipeline(
+                name="klein-edit",
+                build=tiny_flux2_klein,
+                # Reference images are encoded and appended to the image tokens (the output keeps the first part).
+                call_kwargs={**_CALL, "guidance_scale": 4.0, "image": _reference_image()},
+            ),
+        ),
+        presets=(
+            ModelPreset(
+                name="flux2-dev",
+                pipeline_class="diffusers.Flux2Pipeline",
+                hub_id="black-forest-labs/FLUX.2-dev",
+                defaults={"num_inference_steps": 50, "guidance_scale": 4.0, "height": 1024, "width": 1024},
+            ),
+            ModelPreset(
+                name="flux2-klein-4b",
+                pipeline_class="diffusers.Flux2KleinPipeline",
+                hub_id="black-forest-labs/FLUX.2-klein-4B",
+                defaults={"num_inference_steps": 4, "guidance_scale": 1.0, "height": 1024, "width": 1024},
+            ),
+            ModelPreset(
+                name="flux2-klein-base-4b",
+                pipeline_class="diffusers.Flux2KleinPipeline",
+                hub_id="black-forest-labs/FLUX.2-klein-base-4B",
+                defaults={"num_inference_steps": 50, "guidance_scale": 4.0, "height": 1024, "width": 1024},
+            ),
+        ),
+        notes=(
+            "Modulation is shared: the model computes one set of modulation tensors per stream from the timestep "
+            "and passes it to every block. 4-axis RoPE from `txt_ids`/`img_ids` (computed outside the blocks); "
+            "reference images add image tokens after the generated ones. FLUX.2 dev embeds guidance (one forward "
+            "per step); klein base runs true CFG inside cache_context('cond'/'uncond'). No attention mask."
+        ),
+    )
+)
