@@ -2,7 +2,7 @@
 
 The tokenizer is byte-level BPE with Qwen's chat special tokens and a short chat template of our own that renders the
 ChatML layout the pipelines expect (``<|im_start|>role\\n...<|im_end|>``), including the empty think block Qwen3
-emits when ``enable_thinking=False``.
+emits when ``enable_thinking=False``; message content may be a string or a list of ``{"type": "text"}`` parts.
 """
 
 from __future__ import annotations
@@ -21,7 +21,10 @@ QWEN3_SPECIALS: tuple[str, ...] = (
 
 QWEN3_CHAT_TEMPLATE = (
     "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"

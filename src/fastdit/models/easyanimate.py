@@ -1,0 +1,116 @@
+"""EasyAnimate V5.1 (text-to-video): ``EasyAnimateTransformer3DModel``.
+
+Blocks (diffusers 0.42.1): one list, ``transformer_blocks`` (``EasyAnimateTransformerBlock``; the first
+``mmdit_layers`` keep separate text/video weights), called positionally with ``(hidden_states, encoder_hidden_states,
+temb, image_rotary_emb)`` and returning ``(hidden_states, encoder_hidden_states)`` (pattern 0). Video tokens are all
+frames flattened into one sequence; nothing runs between blocks.
+"""
+
+from __future__ import annotations
+
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.registry import register
+from fastdit.testing.components.encoders import build
+from fastdit.testing.components.qwen2_vl import qwen2_vl_model
+
+TRANSFORMER = "diffusers.models.transformers.transformer_easyanimate.EasyAnimateTransformer3DModel"
+
+_LATENT_CHANNELS = 4
+
+
+def tiny_transformer(seed: int = 0, *, num_layers: int = 3):
+    """A 3-block ``EasyAnimateTransformer3DModel`` (2 heads x 16, MMDiT weights in every block, Qwen2-VL width 32)."""
+    from diffusers import EasyAnimateTransformer3DModel
+
+    return build(
+        EasyAnimateTransformer3DModel,
+        seed=seed,
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=_LATENT_CHANNELS,
+        out_channels=_LATENT_CHANNELS,
+        patch_size=2,
+        sample_width=8,
+        sample_height=8,
+        num_layers=num_layers,
+        mmdit_layers=num_layers,
+        time_embed_dim=16,
+        text_embed_dim=32,
+        add_norm_text_encoder=True,
+    )
+
+
+def tiny_vae(seed: int = 0):
+    """A tiny ``AutoencoderKLMagvit``: spatial factor 4, temporal factor 2 (one level of each kind of block)."""
+    from diffusers import AutoencoderKLMagvit
+
+    return build(
+        AutoencoderKLMagvit,
+        seed=seed,
+        in_channels=3,
+        latent_channels=_LATENT_CHANNELS,
+        out_channels=3,
+        block_out_channels=(8, 8, 8),
+        down_block_types=("SpatialDownBlock3D", "SpatialTemporalDownBlock3D", "SpatialTemporalDownBlock3D"),
+        up_block_types=("SpatialUpBlock3D", "SpatialTemporalUpBlock3D", "SpatialTemporalUpBlock3D"),
+        layers_per_block=1,
+        norm_num_groups=8,
+        spatial_group_norm=True,
+    )
+
+
+def tiny_easyanimate(seed: int = 0):
+    """A complete tiny ``EasyAnimatePipeline`` (Qwen2-VL text encoder, MagViT VAE)."""
+    from diffusers import EasyAnimatePipeline, FlowMatchEulerDiscreteScheduler
+
+    text_encoder, tokenizer = qwen2_vl_model(seed=seed)
+    return EasyAnimatePipeline(
+        vae=tiny_vae(seed),
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=tiny_transformer(seed),
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+    )
+
+
+ADAPTER = register(
+    ModelAdapter(
+        family="easyanimate",
+        transformer_classes=(TRANSFORMER,),
+        block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P0),),
+        tiny_pipelines=(
+            TinyPipeline(
+                name="t2v",
+                build=tiny_easyanimate,
+                # guidance_scale > 1 batches cond and uncond in one transformer call per step.
+                call_kwargs={
+                    "prompt": "a cat holding a sign",
+                    "negative_prompt": "blue",
+                    "guidance_scale": 5.0,
+                    "num_frames": 5,
+                    "height": 32,
+                    "width": 32,
+                    "num_inference_steps": 2,
+                },
+            ),
+        ),
+        presets=(
+            ModelPreset(
+                name="easyanimate-v5.1",
+                pipeline_class="diffusers.EasyAnimatePipeline",
+                hub_id="alibaba-pai/EasyAnimateV5.1-7b-zh-diffusers",
+                defaults={
+                    "num_inference_steps": 50,
+                    "guidance_scale": 6.0,
+                    "num_frames": 49,
+                    "height": 512,
+                    "width": 512,
+                },
+            ),
+        ),
+        notes=(
+            "3-D RoPE is computed from hidden_states.shape inside forward. Text is padded to 256 tokens with no mask "
+            "reaching the transformer. CFG is batched in one call and the pipeline opens no cache contexts."
+        ),
+    )
+)
