@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 __all__ = ["COMMANDS", "EXIT_USAGE", "CLIError", "build_parser", "main"]
 
-COMMANDS: tuple[str, ...] = ("metrics",)
+COMMANDS: tuple[str, ...] = ("generate", "list", "bench", "metrics")
 """Command modules under ``fastdit.cli``, in help order; adding a command is adding its name here."""
 
 EXIT_USAGE = 2

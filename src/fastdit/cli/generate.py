@@ -1,0 +1,405 @@
+"""``fastdit generate [MODEL]``: load a pipeline, accelerate it, generate, time it, and save the result.
+
+MODEL is a registered name (``fastdit list``) whose weights are read from ``--model-path`` or the model's environment
+variable (e.g. ``FLUX_DIR``); fastdit never downloads. Without MODEL the built-in reference pipeline runs, offline, and
+an accelerated run is compared with the plain one by default (speed-up, PSNR, SSIM).
+
+Every check that does not need the weights runs before they are loaded, and nothing is written unless the run
+succeeds: bad input ends with one line ``fastdit: error: ...`` and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from fastdit.cli import CLIError
+from fastdit.cli.options import (
+    add_cache_arguments,
+    add_call_arguments,
+    add_model_arguments,
+    cache_from_args,
+    call_values,
+    check_call_numbers,
+    check_positive,
+    check_size,
+    parse_parallel,
+    resolve_device,
+    resolve_dtype,
+    resolve_source,
+)
+from fastdit.config import ATTENTION_BACKENDS, Attention, Compile
+from fastdit.generate import (
+    Case,
+    Generator,
+    ModelSource,
+    RunResult,
+    call_arguments,
+    call_parameters,
+    compare_outputs,
+    default_prompts,
+    default_steps,
+    is_main_process,
+    is_video_pipeline,
+    output_paths,
+    process_count,
+    save_output,
+)
+from fastdit.io import IMAGE_SUFFIXES, VIDEO_SUFFIXES
+
+__all__ = ["GeneratePlan", "add_parser", "plan_from_args", "run"]
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register the ``generate`` command.
+
+    Args:
+        subparsers: The action returned by ``ArgumentParser.add_subparsers``.
+
+    Returns:
+        The command's parser.
+    """
+    parser = subparsers.add_parser(
+        "generate",
+        help="generate images or videos with an accelerated pipeline",
+        description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_model_arguments(parser)
+    parser.add_argument(
+        "--prompt", action="append", metavar="TEXT", help="prompt; repeat for several (one output each, in order)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="noise seed, the same for every prompt (default 0)")
+    add_call_arguments(parser)
+    add_cache_arguments(parser)
+    _add_acceleration_arguments(parser)
+    _add_run_arguments(parser)
+    return parser
+
+
+def _add_acceleration_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("parallelism and compilation")
+    group.add_argument(
+        "--parallel",
+        metavar="SPEC",
+        help="degrees as key=value pairs, e.g. ulysses=2,ring=1 (keys: ulysses, ring, tp, cfg, text_encoder, vae); "
+        "their product must equal the number of processes (torchrun)",
+    )
+    group.add_argument("--compile", action="store_true", help="torch.compile the transformer blocks")
+    group.add_argument("--attention", metavar="BACKEND", help=f"attention backend: {', '.join(ATTENTION_BACKENDS)}")
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("timing and output")
+    group.add_argument(
+        "--warmup", type=int, metavar="N", help="untimed runs first (default: 1 with --compare or --compile, else 0)"
+    )
+    group.add_argument("--repeat", type=int, default=1, metavar="N", help="timed runs; the median is reported")
+    group.add_argument(
+        "--compare",
+        action=argparse.BooleanOptionalAction,
+        help="also run without acceleration (same seed) and report speed-up, PSNR and SSIM "
+        "(default: on for the reference pipeline when an acceleration is requested)",
+    )
+    group.add_argument("--summary", action="store_true", help="print the cache statistics of the last run")
+    group.add_argument(
+        "--track-memory", action="store_true", help="report peak memory (CUDA max allocated, or process peak RSS)"
+    )
+    group.add_argument(
+        "--out",
+        metavar="PATH",
+        help="output file for one prompt (.png, ... ; .mp4 or .gif for videos); a directory for several "
+        "(0000.png, 0001.png, ... in prompt order)",
+    )
+    group.add_argument("--fps", type=float, default=16.0, help="frames per second of saved videos (default 16)")
+    group.add_argument("--json", action="store_true", help="end with one JSON line of results (the rest on stderr)")
+    group.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+@dataclass
+class GeneratePlan:
+    """Everything ``generate`` will do, checked before any weights are loaded.
+
+    Attributes:
+        source: The model.
+        pipeline_class: Its pipeline class (imported, not instantiated).
+        kwargs: Call arguments (without prompt and generator).
+        cases: Prompt and seed of each output.
+        acceleration: ``fastdit.accelerate`` keyword arguments (empty: none requested).
+        device: Where to run.
+        dtype: Parameter dtype.
+        warmup: Untimed runs.
+        repeat: Timed runs.
+        compare: Whether to run the un-accelerated baseline too.
+        outputs: Where each output is saved (empty: nothing is saved).
+        video: Whether the pipeline makes videos.
+        num_steps: Denoising steps per call (``None`` if the pipeline does not say).
+    """
+
+    source: ModelSource
+    pipeline_class: type
+    kwargs: dict[str, Any]
+    cases: list[Case]
+    acceleration: dict[str, Any] = field(default_factory=dict)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    dtype: torch.dtype = torch.float32
+    warmup: int = 0
+    repeat: int = 1
+    compare: bool = False
+    outputs: list[Path] = field(default_factory=list)
+    video: bool = False
+    num_steps: int | None = None
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    check_call_numbers(args)
+    check_positive("--repeat", args.repeat)
+    check_positive("--warmup", args.warmup, allow_zero=True)
+    check_positive("--seed", args.seed, allow_zero=True)
+    check_positive("--fps", args.fps)
+
+
+def _cases(args: argparse.Namespace, source: ModelSource, pipeline_class: type) -> list[Case]:
+    takes_prompt = "prompt" in call_parameters(pipeline_class)
+    if args.prompt and not takes_prompt:
+        raise CLIError(f"argument --prompt: {pipeline_class.__name__} takes no prompt")
+    if not takes_prompt:
+        return [Case(None, args.seed)]
+    prompts = args.prompt or (default_prompts(source, 1) if source.reference else None)
+    if not prompts:
+        raise CLIError(f"argument --prompt: required for MODEL {source.name!r}")
+    return [Case(prompt, args.seed) for prompt in prompts]
+
+
+def _acceleration(args: argparse.Namespace, num_steps: int | None) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    cache = cache_from_args(args, num_steps)
+    if cache is not None:
+        options["cache"] = cache
+    if args.parallel is not None:
+        try:
+            options["parallel"] = parse_parallel(args.parallel, process_count())
+        except ValueError as error:  # a malformed WORLD_SIZE
+            raise CLIError(str(error)) from None
+    if args.compile:
+        options["compile"] = Compile()
+    if args.attention is not None:
+        try:
+            options["attention"] = Attention(backend=args.attention)
+        except ValueError as error:
+            raise CLIError(f"argument --attention {args.attention}: {error}") from None
+    return options
+
+
+def _outputs(args: argparse.Namespace, count: int, video: bool) -> list[Path]:
+    if args.out is None:
+        return []
+    out = Path(args.out)
+    suffixes = VIDEO_SUFFIXES if video else IMAGE_SUFFIXES
+    kind = "video" if video else "image"
+    if count > 1:
+        if out.suffix.lower() in IMAGE_SUFFIXES | VIDEO_SUFFIXES or out.is_file():
+            raise CLIError(f"argument --out {args.out}: {count} prompts need a directory, not a file")
+        paths = output_paths(out, count, ".mp4" if video else ".png")
+    else:
+        if out.is_dir():
+            raise CLIError(f"argument --out {args.out}: is a directory; one prompt is saved to a file")
+        if out.suffix.lower() not in suffixes:
+            raise CLIError(
+                f"argument --out {args.out}: a {kind} needs one of the suffixes {', '.join(sorted(suffixes))}"
+            )
+        paths = [out]
+    if video and any(p.suffix.lower() != ".gif" for p in paths) and importlib.util.find_spec("imageio") is None:
+        raise CLIError(f"argument --out {args.out}: mp4 needs imageio and imageio-ffmpeg (pip install fastdit[video])")
+    return paths
+
+
+def plan_from_args(args: argparse.Namespace) -> GeneratePlan:
+    """Check every argument that can be checked without the weights and resolve the model.
+
+    Raises:
+        CLIError: On any bad value, naming the flag.
+    """
+    _check_numbers(args)
+    source, pipeline_class = resolve_source(args)
+    try:
+        kwargs = call_arguments(pipeline_class, source.defaults, call_values(args, pipeline_class))
+    except ValueError as error:
+        raise CLIError(str(error)) from None
+    num_steps = default_steps(pipeline_class, kwargs)
+    cases = _cases(args, source, pipeline_class)
+    acceleration = _acceleration(args, num_steps)
+    compare = args.compare if args.compare is not None else source.reference and bool(acceleration)
+    if compare and not acceleration:
+        raise CLIError("argument --compare: nothing to compare, ask for an acceleration (--cache, --compile, ...)")
+    device = resolve_device(args.device)
+    video = is_video_pipeline(pipeline_class)
+    default_warmup = 1 if compare or args.compile else 0
+    return GeneratePlan(
+        source=source,
+        pipeline_class=pipeline_class,
+        kwargs=kwargs,
+        cases=cases,
+        acceleration=acceleration,
+        device=device,
+        dtype=resolve_dtype(args.dtype, device),
+        warmup=default_warmup if args.warmup is None else args.warmup,
+        repeat=args.repeat,
+        compare=compare,
+        outputs=_outputs(args, len(cases), video),
+        video=video,
+        num_steps=num_steps,
+    )
+
+
+def _accelerate(generator: Generator, plan: GeneratePlan) -> None:
+    try:
+        generator.accelerate(**plan.acceleration)
+    except (NotImplementedError, ValueError) as error:
+        asked = ", ".join(f"{k}={v}" for k, v in plan.acceleration.items())
+        raise CLIError(f"cannot accelerate {plan.source.name} with {asked}: {error}") from None
+
+
+def execute(plan: GeneratePlan, *, progress: bool, track_memory: bool) -> tuple[Generator, RunResult, RunResult | None]:
+    """Load, check sizes, accelerate, run (and the baseline with ``plan.compare``).
+
+    Returns:
+        The generator (still accelerated, for :func:`fastdit.summary`), the accelerated result and the baseline.
+    """
+    generator = Generator.load(plan.source, device=plan.device, dtype=plan.dtype, progress=progress)
+    check_size(generator.pipe, plan.kwargs)
+    run = {"warmup": plan.warmup, "repeat": plan.repeat, "track_memory": track_memory}
+    baseline = None
+    if plan.acceleration:
+        _accelerate(generator, plan)  # fail fast, before spending time on the baseline
+        if plan.compare:
+            generator.disable()
+            baseline = generator.run(plan.cases, plan.kwargs, **run)
+            _accelerate(generator, plan)
+    result = generator.run(plan.cases, plan.kwargs, **run)
+    return generator, result, baseline
+
+
+def _describe(options: dict[str, Any]) -> Any:
+    def plain(value: Any) -> Any:
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return {"type": type(value).__name__, **dataclasses.asdict(value)}
+        return value
+
+    return {name: plain(value) for name, value in options.items()}
+
+
+def _payload(plan: GeneratePlan, generator: Generator, result: RunResult, baseline: RunResult | None) -> dict:
+    from fastdit.metrics import json_safe
+
+    payload: dict[str, Any] = {
+        "model": plan.source.name,
+        "pipeline": plan.pipeline_class.__name__,
+        "out": str(plan.outputs[0])
+        if len(plan.outputs) == 1
+        else (str(plan.outputs[0].parent) if plan.outputs else None),
+        "files": [str(p) for p in plan.outputs],
+        "prompts": [c.prompt for c in plan.cases],
+        "seed": plan.cases[0].seed,
+        "steps": plan.num_steps,
+        "height": plan.kwargs.get("height"),
+        "width": plan.kwargs.get("width"),
+        "device": str(plan.device),
+        "dtype": str(plan.dtype).removeprefix("torch."),
+        "world_size": process_count(),
+        "acceleration": _describe(plan.acceleration),
+        "load_seconds": generator.load_seconds,
+        "warmup_seconds": result.warmup_seconds,
+        "repeat": plan.repeat,
+        "seconds": result.median_seconds,
+        "seconds_per_image": result.median_seconds / len(plan.cases),
+    }
+    if "num_frames" in plan.kwargs:
+        payload["frames"] = plan.kwargs["num_frames"]
+    if result.cache is not None and "cache" in plan.acceleration:
+        payload["cached_steps"] = result.cache.cached_steps
+        payload["blocks_computed_fraction"] = result.cache.blocks_computed_fraction
+    if result.peak_memory is not None:
+        payload["peak_memory_bytes"] = result.peak_memory
+        payload["memory_kind"] = result.memory_kind
+    if baseline is not None:
+        quality = compare_outputs(baseline.outputs, result.outputs)
+        payload["baseline_seconds"] = baseline.median_seconds
+        payload["speedup"] = baseline.median_seconds / result.median_seconds
+        for name in ("psnr", "psnr_min", "ssim", "ssim_min"):
+            payload[name] = json_safe(getattr(quality, name))
+        if baseline.peak_memory is not None:
+            payload["baseline_peak_memory_bytes"] = baseline.peak_memory
+    return payload
+
+
+def _gib(value: int) -> str:
+    return f"{value / 2**30:.2f} GiB"
+
+
+def _report(payload: dict[str, Any], stream: TextIO) -> None:
+    def line(label: str, text: str) -> None:
+        print(f"{label:<10} {text}", file=stream)
+
+    line("model", f"{payload['model']} ({payload['pipeline']}, {payload['device']}, {payload['dtype']})")
+    line("loaded", f"{payload['load_seconds']:.2f} s")
+    if payload["warmup_seconds"]:
+        line("warm-up", f"{payload['warmup_seconds']:.2f} s")
+    count = len(payload["prompts"])
+    line(
+        "latency",
+        f"{payload['seconds']:.3f} s per run (median of {payload['repeat']}), {count} output{'s' * (count > 1)}, "
+        f"{payload['steps']} steps",
+    )
+    if "blocks_computed_fraction" in payload:
+        line(
+            "cache",
+            f"{payload['cached_steps']} steps cached, {payload['blocks_computed_fraction']:.1%} of blocks computed",
+        )
+    if "speedup" in payload:
+        line("baseline", f"{payload['baseline_seconds']:.3f} s, speed-up {payload['speedup']:.2f}x")
+        psnr, psnr_min = (f"{v:.2f}" if isinstance(v, float) else v for v in (payload["psnr"], payload["psnr_min"]))
+        line("quality", f"PSNR {psnr} dB (min {psnr_min}), SSIM {payload['ssim']:.4f} (min {payload['ssim_min']:.4f})")
+    if "peak_memory_bytes" in payload:
+        line("memory", f"{_gib(payload['peak_memory_bytes'])} ({payload['memory_kind']})")
+    line("saved", ", ".join(payload["files"]) if payload["files"] else "nothing (pass --out PATH to save)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Generate, report, and save (rank 0 only).
+
+    Args:
+        args: Parsed arguments of the ``generate`` command.
+
+    Returns:
+        0 on success.
+
+    Raises:
+        CLIError: On bad input (before anything is written).
+    """
+    plan = plan_from_args(args)
+    main = is_main_process()
+    generator, result, baseline = execute(plan, progress=main and not args.quiet, track_memory=args.track_memory)
+    if main and plan.outputs:
+        for path, output in zip(plan.outputs, result.outputs, strict=True):
+            save_output(path, output, fps=args.fps)
+    payload = _payload(plan, generator, result, baseline)
+    if not main:
+        return 0
+    stream = sys.stderr if args.json else sys.stdout
+    _report(payload, stream)
+    if args.summary and generator.accelerated:
+        import fastdit
+
+        print(fastdit.summary(generator.pipe), file=stream)
+    if args.json:
+        print(json.dumps(payload, allow_nan=False))
+    return 0

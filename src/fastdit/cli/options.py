@@ -1,0 +1,460 @@
+"""Flags shared by ``generate`` and ``bench``, derived from the config dataclasses rather than written out by hand.
+
+One cache flag per field of :class:`~fastdit.config.DBCache` and :class:`~fastdit.config.DBPrune`
+(``--cache-fn``, ``--cache-threshold``, ``--cache-warmup-steps``, ..., plus ``--taylorseer ORDER`` and
+``--step-mask PRESET|LIST``); ``--parallel`` takes ``key=value`` pairs named after the fields of
+:class:`~fastdit.config.Parallel`. Values are read as text and checked in the command, so a bad value is reported as
+one line naming the flag (exit code 2) rather than as an argparse usage dump.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from functools import cache
+from typing import Any
+
+import torch
+
+from fastdit.cache.presets import CACHE_PRESETS, DEFAULT_CACHE_PRESET, NO_CACHE, cache_config, get_cache_preset
+from fastdit.cli import CLIError
+from fastdit.config import STEP_MASK_PRESETS, DBCache, DBPrune, Parallel, StepMask, TaylorSeer, config_fields
+from fastdit.generate import ModelSource, call_parameters, import_pipeline_class, resolve_model, size_multiple
+
+__all__ = [
+    "DTYPES",
+    "CacheFlag",
+    "add_call_arguments",
+    "add_model_arguments",
+    "cache_flags",
+    "cache_from_args",
+    "cache_from_spec",
+    "call_values",
+    "check_call_numbers",
+    "check_positive",
+    "check_size",
+    "parse_parallel",
+    "parse_value",
+    "resolve_device",
+    "resolve_dtype",
+    "resolve_source",
+]
+
+DTYPES: Mapping[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""``--dtype`` choices besides ``auto`` (bfloat16 on CUDA, float32 on CPU)."""
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+_NONE = frozenset({"none", "auto", "off"})
+
+
+def _scalar(hint: Any, text: str) -> Any:
+    if hint is TaylorSeer:
+        return int(text)  # an order; 0 means off (see fastdit.cache.presets.taylorseer_from)
+    if hint is StepMask:
+        if text in STEP_MASK_PRESETS:
+            return text
+        return tuple(int(part) for part in text.replace("+", ",").split(",") if part.strip())
+    if hint is bool:
+        lowered = text.lower()
+        if lowered not in _TRUE | _FALSE:
+            raise ValueError("expected true or false")
+        return lowered in _TRUE
+    if hint is int:
+        return int(text)
+    if hint is float:
+        return float(text)
+    return text
+
+
+def parse_value(hint: Any, text: str) -> Any:
+    """Read a config field's value from text, following its type hint.
+
+    ``int``, ``float``, ``bool`` (true/false/yes/no/on/off/1/0) and ``X | None`` (``none``/``auto``/``off`` for
+    ``None``); :class:`TaylorSeer` fields take an order, :class:`StepMask` fields a preset name or step indices.
+
+    Raises:
+        ValueError: If ``text`` does not fit ``hint``.
+    """
+    text = text.strip()
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        members = [m for m in typing.get_args(hint) if m is not type(None)]
+        if text.lower() in _NONE:
+            return None
+        hint = members[0]
+    try:
+        return _scalar(hint, text)
+    except ValueError:
+        expected = {
+            TaylorSeer: "an order (1 or 2, 0 for off)",
+            StepMask: f"one of {', '.join(STEP_MASK_PRESETS)} or step indices like 0,1,2",
+            int: "an integer",
+            float: "a number",
+            bool: "true or false",
+        }.get(hint, "a value")
+        raise ValueError(f"expected {expected}") from None
+
+
+@dataclass(frozen=True)
+class CacheFlag:
+    """A command-line flag for one cache config field.
+
+    Attributes:
+        field: The dataclass field name, e.g. ``"warmup_steps"``.
+        flag: The flag, e.g. ``"--cache-warmup-steps"``.
+        hint: The field's type hint (used to read the value).
+        owners: Names of the config classes that have the field.
+        doc: The field's one-line documentation.
+    """
+
+    field: str
+    flag: str
+    hint: Any
+    owners: tuple[str, ...]
+    doc: str
+
+    @property
+    def dest(self) -> str:
+        """The argparse destination."""
+        return self.flag.lstrip("-").replace("-", "_")
+
+    @property
+    def metavar(self) -> str:
+        """What ``--help`` shows as the value."""
+        if self.field == "taylorseer":
+            return "ORDER"
+        if self.field == "step_mask":
+            return "PRESET|LIST"
+        return self.field.upper()
+
+
+# Nested configs read better as their own word on the command line.
+_SHORT_FLAGS = {"taylorseer": "--taylorseer", "step_mask": "--step-mask"}
+
+
+@cache
+def cache_flags() -> tuple[CacheFlag, ...]:
+    """One flag per field of DBCache and DBPrune (fields they share get one flag), in declaration order."""
+    hints = {cls: typing.get_type_hints(cls) for cls in (DBCache, DBPrune)}
+    docs: dict[str, str] = {}
+    owners: dict[str, list[str]] = {}
+    for cls in (DBCache, DBPrune):
+        for name, _default, doc in config_fields(cls):
+            docs.setdefault(name, doc)
+            owners.setdefault(name, []).append(cls.__name__)
+    return tuple(
+        CacheFlag(
+            field=name,
+            flag=_SHORT_FLAGS.get(name, f"--cache-{name.replace('_', '-')}"),
+            hint=hints[DBCache].get(name, hints[DBPrune].get(name)),
+            owners=tuple(owners[name]),
+            doc=docs[name],
+        )
+        for name in docs
+    )
+
+
+def _field_flag(name: str) -> CacheFlag | None:
+    return next((f for f in cache_flags() if f.field == name), None)
+
+
+def _defaults(cls: type) -> dict[str, Any]:
+    return {f.name: f.default for f in fields(cls)}
+
+
+def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--cache[=PRESET]`` and one flag per cache config field (values are checked by :func:`cache_from_args`)."""
+    group = parser.add_argument_group("step cache (any field flag implies --cache)")
+    presets = "; ".join(f"{p.name}: {p.doc}" for p in CACHE_PRESETS.values())
+    group.add_argument(
+        "--cache",
+        nargs="?",
+        const=DEFAULT_CACHE_PRESET,
+        metavar="PRESET",
+        help=f"cache the transformer's steps; PRESET defaults to {DEFAULT_CACHE_PRESET!r} ({presets})".replace(
+            "%", "%%"
+        ),
+    )
+    db, prune = _defaults(DBCache), _defaults(DBPrune)
+    for flag in cache_flags():
+        where = "" if len(flag.owners) > 1 else f" [{flag.owners[0]} only]"
+        default = db.get(flag.field, prune.get(flag.field))
+        group.add_argument(
+            flag.flag,
+            dest=flag.dest,
+            metavar=flag.metavar,
+            help=f"{flag.doc}{where} (preset's value; class default {default!r})".replace("%", "%%"),
+        )
+
+
+def _check_preset(name: str, option: str) -> None:
+    try:
+        get_cache_preset(name)
+    except LookupError as error:
+        raise CLIError(f"argument {option}: {error}") from None
+
+
+def _build(preset: str, overrides: dict[str, tuple[str, Any]], num_steps: int | None, option: str) -> Any:
+    """Apply overrides one by one so an invalid value is blamed on the flag that gave it."""
+    _check_preset(preset, option)
+    applied: dict[str, Any] = {}
+    config = cache_config(preset, num_steps=num_steps)
+    for name, (label, value) in overrides.items():
+        applied[name] = value
+        try:
+            config = cache_config(preset, num_steps=num_steps, **applied)
+        except ValueError as error:
+            raise CLIError(f"argument {label}: {error}") from None
+    return config
+
+
+def cache_from_args(args: argparse.Namespace, num_steps: int | None) -> DBCache | DBPrune | None:
+    """The cache configuration asked for by ``--cache`` and the field flags (``None``: no cache).
+
+    Raises:
+        CLIError: On an unknown preset, a value that does not parse, a field the preset's config lacks, or a value
+            the config rejects; the message names the flag.
+    """
+    overrides: dict[str, tuple[str, Any]] = {}
+    for flag in cache_flags():
+        text = getattr(args, flag.dest, None)
+        if text is None:
+            continue
+        try:
+            overrides[flag.field] = (f"{flag.flag} {text}", parse_value(flag.hint, text))
+        except ValueError as error:
+            raise CLIError(f"argument {flag.flag}: invalid value {text!r}: {error}") from None
+    preset = args.cache
+    if preset is None:
+        if not overrides:
+            return None
+        preset = DEFAULT_CACHE_PRESET
+    if preset == NO_CACHE and overrides:
+        raise CLIError(f"argument --cache {NO_CACHE}: cannot be combined with {', '.join(sorted(overrides))} flags")
+    return _build(preset, overrides, num_steps, f"--cache {preset}")
+
+
+def _assignments(text: str) -> list[str]:
+    """Split ``a=1,b=2,3`` on commas; a piece without ``=`` continues the previous value (``step_mask=0,1,2``)."""
+    pieces: list[str] = []
+    for piece in text.split(","):
+        if "=" not in piece and pieces and "=" in pieces[-1]:
+            pieces[-1] += "," + piece
+        else:
+            pieces.append(piece)
+    return [p.strip() for p in pieces if p.strip()]
+
+
+def cache_from_spec(spec: str, num_steps: int | None, option: str = "--configs") -> DBCache | DBPrune | None:
+    """Read one benchmark configuration: ``PRESET``, ``PRESET,field=value,...`` or ``field=value,...``.
+
+    Field names are those of the config dataclasses (``fn``, ``bn``, ``threshold``, ``warmup_steps``,
+    ``taylorseer``, ``step_mask``, ...); without a preset the fields override :data:`DEFAULT_CACHE_PRESET`.
+
+    Raises:
+        CLIError: On an unknown preset or field, or an invalid value.
+    """
+    pieces = _assignments(spec)
+    if not pieces:
+        raise CLIError(f"argument {option}: empty configuration in {spec!r}")
+    preset = DEFAULT_CACHE_PRESET
+    if "=" not in pieces[0]:
+        preset = pieces.pop(0)
+    overrides: dict[str, tuple[str, Any]] = {}
+    for piece in pieces:
+        key, sep, text = piece.partition("=")
+        name = key.strip().replace("-", "_")
+        flag = _field_flag(name)
+        if not sep or flag is None:
+            known = ", ".join(f.field for f in cache_flags())
+            raise CLIError(f"argument {option}: {piece!r} in {spec!r} is not field=value with a field in: {known}")
+        try:
+            overrides[name] = (f"{option} {spec!r}", parse_value(flag.hint, text))
+        except ValueError as error:
+            raise CLIError(f"argument {option}: {piece!r} in {spec!r}: {error}") from None
+    if preset == NO_CACHE and overrides:
+        raise CLIError(f"argument {option}: {spec!r}: preset {NO_CACHE!r} takes no fields")
+    return _build(preset, overrides, num_steps, f"{option} {spec!r}")
+
+
+def parse_parallel(text: str, num_processes: int) -> Parallel:
+    """Read ``--parallel ulysses=2,ring=1`` (keys are :class:`Parallel` fields; ``vae`` alone means ``vae=true``).
+
+    Raises:
+        CLIError: On bad syntax, an unknown key, an invalid degree, or degrees whose product differs from the number
+            of processes.
+    """
+    hints = typing.get_type_hints(Parallel)
+    values: dict[str, Any] = {}
+    for piece in (p.strip() for p in text.split(",")):
+        key, sep, value = piece.partition("=")
+        key = key.strip().replace("-", "_")
+        if key not in hints or (not sep and hints[key] is not bool):
+            raise CLIError(
+                f"argument --parallel: {piece!r} in {text!r} is not key=value with a key in: {', '.join(hints)}"
+            )
+        try:
+            values[key] = parse_value(hints[key], value) if sep else True
+        except ValueError as error:
+            raise CLIError(f"argument --parallel: {piece!r} in {text!r}: {error}") from None
+    try:
+        parallel = Parallel(**values)
+    except ValueError as error:
+        raise CLIError(f"argument --parallel {text}: {error}") from None
+    if parallel.world_size != num_processes:
+        raise CLIError(
+            f"argument --parallel {text}: needs {parallel.world_size} processes (cfg × ring × ulysses × tp), "
+            f"this run has {num_processes}; launch with torchrun --nproc-per-node {parallel.world_size}"
+        )
+    return parallel
+
+
+def check_positive(option: str, value: int | float | None, *, allow_zero: bool = False) -> None:
+    """Reject a negative (or zero) number given for ``option``."""
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = "non-negative" if allow_zero else "positive"
+        raise CLIError(f"argument {option} {value}: must be {bound}")
+
+
+def resolve_device(text: str | None) -> torch.device:
+    """``--device``: the given device, or ``cuda`` when available, else ``cpu``."""
+    if text is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise CLIError(f"argument --device: invalid device {text!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CLIError(f"argument --device {text}: CUDA is not available on this machine")
+    return device
+
+
+def resolve_dtype(text: str, device: torch.device) -> torch.dtype:
+    """``--dtype``: ``auto`` is bfloat16 on CUDA and float32 elsewhere."""
+    if text == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[text]
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """MODEL, ``--model-path``, ``--device``, ``--dtype``."""
+    parser.add_argument(
+        "model",
+        nargs="?",
+        metavar="MODEL",
+        help="registered model name (see `fastdit list`); omit for the built-in reference pipeline",
+    )
+    parser.add_argument(
+        "--model-path",
+        metavar="DIR",
+        help="local pipeline directory (save_pretrained layout); default: the model's environment variable, "
+        "e.g. FLUX_DIR for flux",
+    )
+    parser.add_argument("--device", help="device to run on (default: cuda if available, else cpu)")
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", *DTYPES),
+        default="auto",
+        help="parameter dtype (auto: bfloat16 on CUDA, else float32)",
+    )
+
+
+def add_call_arguments(parser: argparse.ArgumentParser) -> None:
+    """The pipeline call: negative prompt, steps, size, frames, guidance."""
+    group = parser.add_argument_group("pipeline call (defaults: the model preset's, else the pipeline's)")
+    group.add_argument("--negative-prompt", metavar="TEXT", help="negative prompt (pipelines that take one)")
+    group.add_argument("--steps", type=int, metavar="N", help="denoising steps (num_inference_steps)")
+    group.add_argument("--height", type=int, metavar="PX", help="output height in pixels")
+    group.add_argument("--width", type=int, metavar="PX", help="output width in pixels")
+    group.add_argument("--frames", type=int, metavar="N", help="number of frames (video pipelines)")
+    group.add_argument("--guidance", type=float, metavar="SCALE", help="guidance_scale")
+    group.add_argument("--image", metavar="PATH", help="conditioning image (image-to-image, edit, I2V pipelines)")
+    group.add_argument(
+        "--true-cfg",
+        type=float,
+        metavar="SCALE",
+        help="true_cfg_scale (pipelines that run a separate unconditional pass); above 1 it needs a negative "
+        "prompt, the empty one by default",
+    )
+
+
+# Flag → pipeline ``__call__`` parameter, for the flags that map one to one.
+_CALL_FLAGS: tuple[tuple[str, str, str], ...] = (
+    ("steps", "--steps", "num_inference_steps"),
+    ("height", "--height", "height"),
+    ("width", "--width", "width"),
+    ("frames", "--frames", "num_frames"),
+    ("guidance", "--guidance", "guidance_scale"),
+    ("true_cfg", "--true-cfg", "true_cfg_scale"),
+    ("negative_prompt", "--negative-prompt", "negative_prompt"),
+)
+
+
+def check_call_numbers(args: argparse.Namespace) -> None:
+    """Reject non-positive steps, sizes and frames, and negative guidance scales."""
+    for option in ("--steps", "--height", "--width", "--frames"):
+        check_positive(option, getattr(args, option[2:]))
+    check_positive("--guidance", args.guidance, allow_zero=True)
+    check_positive("--true-cfg", args.true_cfg, allow_zero=True)
+
+
+def resolve_source(args: argparse.Namespace) -> tuple[ModelSource, type]:
+    """The model MODEL/``--model-path`` name and its pipeline class (imported, not loaded)."""
+    try:
+        source = resolve_model(args.model, args.model_path)
+        return source, import_pipeline_class(source.pipeline_class)
+    except ValueError as error:
+        raise CLIError(str(error)) from None
+
+
+def call_values(args: argparse.Namespace, pipeline_class: type) -> dict[str, Any]:
+    """The call arguments the user gave, as ``__call__`` parameters of ``pipeline_class``.
+
+    Raises:
+        CLIError: If the pipeline does not take one of them (naming the flag), or the image cannot be read.
+    """
+    accepted = call_parameters(pipeline_class)
+    values: dict[str, Any] = {}
+    for attr, option, parameter in _CALL_FLAGS:
+        value = getattr(args, attr)
+        if value is None:
+            continue
+        if parameter not in accepted:
+            raise CLIError(f"argument {option} {value}: {pipeline_class.__name__} does not take {parameter}")
+        values[parameter] = value
+    if args.image is not None:
+        if "image" not in accepted:
+            raise CLIError(f"argument --image {args.image}: {pipeline_class.__name__} does not take an image")
+        values["image"] = _load_image(args.image)
+    # True CFG runs only with a negative prompt; the empty prompt is the usual unconditional input.
+    if (args.true_cfg or 0) > 1 and "negative_prompt" in accepted and "negative_prompt" not in values:
+        values["negative_prompt"] = ""
+    return values
+
+
+def _load_image(path: str) -> Any:
+    from PIL import Image
+
+    from fastdit.io import load_image
+
+    try:
+        return Image.fromarray(load_image(path))
+    except (OSError, ValueError) as error:
+        raise CLIError(f"argument --image: cannot read '{path}': {error}") from None
+
+
+def check_size(pipe: Any, kwargs: Mapping[str, Any]) -> None:
+    """Reject a height or width the loaded pipeline would silently round (see :func:`size_multiple`)."""
+    multiple = size_multiple(pipe)
+    for name in ("height", "width"):
+        value = kwargs.get(name)
+        if isinstance(value, int) and value % multiple:
+            raise CLIError(
+                f"argument --{name} {value}: must be a multiple of {multiple} for {type(pipe).__name__} "
+                "(VAE factor × patch size)"
+            )

@@ -1,0 +1,328 @@
+"""``fastdit generate``: tiny pipelines loaded from disk, outputs, JSON, cache flags, and every bad input → exit 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fastdit.cache.presets import DEFAULT_CACHE_PRESET, cache_config
+from fastdit.cli import build_parser, main
+from fastdit.cli.generate import plan_from_args
+from fastdit.cli.options import cache_flags
+from fastdit.config import DBCache, DBPrune, StepMask, TaylorSeer, config_fields
+from fastdit.generate import Generator
+from fastdit.io import load_image, load_video
+from fastdit.testing.pipelines import save_tiny
+
+pytestmark = pytest.mark.usefixtures("single_process")
+
+TINY = ["--height", "32", "--width", "32", "--steps", "2", "--quiet"]
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(["generate", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _last_json(text: str) -> dict[str, Any]:
+    return json.loads(text.strip().splitlines()[-1])
+
+
+def _error_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("fastdit: error:")]
+
+
+@pytest.fixture(scope="module")
+def tiny_wan_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return Path(save_tiny("wan", str(tmp_path_factory.mktemp("tiny-wan")), "t2v"))
+
+
+def test_model_path_writes_the_image_and_json(tiny_flux_dir: Path, tmp_path: Path, capsys: Any) -> None:
+    out = tmp_path / "cat.png"
+    code, stdout, _ = _run(
+        capsys, "--model-path", str(tiny_flux_dir), "--prompt", "a cat", *TINY, "--out", str(out), "--json"
+    )
+    assert code == 0
+    assert load_image(out).shape == (32, 32, 3)
+    payload = _last_json(stdout)
+    assert stdout.strip().count("\n") == 0  # with --json, stdout holds the JSON line alone
+    assert payload["model"] == str(tiny_flux_dir)
+    assert payload["out"] == str(out) and payload["files"] == [str(out)]
+    assert payload["steps"] == 2 and payload["world_size"] == 1
+    assert payload["seconds"] > 0 and payload["load_seconds"] > 0
+    assert "speedup" not in payload and "cached_steps" not in payload
+    assert [p.name for p in tmp_path.iterdir()] == ["cat.png"]  # atomic write: no temporary left behind
+
+
+def test_registered_model_reads_its_environment_variable(
+    tiny_flux_dir: Path, tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FLUX_DIR", str(tiny_flux_dir))
+    code, stdout, _ = _run(capsys, "flux", "--prompt", "a cat", *TINY, "--out", str(tmp_path / "a.png"), "--json")
+    assert code == 0
+    assert _last_json(stdout)["model"] == "flux"
+    assert (tmp_path / "a.png").is_file()
+
+
+def test_several_prompts_fill_a_directory_in_prompt_order(tiny_flux_dir: Path, tmp_path: Path, capsys: Any) -> None:
+    base = ["--model-path", str(tiny_flux_dir), *TINY, "--seed", "3"]
+    code, _, _ = _run(capsys, *base, "--prompt", "a cat", "--prompt", "a red dog", "--out", str(tmp_path / "many"))
+    assert code == 0
+    assert sorted(p.name for p in (tmp_path / "many").iterdir()) == ["0000.png", "0001.png"]
+    code, _, _ = _run(capsys, *base, "--prompt", "a red dog", "--out", str(tmp_path / "dog.png"))
+    assert code == 0
+    first, second = load_image(tmp_path / "many" / "0000.png"), load_image(tmp_path / "many" / "0001.png")
+    # Each prompt runs alone with the same seed: the second image equals the one-prompt run of its prompt.
+    np.testing.assert_array_equal(second, load_image(tmp_path / "dog.png"))
+    assert not np.array_equal(first, second)
+
+
+def test_cache_with_summary_and_compare(tiny_flux_dir: Path, capsys: Any) -> None:
+    code, stdout, err = _run(
+        capsys,
+        "--model-path",
+        str(tiny_flux_dir),
+        "--prompt",
+        "a cat",
+        *TINY,
+        "--steps",
+        "6",
+        "--cache",
+        "fbcache",
+        "--cache-threshold",
+        "0.5",
+        "--cache-warmup-steps",
+        "1",
+        "--summary",
+        "--compare",
+        "--track-memory",
+        "--json",
+    )
+    assert code == 0
+    payload = _last_json(stdout)
+    assert payload["steps"] == 6
+    assert payload["acceleration"]["cache"]["threshold"] == 0.5
+    assert payload["acceleration"]["cache"]["max_continuous_cached_steps"] == 3  # from the fbcache preset
+    assert 1 <= payload["cached_steps"] <= 5
+    assert 0 < payload["blocks_computed_fraction"] < 1
+    for key in ("baseline_seconds", "speedup", "psnr", "psnr_min", "ssim", "ssim_min", "peak_memory_bytes"):
+        assert key in payload, key
+    assert isinstance(payload["psnr"], float) and payload["psnr"] > 20
+    assert 0 < payload["ssim"] <= 1
+    assert "steps cached" in err  # the --summary statistics (on stderr with --json)
+    assert "speed-up" in err
+
+
+def test_threshold_zero_is_identical_to_the_baseline(tiny_flux_dir: Path, capsys: Any) -> None:
+    code, stdout, _ = _run(
+        capsys,
+        "--model-path",
+        str(tiny_flux_dir),
+        "--prompt",
+        "a cat",
+        *TINY,
+        "--cache-threshold",
+        "0",
+        "--compare",
+        "--json",
+    )
+    assert code == 0
+    payload = _last_json(stdout)
+    assert payload["acceleration"]["cache"]["type"] == "DBCache"  # a field flag alone implies --cache
+    assert payload["cached_steps"] == 0 and payload["blocks_computed_fraction"] == 1.0
+    assert payload["psnr"] == "inf" and payload["ssim"] == 1.0
+
+
+def test_video_pipeline_writes_mp4(tiny_wan_dir: Path, tmp_path: Path, capsys: Any) -> None:
+    out = tmp_path / "clip.mp4"
+    code, stdout, _ = _run(
+        capsys,
+        "--model-path",
+        str(tiny_wan_dir),
+        "--prompt",
+        "a cat",
+        *TINY,
+        "--frames",
+        "5",
+        "--out",
+        str(out),
+        "--json",
+    )
+    assert code == 0
+    assert load_video(out).shape == (5, 32, 32, 3)
+    assert _last_json(stdout)["frames"] == 5
+
+
+def test_only_rank_zero_writes(
+    tiny_flux_dir: Path, tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RANK", "1")
+    code, stdout, _ = _run(
+        capsys, "--model-path", str(tiny_flux_dir), "--prompt", "a", *TINY, "--out", str(tmp_path / "x.png")
+    )
+    assert code == 0
+    assert stdout == "" and not (tmp_path / "x.png").exists()
+
+
+def test_every_cache_field_has_a_flag() -> None:
+    fields = {name for cls in (DBCache, DBPrune) for name, _, _ in config_fields(cls)}
+    flags = {flag.field: flag.flag for flag in cache_flags()}
+    assert set(flags) == fields
+    assert flags["fn"] == "--cache-fn" and flags["warmup_steps"] == "--cache-warmup-steps"
+    assert flags["taylorseer"] == "--taylorseer" and flags["step_mask"] == "--step-mask"
+    help_text = build_parser()._subparsers._group_actions[0].choices["generate"].format_help()
+    for flag in flags.values():
+        assert flag in help_text
+
+
+def _plan(*argv: str) -> Any:
+    return plan_from_args(build_parser().parse_args(["generate", *argv]))
+
+
+def test_field_flags_override_the_preset(tiny_flux_dir: Path) -> None:
+    plan = _plan(
+        "--model-path", str(tiny_flux_dir), "--prompt", "a", "--steps", "12", "--cache", "fast", "--taylorseer", "2",
+        "--step-mask", "medium", "--cache-max-cached-steps", "5", "--cache-separate-cfg", "false",
+    )  # fmt: skip
+    expected = cache_config(
+        "fast", taylorseer=TaylorSeer(order=2), step_mask=StepMask.preset("medium", 12), max_cached_steps=5,
+        separate_cfg=False,
+    )  # fmt: skip
+    assert plan.acceleration == {"cache": expected}
+    assert plan.num_steps == 12 and plan.kwargs["num_inference_steps"] == 12
+    plan = _plan(
+        "--model-path", str(tiny_flux_dir), "--prompt", "a", "--cache", "--step-mask", "0,1,5", "--taylorseer", "0"
+    )
+    assert plan.acceleration["cache"] == cache_config(
+        DEFAULT_CACHE_PRESET, taylorseer=None, step_mask=StepMask(compute_steps=(0, 1, 5), policy="dynamic")
+    )
+    assert _plan("--model-path", str(tiny_flux_dir), "--prompt", "a", "--cache", "none").acceleration == {}
+
+
+BAD_BEFORE_LOADING = [
+    (["nosuchmodel", "--prompt", "a"], "MODEL 'nosuchmodel'"),
+    (["flux", "--prompt", "a"], "FLUX_DIR"),
+    (["--model-path", "{missing}", "--prompt", "a"], "--model-path"),
+    (["--model-path", "{tiny}", "--prompt", "a", "--steps", "-1"], "--steps -1"),
+    (["--model-path", "{tiny}", "--prompt", "a", "--height", "0"], "--height 0"),
+    (["--model-path", "{tiny}", "--prompt", "a", "--repeat", "0"], "--repeat 0"),
+    (["--model-path", "{tiny}", "--prompt", "a", "--parallel", "ulysses=3"], "--parallel ulysses=3"),
+    (["--model-path", "{tiny}", "--prompt", "a", "--parallel", "ulysses:2"], "--parallel"),
+    (["--model-path", "{tiny}", "--prompt", "a", "--parallel", "heads=2"], "--parallel"),
+    (["--model-path", "{tiny}", "--prompt", "a", "--cache", "turbo"], "--cache turbo"),
+    (["--model-path", "{tiny}", "--prompt", "a", "--cache-threshold", "abc"], "--cache-threshold"),
+    (["--model-path", "{tiny}", "--prompt", "a", "--cache-threshold", "-1"], "--cache-threshold -1"),
+    (["--model-path", "{tiny}", "--prompt", "a", "--cache-max-pruned-ratio", "0.5"], "--cache-max-pruned-ratio"),
+    (["--model-path", "{tiny}", "--prompt", "a", "--taylorseer", "3"], "--taylorseer 3"),
+    (["--model-path", "{tiny}", "--prompt", "a", "--step-mask", "sometimes"], "--step-mask"),
+    (["--model-path", "{tiny}", "--prompt", "a", "--attention", "warp"], "--attention warp"),
+    (["--model-path", "{tiny}", "--prompt", "a", "--frames", "9"], "--frames 9"),
+    (["--model-path", "{tiny}", "--prompt", "a", "--out", "{out}/x.gif"], "--out"),
+    (["--model-path", "{tiny}", "--prompt", "a", "--prompt", "b", "--out", "{out}/x.png"], "--out"),
+    (["--model-path", "{tiny}", "--prompt", "a", "--compare"], "--compare"),
+    (["--model-path", "{tiny}"], "--prompt"),
+]
+
+
+@pytest.mark.parametrize(("argv", "needle"), BAD_BEFORE_LOADING, ids=[n for _, n in BAD_BEFORE_LOADING])
+def test_bad_input_exits_2_before_loading(
+    argv: list[str], needle: str, tiny_flux_dir: Path, tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("FLUX_DIR", raising=False)
+
+    def refuse(*_: Any, **__: Any) -> None:
+        raise AssertionError("loaded weights before checking the arguments")
+
+    monkeypatch.setattr(Generator, "load", refuse)
+    out = tmp_path / "out"
+    values = {"tiny": str(tiny_flux_dir), "missing": str(tmp_path / "nowhere"), "out": str(out)}
+    argv = [a.format(**values) for a in argv]
+    code, stdout, err = _run(capsys, *argv, *([] if "--out" in argv else ["--out", str(out / "x.png")]))
+    assert code == 2
+    lines = _error_lines(err)
+    assert len(lines) == 1 and needle in lines[0], err
+    assert stdout == "" and not out.exists()
+
+
+BAD_AFTER_LOADING = [
+    (["--height", "30"], {}, "--height 30"),
+    (["--width", "34"], {}, "--width 34"),
+    (["--cache", "dbcache"], {}, "fn=8"),
+    (["--parallel", "ulysses=2"], {"WORLD_SIZE": "2", "RANK": "0"}, "parallel"),
+]
+
+
+@pytest.mark.parametrize(("argv", "env", "needle"), BAD_AFTER_LOADING, ids=[n for *_, n in BAD_AFTER_LOADING])
+def test_bad_input_found_after_loading_writes_nothing(
+    argv: list[str],
+    env: dict[str, str],
+    needle: str,
+    tiny_flux_dir: Path,
+    tmp_path: Path,
+    capsys: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "out" / "x.png"
+    code, stdout, err = _run(
+        capsys, "--model-path", str(tiny_flux_dir), "--prompt", "a", *TINY, *argv, "--out", str(out)
+    )
+    assert code == 2
+    lines = _error_lines(err)
+    assert len(lines) == 1 and needle in lines[0], err
+    assert stdout == "" and not out.parent.exists()
+
+
+def _subprocess(*argv: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "FASTDIT_TEST_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(name, None)
+    return subprocess.run(
+        [sys.executable, "-m", "fastdit", "generate", *argv], capture_output=True, text=True, env=env, timeout=240
+    )
+
+
+def test_python_m_fastdit_generate(tiny_flux_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cat.png"
+    done = _subprocess("--model-path", str(tiny_flux_dir), "--prompt", "a cat", *TINY, "--out", str(out), "--json")
+    assert done.returncode == 0, done.stderr
+    assert _last_json(done.stdout)["out"] == str(out) and out.is_file()
+    done = _subprocess(
+        "--model-path", str(tiny_flux_dir), "--prompt", "a cat", "--steps", "-3", "--out", str(out) + "2"
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == "fastdit: error: argument --steps -3: must be positive"
+    assert not Path(str(out) + "2").exists()
+
+
+def _reference_available() -> bool:
+    try:
+        from fastdit.reference import reference_dir
+
+        reference_dir()
+    except (ImportError, FileNotFoundError):
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _reference_available(), reason="the reference pipeline's weights are not installed")
+def test_reference_pipeline_compares_by_default(tmp_path: Path, capsys: Any) -> None:
+    out = tmp_path / "digit3.png"
+    code, stdout, _ = _run(
+        capsys, "--prompt", "a handwritten digit 3", "--cache", "--quiet", "--out", str(out), "--json"
+    )
+    assert code == 0
+    payload = _last_json(stdout)
+    assert payload["model"] == "reference" and payload["steps"] == 28
+    assert payload["blocks_computed_fraction"] < 0.6
+    assert payload["psnr_min"] > 30 and payload["ssim_min"] > 0.9
+    assert load_image(out).shape == (32, 32, 3)
