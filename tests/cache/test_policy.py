@@ -112,3 +112,15 @@ def test_tracker_follows_rising_schedules() -> None:
     assert {k: v.step for k, v in tracker.branches().items()} == {"default": 2, "default/1": 2}
     tracker.begin_call("default", 0.0, ((1,),))  # back to the start: new run
     assert tracker.runs == 2
+
+
+
+def test_tracker_branch_with_other_shapes_is_not_a_new_run() -> None:
+    tracker = RunTracker()
+    for t in (1.0, 0.5, 0.2):  # a batched CFG forward, then a batch-1 guidance forward at the same timestep
+        tracker.begin_call("default", t, ((2, 4),))
+        tracker.begin_call("default", t, ((1, 4),))
+    assert tracker.runs == 1
+    assert {k: v.step for k, v in tracker.branches().items()} == {"default": 2, "default/1": 2}
+    tracker.begin_call("default", 0.1, ((2, 8),))  # the first call of a step changes shape: a new run
+    assert tracker.runs == 2

@@ -125,14 +125,18 @@ class RunTracker:
         delta = None if timestep is None or track.last_timestep is None else timestep - track.last_timestep
         # A timestep that moves against the run's direction starts a new run (the sampler started over).
         backwards = delta is not None and track.direction != 0 and delta * track.direction < -_EPS
-        if not track.started or track.signature != signature or backwards:
+        same_step = delta is not None and abs(delta) <= _EPS
+        # Only a step's first call is checked against the run's shapes: later branches of a step may legitimately
+        # differ (SD3.5 skip-layer guidance adds a batch-1 forward after the batched CFG one).
+        reshaped = not same_step and track.signature != signature
+        if not track.started or reshaped or backwards:
             if track.branches:
                 self._finished = self.branches()
             track.branches.clear()
             track.branch = 0
             track.direction = 0
             self.runs += 1
-        elif delta is not None and abs(delta) <= _EPS:
+        elif same_step:
             track.branch += 1  # same timestep again: the next CFG branch of the same step
         else:
             track.branch = 0
@@ -140,7 +144,8 @@ class RunTracker:
                 track.direction = 1 if delta > 0 else -1
         track.started = True
         track.last_timestep = timestep
-        track.signature = signature
+        if track.branch == 0:
+            track.signature = signature
         key = track.branch if self.separate_branches else 0
         state = track.branches.setdefault(key, BranchState())
         state.step += 1

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import string
-from functools import cache
 
 from fastdit.testing.components.encoders import build
-from fastdit.testing.components.tokenizers import WORDS
+from fastdit.testing.components.tokenizers import WORDS, cached_copy
 
 __all__ = ["bert_model", "bert_tokenizer"]
 
 _SPECIALS: tuple[str, ...] = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
 
-@cache
+@cached_copy
 def bert_tokenizer(model_max_length: int = 512):
     """A lower-casing WordPiece ``BertTokenizer`` over :data:`WORDS`, single characters and their ``##`` pieces."""
     from transformers import BertTokenizer

@@ -8,17 +8,16 @@ from __future__ import annotations
 
 import copy
 import string
-from functools import cache
 
 from fastdit.testing.components.encoders import build
-from fastdit.testing.components.tokenizers import WORDS
+from fastdit.testing.components.tokenizers import WORDS, cached_copy
 
 __all__ = ["gemma2_config", "gemma2_model", "gemma_tokenizer"]
 
 _SPECIALS: tuple[str, ...] = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>")
 
 
-@cache
+@cached_copy
 def gemma_tokenizer(model_max_length: int = 1024):
     """A ``GemmaTokenizer`` over byte-fallback pieces, single characters and ``▁``-prefixed :data:`WORDS`."""
     from transformers import GemmaTokenizer

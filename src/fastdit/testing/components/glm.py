@@ -6,17 +6,15 @@ token is ``<|endoftext|>`` (CogView4 left-pads prompts to a multiple of 16 token
 
 from __future__ import annotations
 
-from functools import cache
-
 from fastdit.testing.components.encoders import build
-from fastdit.testing.components.tokenizers import byte_level_bpe
+from fastdit.testing.components.tokenizers import byte_level_bpe, cached_copy
 
 __all__ = ["glm_model", "glm_tokenizer"]
 
 _SPECIALS = ("<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|user|>", "<|assistant|>")
 
 
-@cache
+@cached_copy
 def glm_tokenizer(model_max_length: int = 1024):
     """A ``PreTrainedTokenizerFast`` over bytes and the shared test words, with GLM-4's special tokens."""
     from tokenizers import processors

@@ -9,10 +9,8 @@ in the tiny pipelines are written out in full.
 
 from __future__ import annotations
 
-from functools import cache
-
 from fastdit.testing.components.encoders import build
-from fastdit.testing.components.tokenizers import byte_level_bpe
+from fastdit.testing.components.tokenizers import byte_level_bpe, cached_copy
 
 __all__ = ["LLAMA_SPECIALS", "llama_config", "llama_model", "llama_tokenizer"]
 
@@ -30,7 +28,7 @@ LLAMA_SPECIALS: tuple[str, ...] = (
 _SINGLE_TOKENS: tuple[str, ...] = ("system", "user", "assistant", "\n\n")
 
 
-@cache
+@cached_copy
 def llama_tokenizer(model_max_length: int = 1024):
     """A ``PreTrainedTokenizerFast`` over bytes, the shared test words and :data:`LLAMA_SPECIALS` (right padding)."""
     from tokenizers import AddedToken

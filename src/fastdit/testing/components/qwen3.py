@@ -7,10 +7,8 @@ emits when ``enable_thinking=False``; message content may be a string or a list 
 
 from __future__ import annotations
 
-from functools import cache
-
 from fastdit.testing.components.encoders import build
-from fastdit.testing.components.tokenizers import byte_level_bpe
+from fastdit.testing.components.tokenizers import byte_level_bpe, cached_copy
 
 __all__ = ["QWEN3_CHAT_TEMPLATE", "QWEN3_SPECIALS", "qwen3_config", "qwen3_model", "qwen3_tokenizer"]
 
@@ -32,7 +30,7 @@ QWEN3_CHAT_TEMPLATE = (
 )
 
 
-@cache
+@cached_copy
 def qwen3_tokenizer(model_max_length: int = 1024):
     """A ``Qwen2TokenizerFast`` (the class Qwen3 checkpoints use) with a ChatML chat template."""
     from transformers import PreTrainedTokenizerFast, Qwen2TokenizerFast

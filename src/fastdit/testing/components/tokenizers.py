@@ -2,10 +2,28 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import string
-from functools import cache
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-__all__ = ["WORDS", "byte_level_bpe", "clip_tokenizer", "qwen2_tokenizer", "t5_tokenizer"]
+__all__ = ["WORDS", "byte_level_bpe", "cached_copy", "clip_tokenizer", "qwen2_tokenizer", "t5_tokenizer"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def cached_copy(builder: F) -> F:
+    """Build once per argument set, hand out deep copies: pipelines mutate their tokenizers (padding side, pad
+    token), and one pipeline's change must not leak into another's."""
+    built = functools.cache(builder)
+
+    @functools.wraps(builder)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return copy.deepcopy(built(*args, **kwargs))
+
+    return wrapper  # type: ignore[return-value]
+
 
 # Words the tiny pipelines and the reference pipeline are prompted with.
 WORDS: tuple[str, ...] = (
@@ -15,7 +33,7 @@ WORDS: tuple[str, ...] = (
 )  # fmt: skip
 
 
-@cache
+@cached_copy
 def clip_tokenizer(model_max_length: int = 77):
     """A ``CLIPTokenizer`` over single characters and :data:`WORDS` (word pieces end in ``</w>``)."""
     from transformers import CLIPTokenizer
@@ -48,7 +66,7 @@ def clip_tokenizer(model_max_length: int = 77):
     )
 
 
-@cache
+@cached_copy
 def t5_tokenizer(model_max_length: int = 64):
     """A ``T5TokenizerFast`` (unigram) over :data:`WORDS` and single characters."""
     from transformers import T5TokenizerFast
@@ -93,7 +111,7 @@ def byte_level_bpe(special_tokens: tuple[str, ...], model_max_length: int):
     return tok
 
 
-@cache
+@cached_copy
 def qwen2_tokenizer(model_max_length: int = 256):
     """A ``Qwen2TokenizerFast`` (byte-level BPE) with the chat special tokens Qwen pipelines use."""
     from transformers import PreTrainedTokenizerFast, Qwen2TokenizerFast

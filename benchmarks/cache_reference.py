@@ -1,0 +1,229 @@
+"""Cache configurations on the trained reference pipeline: blocks computed, wall time, PSNR and SSIM vs no cache.
+
+Runs fastdit's configurations and, when installed beside it, cache-dit's DBCache (+ TaylorSeer) and diffusers'
+FirstBlockCache / TaylorSeerCache on the same pipeline, prompts and seeds, then prints a markdown table and writes
+JSON. Blocks are counted the same way for every library: a forward pre-hook on each block's first sub-module fires
+only when the block really computes.
+
+    python benchmarks/cache_reference.py --out benchmarks/results/cache_reference_cpu.json
+    PYTHONPATH=<dir with cache_dit> python benchmarks/cache_reference.py --with cache-dit,diffusers
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import fastdit
+from fastdit.metrics import psnr, ssim
+from fastdit.reference import REFERENCE_DEFAULTS, digit_prompt, load_reference_pipeline
+
+
+@dataclass
+class Result:
+    name: str
+    library: str
+    seconds: float
+    blocks_fraction: float
+    psnr_mean: float
+    psnr_min: float
+    ssim_mean: float
+    ssim_min: float
+
+
+class BlockCounter:
+    """Counts blocks that actually compute (a pre-hook on each block's first child module)."""
+
+    def __init__(self, transformer: torch.nn.Module) -> None:
+        self.count = 0
+        self.handles = []
+        for name in ("transformer_blocks", "single_transformer_blocks"):
+            for block in getattr(transformer, name):
+                first = next(block.children())
+                self.handles.append(first.register_forward_pre_hook(self._hit))
+
+    def _hit(self, *_: object) -> None:
+        self.count += 1
+
+
+def generate(pipe, cases: list[tuple[int, int]], steps: int, true_cfg: float) -> tuple[list[np.ndarray], float]:
+    """Generate every (digit, seed) case one by one; return images and total seconds."""
+    images = []
+    extra = {"negative_prompt": "", "true_cfg_scale": true_cfg} if true_cfg > 1 else {}
+    start = time.perf_counter()
+    for digit, seed in cases:
+        out = pipe(
+            prompt=digit_prompt(digit),
+            num_inference_steps=steps,
+            height=REFERENCE_DEFAULTS["height"],
+            width=REFERENCE_DEFAULTS["width"],
+            generator=torch.Generator().manual_seed(seed),
+            output_type="np",
+            **extra,
+        ).images[0]
+        images.append(out)
+    return images, time.perf_counter() - start
+
+
+def measure(name, library, pipe, counter, cases, steps, true_cfg, baseline, base_blocks) -> Result:
+    counter.count = 0
+    images, seconds = generate(pipe, cases, steps, true_cfg)
+    p = [psnr(a, b) for a, b in zip(images, baseline, strict=True)]
+    s = [ssim(a, b) for a, b in zip(images, baseline, strict=True)]
+    finite = [v for v in p if np.isfinite(v)] or [float("inf")]
+    return Result(
+        name=name,
+        library=library,
+        seconds=round(seconds, 3),
+        blocks_fraction=round(counter.count / base_blocks, 4),
+        psnr_mean=round(statistics.fmean(finite), 2) if len(finite) == len(p) else float("inf"),
+        psnr_min=round(min(p), 2),
+        ssim_mean=round(statistics.fmean(s), 4),
+        ssim_min=round(min(s), 4),
+    )
+
+
+def fastdit_configs(steps: int) -> dict[str, fastdit.DBCache]:
+    ts1, ts2 = fastdit.TaylorSeer(order=1), fastdit.TaylorSeer(order=2)
+    configs = {}
+    for fn, bn in ((1, 0), (4, 0), (8, 0), (1, 1)):
+        for threshold in (0.12, 0.2, 0.3):
+            configs[f"F{fn}B{bn} τ{threshold} w2"] = dict(fn=fn, bn=bn, threshold=threshold, warmup_steps=2)
+    for threshold in (0.2, 0.3, 0.5):
+        configs[f"F1B0 τ{threshold} w2 +TS1"] = dict(fn=1, bn=0, threshold=threshold, warmup_steps=2, taylorseer=ts1)
+        configs[f"F1B0 τ{threshold} w2 +TS2"] = dict(fn=1, bn=0, threshold=threshold, warmup_steps=2, taylorseer=ts2)
+    for preset in ("medium", "fast"):
+        mask = fastdit.StepMask.preset(preset, steps)
+        configs[f"F1B0 mask:{preset} +TS1"] = dict(fn=1, bn=0, warmup_steps=0, step_mask=mask, taylorseer=ts1)
+    return configs
+
+
+def run_fastdit(pipe, run: Callable[[str, str], Result], steps: int, num_blocks: int) -> list[Result]:
+    results = []
+    for name, kwargs in fastdit_configs(steps).items():
+        if kwargs["fn"] + kwargs.get("bn", 0) >= num_blocks:
+            continue  # leaves no middle block on this model
+        fastdit.accelerate(pipe, cache=fastdit.DBCache(**kwargs))
+        try:
+            results.append(run(name, "fastdit"))
+        finally:
+            fastdit.disable(pipe)
+    return results
+
+
+def run_cache_dit(pipe, run: Callable[[str, str], Result]) -> list[Result]:
+    import cache_dit
+    from cache_dit import DBCacheConfig, TaylorSeerCalibratorConfig
+
+    results = []
+    for threshold, order in ((0.12, None), (0.2, None), (0.3, None), (0.3, 1), (0.5, 1)):
+        config = DBCacheConfig(Fn_compute_blocks=1, Bn_compute_blocks=0, residual_diff_threshold=threshold, max_warmup_steps=2)
+        calibrator = TaylorSeerCalibratorConfig(taylorseer_order=order) if order else None
+        cache_dit.enable_cache(pipe, cache_config=config, calibrator_config=calibrator)
+        try:
+            results.append(run(f"F1B0 τ{threshold} w2" + (f" +TS{order}" if order else ""), "cache-dit 1.5.3"))
+        finally:
+            cache_dit.disable_cache(pipe)
+    return results
+
+
+def run_diffusers(pipe, run: Callable[[str, str], Result]) -> list[Result]:
+    import diffusers
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    results = []
+    for threshold in (0.12, 0.2, 0.3):
+        pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=threshold))
+        try:
+            results.append(run(f"FirstBlockCache τ{threshold}", f"diffusers {diffusers.__version__}"))
+        finally:
+            pipe.transformer.disable_cache()
+    try:
+        from diffusers.hooks import TaylorSeerCacheConfig
+    except ImportError:
+        return results
+    for interval in (2, 3):
+        pipe.transformer.enable_cache(TaylorSeerCacheConfig(cache_interval=interval, disable_cache_before_step=2))
+        try:
+            results.append(run(f"TaylorSeerCache interval {interval}", f"diffusers {diffusers.__version__}"))
+        finally:
+            pipe.transformer.disable_cache()
+    return results
+
+
+def table(results: list[Result], base_seconds: float) -> str:
+    lines = [
+        "| library | configuration | blocks computed | speed-up (blocks) | wall s | speed-up (wall) | PSNR mean / min | "
+        "SSIM mean / min |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.library} | {r.name} | {r.blocks_fraction:.1%} | {1 / r.blocks_fraction:.2f}× | {r.seconds:.2f} | "
+            f"{base_seconds / r.seconds:.2f}× | {r.psnr_mean:.1f} / {r.psnr_min:.1f} | {r.ssim_mean:.3f} / {r.ssim_min:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, default=2, help="seeds per digit (10 digits each)")
+    parser.add_argument("--steps", type=int, default=REFERENCE_DEFAULTS["num_inference_steps"])
+    parser.add_argument("--true-cfg", type=float, default=1.0, help=">1 runs cond+uncond forwards per step")
+    parser.add_argument("--with", dest="others", default="", help="comma list: cache-dit, diffusers")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    pipe = load_reference_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    counter = BlockCounter(pipe.transformer)
+    num_blocks = len(counter.handles)
+    cases = [(d, s) for s in range(args.seeds) for d in range(10)]
+    generate(pipe, cases[:1], args.steps, args.true_cfg)  # warm-up
+    counter.count = 0
+    baseline, base_seconds = generate(pipe, cases, args.steps, args.true_cfg)
+    base_blocks = counter.count
+
+    def run(name: str, library: str) -> Result:
+        return measure(name, library, pipe, counter, cases, args.steps, args.true_cfg, baseline, base_blocks)
+
+    results = [run("no cache (baseline again)", "—")]
+    results += run_fastdit(pipe, run, args.steps, num_blocks)
+    others = {o.strip() for o in args.others.split(",") if o.strip()}
+    if "cache-dit" in others:
+        results += run_cache_dit(pipe, run)
+    if "diffusers" in others:
+        results += run_diffusers(pipe, run)
+    print(f"baseline: {base_seconds:.2f} s for {len(cases)} images, {args.steps} steps, true_cfg {args.true_cfg}")
+    print(table(results, base_seconds))
+    if args.out:
+        payload = {
+            "date": date.today().isoformat(),
+            "device": f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} threads)",
+            "torch": torch.__version__,
+            "cases": len(cases),
+            "steps": args.steps,
+            "true_cfg": args.true_cfg,
+            "baseline_seconds": round(base_seconds, 3),
+            "results": [r.__dict__ for r in results],
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(payload, indent=1))
+        tmp.replace(args.out)
+
+
+if __name__ == "__main__":
+    main()
