@@ -113,8 +113,8 @@ ADAPTER = register(
         ),
         notes=(
             "Text is padded to max_sequence_length and its mask becomes an additive bias for cross-attention; "
-            "RoPE is computed from the latent grid inside forward. The VAE decodes only in tiled form. CFG is "
-            "batched (one call per step)."
+            "the pipeline computes 3-D RoPE for the whole latent grid and passes it to forward (image_rotary_emb: "
+            "slice it per rank under a sequence split). The VAE decodes only in tiled form. CFG is batched."
         ),
     )
 )
