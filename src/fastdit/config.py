@@ -60,9 +60,21 @@ class TaylorSeer:
     """Predict skipped residuals from finite differences of past computed ones (instead of reusing them verbatim)."""
 
     order: int = _doc("Order of the Taylor expansion: 1 (linear) or 2 (quadratic).", 1)
+    forecast_decision: bool = _doc(
+        "Decide by comparing the front residual with its own Taylor forecast (instead of with the last computed "
+        "one): smooth drift that the forecast follows no longer forces a full step.",
+        False,
+    )
 
     def __post_init__(self) -> None:
         _check(self.order in (1, 2), "TaylorSeer", "order", self.order, "must be 1 or 2")
+        _check(
+            isinstance(self.forecast_decision, bool),
+            "TaylorSeer",
+            "forecast_decision",
+            self.forecast_decision,
+            "must be a bool",
+        )
 
 
 STEP_MASK_PRESETS = ("slow", "medium", "fast", "ultra")

@@ -7,7 +7,7 @@ import torch
 from fastdit.cache.policy import decide, relative_l1
 from fastdit.cache.state import BranchState, RunTracker
 from fastdit.cache.taylorseer import taylor_predict, taylor_update
-from fastdit.config import DBCache, StepMask
+from fastdit.config import DBCache, StepMask, TaylorSeer
 
 
 def _run(config: DBCache, residuals: list[float]) -> BranchState:
@@ -124,3 +124,12 @@ def test_tracker_branch_with_other_shapes_is_not_a_new_run() -> None:
     assert {k: v.step for k, v in tracker.branches().items()} == {"default": 2, "default/1": 2}
     tracker.begin_call("default", 0.1, ((2, 8),))  # the first call of a step changes shape: a new run
     assert tracker.runs == 2
+
+
+def test_forecast_decision_follows_linear_drift() -> None:
+    residuals = [1.0 + 0.1 * i for i in range(8)]  # 10% drift per step, perfectly linear
+    plain = _run(DBCache(fn=1, threshold=0.05, warmup_steps=2, taylorseer=TaylorSeer(order=1)), residuals)
+    assert plain.cached_steps == []  # every step is >5% away from the last computed one
+    config = DBCache(fn=1, threshold=0.05, warmup_steps=2, taylorseer=TaylorSeer(order=1, forecast_decision=True))
+    forecast = _run(config, residuals)
+    assert forecast.cached_steps == list(range(2, 8))  # the forecast from steps 0-1 predicts every later step

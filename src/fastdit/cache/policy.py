@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from fastdit.cache.state import BranchState
+from fastdit.cache.taylorseer import taylor_predict, taylor_update
 from fastdit.config import DBCache
 
 __all__ = ["Reducer", "decide", "forced_decision", "relative_l1"]
@@ -50,6 +51,14 @@ def forced_decision(config: DBCache, state: BranchState, has_cache: bool) -> boo
     return None
 
 
+def _reference(config: DBCache, state: BranchState) -> torch.Tensor:
+    """What the current front residual is compared with: the last computed one, or its Taylor forecast."""
+    taylor = config.taylorseer
+    if taylor is not None and taylor.forecast_decision and len(state.front_taylor) > 1:
+        return taylor_predict(state.front_taylor, state.front_taylor_step, state.step)
+    return state.front_residual
+
+
 def decide(config: DBCache, state: BranchState, residual: torch.Tensor, reduce: Reducer | None) -> bool:
     """Return whether this step computes the middle blocks, and record the step in ``state``.
 
@@ -60,7 +69,7 @@ def decide(config: DBCache, state: BranchState, residual: torch.Tensor, reduce: 
     forced = forced_decision(config, state, has_cache)
     diff: float | None = None
     if has_cache and state.front_residual.shape == residual.shape:
-        diff = relative_l1(residual, state.front_residual, reduce)
+        diff = relative_l1(residual, _reference(config, state), reduce)
     elif has_cache:
         forced = True  # shape changed inside a run (should not happen): never reuse a mismatched residual
     compute = forced if forced is not None else not (diff is not None and diff < config.threshold)
@@ -68,6 +77,12 @@ def decide(config: DBCache, state: BranchState, residual: torch.Tensor, reduce: 
     if compute:
         state.continuous_cached = 0
         state.front_residual = residual
+        taylor = config.taylorseer
+        if taylor is not None and taylor.forecast_decision:
+            state.front_taylor = taylor_update(
+                state.front_taylor, state.front_taylor_step, residual, state.step, taylor.order
+            )
+            state.front_taylor_step = state.step
     else:
         state.continuous_cached += 1
         state.cached_steps.append(state.step)

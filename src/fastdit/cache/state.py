@@ -41,6 +41,9 @@ class BranchState:
     computing: bool = True
     front_hidden_in: torch.Tensor | None = None
     front_residual: torch.Tensor | None = None
+    # TaylorSeer coefficients of the front residual (for forecast decisions) and the step they were taken at.
+    front_taylor: list[torch.Tensor] = field(default_factory=list)
+    front_taylor_step: int | None = None
     continuous_cached: int = 0
     cached_steps: list[int] = field(default_factory=list)
     diffs: list[float | None] = field(default_factory=list)
