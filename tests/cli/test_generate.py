@@ -174,10 +174,13 @@ def test_only_rank_zero_writes(
 
 def test_every_cache_field_has_a_flag() -> None:
     fields = {name for cls in (DBCache, DBPrune) for name, _, _ in config_fields(cls)}
+    nested = {f"taylorseer_{name}" for name, _, _ in config_fields(TaylorSeer) if name != "order"}
+    nested |= {f"step_mask_{name}" for name, _, _ in config_fields(StepMask) if name != "compute_steps"}
     flags = {flag.field: flag.flag for flag in cache_flags()}
-    assert set(flags) == fields
+    assert set(flags) == fields | nested
     assert flags["fn"] == "--cache-fn" and flags["warmup_steps"] == "--cache-warmup-steps"
     assert flags["taylorseer"] == "--taylorseer" and flags["step_mask"] == "--step-mask"
+    assert flags["step_mask_policy"] == "--step-mask-policy"
     help_text = build_parser()._subparsers._group_actions[0].choices["generate"].format_help()
     for flag in flags.values():
         assert flag in help_text
@@ -205,6 +208,10 @@ def test_field_flags_override_the_preset(tiny_flux_dir: Path) -> None:
         DEFAULT_CACHE_PRESET, taylorseer=None, step_mask=StepMask(compute_steps=(0, 1, 5), policy="dynamic")
     )
     assert _plan("--model-path", str(tiny_flux_dir), "--prompt", "a", "--cache", "none").acceleration == {}
+    plan = _plan(
+        "--model-path", str(tiny_flux_dir), "--prompt", "a", "--step-mask", "0,2", "--step-mask-policy", "static"
+    )
+    assert plan.acceleration["cache"].step_mask == StepMask(compute_steps=(0, 2), policy="static")
 
 
 BAD_BEFORE_LOADING = [
@@ -223,6 +230,12 @@ BAD_BEFORE_LOADING = [
     (["--model-path", "{tiny}", "--prompt", "a", "--cache-max-pruned-ratio", "0.5"], "--cache-max-pruned-ratio"),
     (["--model-path", "{tiny}", "--prompt", "a", "--taylorseer", "3"], "--taylorseer 3"),
     (["--model-path", "{tiny}", "--prompt", "a", "--step-mask", "sometimes"], "--step-mask"),
+    (["--model-path", "{tiny}", "--prompt", "a", "--step-mask-policy", "static"], "--step-mask-policy static"),
+    (
+        ["--model-path", "{tiny}", "--prompt", "a", "--step-mask", "fast", "--step-mask-policy", "x"],
+        "--step-mask-policy x",
+    ),
+    (["--model-path", "{tiny}", "--prompt", "a", "--cache", "prune", "--taylorseer", "1"], "--taylorseer 1"),
     (["--model-path", "{tiny}", "--prompt", "a", "--attention", "warp"], "--attention warp"),
     (["--model-path", "{tiny}", "--prompt", "a", "--frames", "9"], "--frames 9"),
     (["--model-path", "{tiny}", "--prompt", "a", "--out", "{out}/x.gif"], "--out"),

@@ -13,7 +13,7 @@ import argparse
 import types
 import typing
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from functools import cache
 from typing import Any
 
@@ -100,14 +100,16 @@ def parse_value(hint: Any, text: str) -> Any:
 
 @dataclass(frozen=True)
 class CacheFlag:
-    """A command-line flag for one cache config field.
+    """A command-line flag for one cache config field (or one field of a nested config such as TaylorSeer).
 
     Attributes:
-        field: The dataclass field name, e.g. ``"warmup_steps"``.
+        field: The key, e.g. ``"warmup_steps"``; for a nested field ``"<parent>_<subfield>"``.
         flag: The flag, e.g. ``"--cache-warmup-steps"``.
         hint: The field's type hint (used to read the value).
-        owners: Names of the config classes that have the field.
+        owners: Names of the config classes that have the (parent) field.
         doc: The field's one-line documentation.
+        parent: For a nested field, the cache field holding the nested config (``"taylorseer"``).
+        subfield: For a nested field, its name inside the nested config (``"forecast_decision"``).
     """
 
     field: str
@@ -115,6 +117,8 @@ class CacheFlag:
     hint: Any
     owners: tuple[str, ...]
     doc: str
+    parent: str | None = None
+    subfield: str | None = None
 
     @property
     def dest(self) -> str:
@@ -128,16 +132,43 @@ class CacheFlag:
             return "ORDER"
         if self.field == "step_mask":
             return "PRESET|LIST"
-        return self.field.upper()
+        members = [m for m in typing.get_args(self.hint) if m is not type(None)]
+        if typing.get_origin(self.hint) is typing.Literal:
+            return "|".join(members)
+        if self.hint is bool or members == [bool]:
+            return "true|false" if self.hint is bool else "true|false|auto"
+        return (self.subfield or self.field).upper()
 
 
-# Nested configs read better as their own word on the command line.
-_SHORT_FLAGS = {"taylorseer": "--taylorseer", "step_mask": "--step-mask"}
+# Nested configs read better as their own word: ``--taylorseer ORDER`` sets the whole config from its main field,
+# ``--taylorseer-<field>`` sets each of its other fields.
+_NESTED: Mapping[str, tuple[str, type, str]] = {
+    "taylorseer": ("--taylorseer", TaylorSeer, "order"),
+    "step_mask": ("--step-mask", StepMask, "compute_steps"),
+}
+
+
+def _nested_flags(name: str, owners: tuple[str, ...]) -> list[CacheFlag]:
+    flag, cls, main_field = _NESTED[name]
+    hints = typing.get_type_hints(cls)
+    return [
+        CacheFlag(
+            field=f"{name}_{sub}",
+            flag=f"{flag}-{sub.replace('_', '-')}",
+            hint=hints[sub],
+            owners=owners,
+            doc=doc,
+            parent=name,
+            subfield=sub,
+        )
+        for sub, _default, doc in config_fields(cls)
+        if sub != main_field
+    ]
 
 
 @cache
 def cache_flags() -> tuple[CacheFlag, ...]:
-    """One flag per field of DBCache and DBPrune (fields they share get one flag), in declaration order."""
+    """One flag per field of DBCache and DBPrune (shared fields get one flag) and per field of their nested configs."""
     hints = {cls: typing.get_type_hints(cls) for cls in (DBCache, DBPrune)}
     docs: dict[str, str] = {}
     owners: dict[str, list[str]] = {}
@@ -145,16 +176,14 @@ def cache_flags() -> tuple[CacheFlag, ...]:
         for name, _default, doc in config_fields(cls):
             docs.setdefault(name, doc)
             owners.setdefault(name, []).append(cls.__name__)
-    return tuple(
-        CacheFlag(
-            field=name,
-            flag=_SHORT_FLAGS.get(name, f"--cache-{name.replace('_', '-')}"),
-            hint=hints[DBCache].get(name, hints[DBPrune].get(name)),
-            owners=tuple(owners[name]),
-            doc=docs[name],
-        )
-        for name in docs
-    )
+    flags: list[CacheFlag] = []
+    for name, doc in docs.items():
+        flag = _NESTED[name][0] if name in _NESTED else f"--cache-{name.replace('_', '-')}"
+        hint = hints[DBCache].get(name, hints[DBPrune].get(name))
+        flags.append(CacheFlag(field=name, flag=flag, hint=hint, owners=tuple(owners[name]), doc=doc))
+        if name in _NESTED:
+            flags.extend(_nested_flags(name, tuple(owners[name])))
+    return tuple(flags)
 
 
 def _field_flag(name: str) -> CacheFlag | None:
@@ -181,12 +210,15 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     db, prune = _defaults(DBCache), _defaults(DBPrune)
     for flag in cache_flags():
         where = "" if len(flag.owners) > 1 else f" [{flag.owners[0]} only]"
-        default = db.get(flag.field, prune.get(flag.field))
+        if flag.parent is not None:
+            default = _defaults(_NESTED[flag.parent][1])[flag.subfield]
+        else:
+            default = db.get(flag.field, prune.get(flag.field))
         group.add_argument(
             flag.flag,
             dest=flag.dest,
             metavar=flag.metavar,
-            help=f"{flag.doc}{where} (preset's value; class default {default!r})".replace("%", "%%"),
+            help=f"{flag.doc}{where} [default: the preset's; class default {default!r}]".replace("%", "%%"),
         )
 
 
@@ -202,13 +234,32 @@ def _build(preset: str, overrides: dict[str, tuple[str, Any]], num_steps: int | 
     _check_preset(preset, option)
     applied: dict[str, Any] = {}
     config = cache_config(preset, num_steps=num_steps)
+    nested = {name: item for name, item in overrides.items() if _field_flag(name).parent is not None}
     for name, (label, value) in overrides.items():
+        if name in nested:
+            continue
         applied[name] = value
         try:
             config = cache_config(preset, num_steps=num_steps, **applied)
         except ValueError as error:
             raise CLIError(f"argument {label}: {error}") from None
+    for name, (label, value) in nested.items():
+        config = _set_nested(config, _field_flag(name), label, value)
     return config
+
+
+def _set_nested(config: Any, flag: CacheFlag, label: str, value: Any) -> Any:
+    parent, sub = flag.parent, flag.subfield
+    assert parent is not None and sub is not None
+    if parent not in {f.name for f in fields(config)}:
+        raise CLIError(f"argument {label}: {type(config).__name__} has no {parent}")
+    current = getattr(config, parent)
+    if current is None:
+        raise CLIError(f"argument {label}: {parent} is off in this configuration; turn it on with {_NESTED[parent][0]}")
+    try:
+        return replace(config, **{parent: replace(current, **{sub: value})})
+    except ValueError as error:
+        raise CLIError(f"argument {label}: {error}") from None
 
 
 def cache_from_args(args: argparse.Namespace, num_steps: int | None) -> DBCache | DBPrune | None:
