@@ -1,0 +1,185 @@
+"""Kandinsky 5 (T2V, I2V, T2I): ``Kandinsky5Transformer3DModel``.
+
+Blocks (diffusers 0.42.1): two lists. ``text_transformer_blocks`` (``Kandinsky5TransformerEncoderBlock``, called
+positionally as ``block(x, time_embed, rope)``, returning ``x``) first refine the text tokens alone; then
+``visual_transformer_blocks`` (``Kandinsky5TransformerDecoderBlock``, called positionally as ``block(visual_embed,
+text_embed, time_embed, rope, sparse_params)``, returning ``visual_embed``: pattern 2) denoise the visual tokens with
+cross-attention to the text. The adapter declares only the visual list: the text blocks see no latent (their output
+depends on the prompt and the timestep alone), so a cache must not take its decision from them.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.hunyuan_video import tiny_vae as hunyuan_video_vae
+from fastdit.models.registry import register
+from fastdit.testing.components.autoencoder_kl import autoencoder_kl
+from fastdit.testing.components.encoders import build, clip_text_model, qwen2_5_vl_model
+from fastdit.testing.components.qwen2_5_vl import qwen2_vl_processor
+
+TRANSFORMER = "diffusers.models.transformers.transformer_kandinsky.Kandinsky5Transformer3DModel"
+
+_LATENT = 4  # the tiny HunyuanVideo VAE's channels; the tiny image VAE uses the same
+_TEXT_DIM = 32  # tiny Qwen2.5-VL hidden size
+_POOLED_DIM = 32  # tiny CLIP hidden size
+_SIZE = 32
+
+# A short chat prompt in the pipelines' format (the real one is a ~128-token system prompt).
+_TEMPLATE = "<|im_start|>system\nDescribe the video.<|im_end|>\n<|im_start|>user\n{}<|im_end|>"
+
+
+def tiny_transformer(seed: int = 0, *, visual_cond: bool = False, patch_size: tuple[int, int, int] = (1, 2, 2)):
+    """A 1 text + 3 visual block ``Kandinsky5Transformer3DModel``; ``visual_cond`` adds the I2V frame channels."""
+    from diffusers import Kandinsky5Transformer3DModel
+
+    return build(
+        Kandinsky5Transformer3DModel,
+        seed=seed,
+        in_visual_dim=_LATENT,
+        out_visual_dim=_LATENT,
+        in_text_dim=_TEXT_DIM,
+        in_text_dim2=_POOLED_DIM,
+        time_dim=16,
+        patch_size=patch_size,
+        model_dim=32,
+        ff_dim=64,
+        num_text_blocks=1,
+        num_visual_blocks=3,
+        axes_dims=(4, 6, 6),
+        visual_cond=visual_cond,
+    )
+
+
+def _components(seed: int, transformer, vae) -> dict:
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    text_encoder, tokenizer = qwen2_5_vl_model(hidden_size=_TEXT_DIM, seed=seed)
+    text_encoder_2, tokenizer_2 = clip_text_model(hidden_size=_POOLED_DIM, seed=seed + 1)
+    return {
+        "transformer": transformer,
+        "vae": vae,
+        "text_encoder": text_encoder,
+        # The pipelines tokenize through a Qwen2-VL processor (text only here).
+        "tokenizer": qwen2_vl_processor(copy.deepcopy(tokenizer)),
+        "text_encoder_2": text_encoder_2,
+        "tokenizer_2": tokenizer_2,
+        "scheduler": FlowMatchEulerDiscreteScheduler(shift=5.0),
+    }
+
+
+def _shrink(pipe):
+    """Swap in the short prompt template and its token offset (instance attributes the pipelines set in __init__)."""
+    pipe.prompt_template = _TEMPLATE
+    prefix = _TEMPLATE.split("{}")[0]
+    pipe.prompt_template_encode_start_idx = len(pipe.tokenizer(text=[prefix])["input_ids"][0])
+    return pipe
+
+
+def tiny_kandinsky5_t2v(seed: int = 0):
+    """A complete tiny ``Kandinsky5T2VPipeline`` (Qwen2.5-VL + CLIP text, HunyuanVideo VAE)."""
+    from diffusers import Kandinsky5T2VPipeline
+
+    return _shrink(Kandinsky5T2VPipeline(**_components(seed, tiny_transformer(seed), hunyuan_video_vae(seed))))
+
+
+def tiny_kandinsky5_i2v(seed: int = 0):
+    """A complete tiny ``Kandinsky5I2VPipeline`` (the first latent frame conditions the rest)."""
+    from diffusers import Kandinsky5I2VPipeline
+
+    transformer = tiny_transformer(seed, visual_cond=True)
+    return _shrink(Kandinsky5I2VPipeline(**_components(seed, transformer, hunyuan_video_vae(seed))))
+
+
+def tiny_kandinsky5_t2i(seed: int = 0):
+    """A complete tiny ``Kandinsky5T2IPipeline`` (one frame, Flux-style 2D VAE)."""
+    from diffusers import Kandinsky5T2IPipeline
+
+    vae = autoencoder_kl(latent_channels=_LATENT, num_levels=4, scaling_factor=0.3611, shift_factor=0.1159, seed=seed)
+    pipe = _shrink(Kandinsky5T2IPipeline(**_components(seed, tiny_transformer(seed), vae)))
+    # The pipeline snaps any size to its list of ~1 MP resolutions; the tiny one allows 32x32 only.
+    pipe.resolutions = [(_SIZE, _SIZE)]
+    return pipe
+
+
+def _image():
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    return Image.fromarray(rng.integers(0, 255, (_SIZE, _SIZE, 3), dtype=np.uint8))
+
+
+_CALL = {
+    "prompt": "a cat holding a sign",
+    "negative_prompt": "blue",
+    "height": _SIZE,
+    "width": _SIZE,
+    "num_frames": 5,
+    "num_inference_steps": 2,
+    "guidance_scale": 5.0,
+    "max_sequence_length": 16,
+}
+
+ADAPTER = register(
+    ModelAdapter(
+        family="kandinsky5",
+        transformer_classes=(TRANSFORMER,),
+        block_groups=(
+            BlockGroup(
+                path="visual_transformer_blocks",
+                pattern=ForwardPattern.P2,
+                hidden_arg="visual_embed",
+                encoder_arg="text_embed",
+            ),
+        ),
+        tiny_pipelines=(
+            TinyPipeline(name="t2v", build=tiny_kandinsky5_t2v, call_kwargs=_CALL),
+            # I2V renormalises the first 4 latent frames against the next ones: it needs 5 latent frames (17 frames).
+            TinyPipeline(
+                name="i2v", build=tiny_kandinsky5_i2v, call_kwargs={**_CALL, "image": _image(), "num_frames": 17}
+            ),
+            # tiny_kandinsky5_t2i is not listed yet: its output class names the images `image`, which
+            # fastdit.testing.pipelines.run_tiny does not read.
+        ),
+        presets=(
+            ModelPreset(
+                name="kandinsky5-lite-t2v",
+                pipeline_class="diffusers.Kandinsky5T2VPipeline",
+                hub_id="kandinskylab/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers",
+                defaults={
+                    "num_inference_steps": 50,
+                    "guidance_scale": 5.0,
+                    "height": 512,
+                    "width": 768,
+                    "num_frames": 121,
+                },
+            ),
+            ModelPreset(
+                name="kandinsky5-lite-i2v",
+                pipeline_class="diffusers.Kandinsky5I2VPipeline",
+                hub_id="kandinskylab/Kandinsky-5.0-I2V-Lite-5s-Diffusers",
+                defaults={
+                    "num_inference_steps": 50,
+                    "guidance_scale": 5.0,
+                    "height": 512,
+                    "width": 768,
+                    "num_frames": 121,
+                },
+            ),
+            ModelPreset(
+                name="kandinsky5-lite-t2i",
+                pipeline_class="diffusers.Kandinsky5T2IPipeline",
+                hub_id="kandinskylab/Kandinsky-5.0-T2I-Lite-sft-Diffusers",
+                defaults={"num_inference_steps": 50, "guidance_scale": 3.5, "height": 1024, "width": 1024},
+            ),
+        ),
+        notes=(
+            "Only visual_transformer_blocks are declared: text_transformer_blocks (pattern 3, hidden_arg 'x') run "
+            "first on the text alone and always compute. Visual tokens are flattened from the (T, H, W) grid, in "
+            "block ('fractal') order when sparse attention is on (Pro models), and 3-D RoPE follows that order. "
+            "CFG runs as two calls per step without cache_context."
+        ),
+    )
+)
