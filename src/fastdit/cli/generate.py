@@ -260,12 +260,25 @@ def plan_from_args(args: argparse.Namespace) -> GeneratePlan:
     )
 
 
+# How fastdit.accelerate's messages begin → the flag that asked for it.
+_MESSAGE_FLAGS = (
+    ("cache=", "--cache"),
+    ("DBCache", "--cache"),
+    ("DBPrune", "--cache"),
+    ("parallel=", "--parallel"),
+    ("compile=", "--compile"),
+    ("attention=", "--attention"),
+)
+
+
 def _accelerate(generator: Generator, plan: GeneratePlan) -> None:
     try:
         generator.accelerate(**plan.acceleration)
     except (NotImplementedError, ValueError) as error:
-        asked = ", ".join(f"{k}={v}" for k, v in plan.acceleration.items())
-        raise CLIError(f"cannot accelerate {plan.source.name} with {asked}: {error}") from None
+        message = str(error)
+        flag = next((flag for start, flag in _MESSAGE_FLAGS if message.startswith(start)), None)
+        where = f"argument {flag}" if flag else "cannot accelerate"
+        raise CLIError(f"{where}: {plan.source.name}: {message}") from None
 
 
 def execute(plan: GeneratePlan, *, progress: bool, track_memory: bool) -> tuple[Generator, RunResult, RunResult | None]:
