@@ -1,0 +1,250 @@
+"""LTX-2 (joint audio + video: T2V, I2V): ``LTX2VideoTransformer3DModel``.
+
+Blocks (diffusers 0.42.1): one list ``transformer_blocks`` of ``LTX2VideoTransformerBlock``; the model calls each by
+keyword (``hidden_states=..., audio_hidden_states=..., encoder_hidden_states=..., audio_encoder_hidden_states=...``,
+timestep embeddings, rotary embeddings, masks, STG perturbation) and the block returns ``(hidden_states,
+audio_hidden_states)``: the video and audio streams both change in every block (self-attention, text
+cross-attention, audio<->video cross-attention) while the text streams pass through. In the adapter the audio stream
+takes the encoder slot: pattern 0 with ``encoder_arg="audio_hidden_states"``.
+"""
+
+from __future__ import annotations
+
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.registry import register
+from fastdit.testing.components.encoders import build
+from fastdit.testing.components.gemma3 import gemma3_model
+
+TRANSFORMER = "diffusers.models.transformers.transformer_ltx2.LTX2VideoTransformer3DModel"
+
+_LATENT = 4
+_AUDIO_LATENT = 2
+_TEXT_DIM = 32  # tiny Gemma 3 hidden size
+_TEXT_LAYERS = 2
+_CONNECTOR_DIM = 32  # 4 heads x 8 of the tiny text connectors: the transformer's cross-attention width
+
+
+def tiny_transformer(seed: int = 0):
+    """A 3-block ``LTX2VideoTransformer3DModel`` (patch 1, video 2x16 and audio 2x8 attention)."""
+    from diffusers import LTX2VideoTransformer3DModel
+
+    return build(
+        LTX2VideoTransformer3DModel,
+        seed=seed,
+        in_channels=_LATENT,
+        out_channels=_LATENT,
+        patch_size=1,
+        patch_size_t=1,
+        num_attention_heads=2,
+        attention_head_dim=16,
+        cross_attention_dim=32,
+        # (time, height, width) pixel strides of the tiny VAE: RoPE positions are in pixel units.
+        vae_scale_factors=(8, 8, 8),
+        audio_in_channels=_AUDIO_LATENT * 2,  # latent channels x mel bins after the audio VAE's compression
+        audio_out_channels=_AUDIO_LATENT * 2,
+        audio_num_attention_heads=2,
+        audio_attention_head_dim=8,
+        audio_cross_attention_dim=16,
+        num_layers=3,
+        caption_channels=_CONNECTOR_DIM,
+        rope_double_precision=False,
+        rope_type="split",
+    )
+
+
+def tiny_connectors(seed: int = 0):
+    """``LTX2TextConnectors``: project all Gemma layers and refine them for the video and audio streams."""
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+
+    return build(
+        LTX2TextConnectors,
+        seed=seed,
+        caption_channels=_TEXT_DIM,
+        text_proj_in_factor=_TEXT_LAYERS + 1,  # every hidden state, embeddings included
+        video_connector_num_attention_heads=4,
+        video_connector_attention_head_dim=8,
+        video_connector_num_layers=1,
+        video_connector_num_learnable_registers=None,
+        audio_connector_num_attention_heads=4,
+        audio_connector_attention_head_dim=8,
+        audio_connector_num_layers=1,
+        audio_connector_num_learnable_registers=None,
+        connector_rope_base_seq_len=32,
+        rope_double_precision=False,
+        rope_type="split",
+    )
+
+
+def tiny_vae(seed: int = 0):
+    """An ``AutoencoderKLLTX2Video`` with 8 channels per level (space x8, time x8; the real one is x32, x8)."""
+    from diffusers import AutoencoderKLLTX2Video
+
+    vae = build(
+        AutoencoderKLLTX2Video,
+        seed=seed,
+        latent_channels=_LATENT,
+        block_out_channels=(8, 8, 8),
+        down_block_types=("LTX2VideoDownBlock3D",) * 3,
+        decoder_block_out_channels=(8, 8, 8),
+        layers_per_block=(1, 1, 1, 1),
+        decoder_layers_per_block=(1, 1, 1, 1),
+        spatio_temporal_scaling=(True, True, True),
+        decoder_spatio_temporal_scaling=(True, True, True),
+        decoder_inject_noise=(False,) * 4,
+        downsample_type=("spatiotemporal",) * 3,
+        upsample_type=("spatiotemporal",) * 3,
+        upsample_residual=(False,) * 3,
+        upsample_factor=(1,) * 3,
+        timestep_conditioning=False,
+        patch_size=1,
+        patch_size_t=1,
+        encoder_causal=True,
+        decoder_causal=False,
+    )
+    return vae
+
+
+def tiny_audio_vae(seed: int = 0):
+    """An ``AutoencoderKLLTX2Audio`` over 8 mel bins (16 kHz, hop 160)."""
+    from diffusers import AutoencoderKLLTX2Audio
+
+    return build(
+        AutoencoderKLLTX2Audio,
+        seed=seed,
+        base_channels=4,
+        output_channels=2,
+        ch_mult=(1,),
+        num_res_blocks=1,
+        attn_resolutions=None,
+        in_channels=2,
+        resolution=32,
+        latent_channels=_AUDIO_LATENT,
+        mid_block_add_attention=False,
+        sample_rate=16000,
+        mel_hop_length=160,
+        mel_bins=8,
+    )
+
+
+def tiny_vocoder(seed: int = 0):
+    """An ``LTX2Vocoder`` turning the audio VAE's stereo mel spectrogram into a waveform."""
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+
+    return build(
+        LTX2Vocoder,
+        seed=seed,
+        in_channels=2 * 8,  # output channels x mel bins of the audio VAE
+        hidden_channels=32,
+        out_channels=2,
+        upsample_kernel_sizes=[4, 4],
+        upsample_factors=[2, 2],
+        resnet_kernel_sizes=[3],
+        resnet_dilations=[[1, 3, 5]],
+        output_sampling_rate=16000,
+    )
+
+
+def _components(seed: int) -> dict:
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    text_encoder, tokenizer = gemma3_model(hidden_size=_TEXT_DIM, num_layers=_TEXT_LAYERS, seed=seed)
+    return {
+        "transformer": tiny_transformer(seed),
+        "vae": tiny_vae(seed),
+        "audio_vae": tiny_audio_vae(seed),
+        "text_encoder": text_encoder,
+        "tokenizer": tokenizer,
+        "connectors": tiny_connectors(seed),
+        "vocoder": tiny_vocoder(seed),
+        "scheduler": FlowMatchEulerDiscreteScheduler(),
+    }
+
+
+def tiny_ltx2(seed: int = 0):
+    """A complete tiny ``LTX2Pipeline`` (text to video with audio)."""
+    from diffusers import LTX2Pipeline
+
+    return LTX2Pipeline(**_components(seed))
+
+
+def tiny_ltx2_i2v(seed: int = 0):
+    """A complete tiny ``LTX2ImageToVideoPipeline`` (the first latent frame is the encoded image)."""
+    from diffusers import LTX2ImageToVideoPipeline
+
+    return LTX2ImageToVideoPipeline(**_components(seed))
+
+
+def _image():
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    return Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8))
+
+
+_CALL = {
+    "prompt": "a cat holding a sign",
+    "negative_prompt": "blue",
+    "height": 32,
+    "width": 32,
+    "num_frames": 9,
+    "frame_rate": 25.0,
+    "num_inference_steps": 2,
+    "guidance_scale": 3.0,
+    # Spatio-temporal guidance on the middle block, as the real models use it on one deep block.
+    "stg_scale": 1.0,
+    "spatio_temporal_guidance_blocks": [1],
+    "max_sequence_length": 16,
+}
+
+ADAPTER = register(
+    ModelAdapter(
+        family="ltx2",
+        transformer_classes=(TRANSFORMER,),
+        block_groups=(
+            BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P0, encoder_arg="audio_hidden_states"),
+        ),
+        tiny_pipelines=(
+            TinyPipeline(name="t2v", build=tiny_ltx2, call_kwargs=_CALL),
+            # Pending a cache fix: the variants below pass a per-token timestep whose conditioning tokens are 0, and
+            # the cache's step tracking reads the first element (it should read the largest); listed once fixed:
+            # (image_crf=0: the default H.264 re-compression of the condition image needs PyAV.)
+            # TinyPipeline(name="i2v", build=tiny_ltx2_i2v, call_kwargs={**_CALL, "image": _image(), "image_crf": 0}),
+        ),
+        presets=(
+            ModelPreset(
+                name="ltx2",
+                pipeline_class="diffusers.LTX2Pipeline",
+                hub_id="Lightricks/LTX-2",
+                defaults={
+                    "num_inference_steps": 40,
+                    "guidance_scale": 4.0,
+                    "height": 512,
+                    "width": 768,
+                    "num_frames": 121,
+                    "frame_rate": 24.0,
+                },
+            ),
+            ModelPreset(
+                name="ltx2-i2v",
+                pipeline_class="diffusers.LTX2ImageToVideoPipeline",
+                hub_id="Lightricks/LTX-2",
+                defaults={
+                    "num_inference_steps": 40,
+                    "guidance_scale": 4.0,
+                    "height": 512,
+                    "width": 768,
+                    "num_frames": 121,
+                    "frame_rate": 24.0,
+                },
+            ),
+        ),
+        notes=(
+            "Two token streams (video, audio) with their own RoPE, timesteps and text; the adapter caches both "
+            "(audio in the encoder slot). Each step runs up to three calls, each in its own cache_context: "
+            "cond_uncond (batched CFG), uncond_stg (attention skipped in the STG blocks) and uncond_modality "
+            "(audio-video cross-attention off). I2V passes a per-token timestep whose first-frame tokens are 0: "
+            "read the step from the largest value. The default I2V image re-compression needs PyAV (`av`)."
+        ),
+    )
+)
