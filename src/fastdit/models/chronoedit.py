@@ -1,0 +1,141 @@
+"""ChronoEdit (image editing as a short video, Wan 2.1 I2V architecture): ``ChronoEditTransformer3DModel``.
+
+Blocks (diffusers 0.42.1): one list, ``blocks`` (40 Wan-style ``WanTransformerBlock``), called positionally with
+``(hidden_states, encoder_hidden_states, temb, rotary_emb)`` and returning the hidden states alone (pattern 2). The
+encoder stream is ``[CLIP image tokens | UMT5 text tokens]``, only read by cross-attention. Nothing runs between
+blocks.
+"""
+
+from __future__ import annotations
+
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.registry import register
+from fastdit.testing.components.encoders import build, umt5_encoder
+
+TRANSFORMER = "diffusers.models.transformers.transformer_chronoedit.ChronoEditTransformer3DModel"
+
+_LATENT_CHANNELS = 4
+_TEXT_DIM = 32
+_IMAGE_DIM = 8
+
+
+def tiny_transformer(seed: int = 0, *, num_layers: int = 3):
+    """A 3-block ``ChronoEditTransformer3DModel`` (2 heads x 16) on noise + condition latents + a 4-channel mask."""
+    from diffusers import ChronoEditTransformer3DModel
+
+    return build(
+        ChronoEditTransformer3DModel,
+        seed=seed,
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=2 * _LATENT_CHANNELS + 4,
+        out_channels=_LATENT_CHANNELS,
+        text_dim=_TEXT_DIM,
+        freq_dim=32,
+        ffn_dim=64,
+        num_layers=num_layers,
+        image_dim=_IMAGE_DIM,
+        added_kv_proj_dim=32,
+        rope_max_seq_len=64,
+    )
+
+
+def tiny_vae(seed: int = 0):
+    """A Wan 2.1-style ``AutoencoderKLWan`` with 3 base channels (spatial factor 8, temporal factor 4)."""
+    from diffusers import AutoencoderKLWan
+
+    return build(
+        AutoencoderKLWan,
+        seed=seed,
+        base_dim=3,
+        z_dim=_LATENT_CHANNELS,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.0] * _LATENT_CHANNELS,
+        latents_std=[1.0] * _LATENT_CHANNELS,
+    )
+
+
+def tiny_image_encoder(seed: int = 0):
+    """``(CLIPVisionModel, CLIPImageProcessorPil)`` for 32x32 inputs (16 patches + class token, width 8)."""
+    from transformers import CLIPImageProcessorPil, CLIPVisionConfig, CLIPVisionModel
+
+    config = CLIPVisionConfig(
+        hidden_size=_IMAGE_DIM,
+        intermediate_size=2 * _IMAGE_DIM,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+    )
+    processor = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    return build(CLIPVisionModel, config, seed=seed), processor
+
+
+def tiny_chronoedit(seed: int = 0):
+    """A complete tiny ``ChronoEditPipeline`` (UMT5 + CLIP vision encoders, Wan VAE, flow UniPC)."""
+    from diffusers import ChronoEditPipeline, UniPCMultistepScheduler
+
+    text_encoder, tokenizer = umt5_encoder(d_model=_TEXT_DIM, seed=seed)
+    image_encoder, image_processor = tiny_image_encoder(seed)
+    # A multistep scheduler: temporal reasoning trims its stored model outputs when it drops the middle frames.
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0)
+    return ChronoEditPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        image_encoder=image_encoder,
+        image_processor=image_processor,
+        transformer=tiny_transformer(seed),
+        vae=tiny_vae(seed),
+        scheduler=scheduler,
+    )
+
+
+def _input_image():
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    return Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8))
+
+
+ADAPTER = register(
+    ModelAdapter(
+        family="chronoedit",
+        transformer_classes=(TRANSFORMER,),
+        block_groups=(BlockGroup(path="blocks", pattern=ForwardPattern.P2),),
+        tiny_pipelines=(
+            TinyPipeline(
+                name="edit",
+                build=tiny_chronoedit,
+                # guidance_scale > 1: a cond then an uncond transformer call per step, without cache contexts.
+                call_kwargs={
+                    "image": _input_image(),
+                    "prompt": "a cat holding a sign",
+                    "negative_prompt": "blue",
+                    "guidance_scale": 5.0,
+                    "height": 32,
+                    "width": 32,
+                    "num_inference_steps": 2,
+                    "max_sequence_length": 16,
+                },
+            ),
+        ),
+        presets=(
+            ModelPreset(
+                name="chronoedit",
+                pipeline_class="diffusers.ChronoEditPipeline",
+                hub_id="nvidia/ChronoEdit-14B-Diffusers",
+                defaults={"num_inference_steps": 50, "guidance_scale": 5.0, "num_frames": 5},
+            ),
+        ),
+        notes=(
+            "Wan 2.1 I2V layout: 3-D RoPE computed from hidden_states.shape inside forward, CLIP image tokens "
+            "prepended to the text for cross-attention. With enable_temporal_reasoning the pipeline drops the middle "
+            "latent frames after num_temporal_reasoning_steps, so the sequence length changes mid-run (a cache must "
+            "not read that as a new run). CFG is two calls per step without cache contexts."
+        ),
+    )
+)
