@@ -1,11 +1,14 @@
-"""HunyuanVideo (T2V, I2V, SkyReels-V1 I2V): ``HunyuanVideoTransformer3DModel``.
+"""HunyuanVideo (T2V, I2V, SkyReels-V1 I2V, FramePack): ``HunyuanVideoTransformer3DModel`` and
+``HunyuanVideoFramepackTransformer3DModel``.
 
 Blocks (diffusers 0.42.1): dual-stream ``transformer_blocks`` then single-stream ``single_transformer_blocks``. The
 model calls both positionally as ``block(hidden_states, encoder_hidden_states, temb, attention_mask,
 image_rotary_emb, token_replace_emb, first_frame_num_tokens)``; every block returns ``(hidden_states,
 encoder_hidden_states)`` (pattern 0) — the single-stream blocks concatenate the two streams inside and split them
 again before returning. With ``image_condition_type="token_replace"`` (HunyuanVideo-I2V) the lists hold the
-``HunyuanVideoTokenReplace*`` block classes, which take the same arguments and return the same pair.
+``HunyuanVideoTokenReplace*`` block classes, which take the same arguments and return the same pair. The FramePack
+transformer reuses the plain block classes in the same two lists (called with ``attention_mask`` and
+``image_rotary_emb`` only).
 """
 
 from __future__ import annotations
@@ -15,8 +18,12 @@ from fastdit.models.registry import register
 from fastdit.testing.components.encoders import build, clip_text_model
 from fastdit.testing.components.llama import llama_model
 from fastdit.testing.components.llava import NUM_IMAGE_TOKENS, llava_image_processor, llava_model
+from fastdit.testing.components.siglip import siglip_vision_model
 
 TRANSFORMER = "diffusers.models.transformers.transformer_hunyuan_video.HunyuanVideoTransformer3DModel"
+FRAMEPACK_TRANSFORMER = (
+    "diffusers.models.transformers.transformer_hunyuan_video_framepack.HunyuanVideoFramepackTransformer3DModel"
+)
 
 _LATENT = 4  # latent channels of the tiny VAE
 _TEXT_DIM = 32  # hidden size of the tiny Llama / LLaVA text model
@@ -141,6 +148,44 @@ def tiny_skyreels_v1_i2v(seed: int = 0):
     return HunyuanSkyreelsImageToVideoPipeline(**_components(seed, tiny_transformer(seed, in_channels=2 * _LATENT)))
 
 
+def tiny_framepack_transformer(seed: int = 0):
+    """A 1 dual + 2 single block ``HunyuanVideoFramepackTransformer3DModel`` (SigLIP image tokens, history)."""
+    from diffusers import HunyuanVideoFramepackTransformer3DModel
+
+    return build(
+        HunyuanVideoFramepackTransformer3DModel,
+        seed=seed,
+        in_channels=_LATENT,
+        out_channels=_LATENT,
+        num_attention_heads=2,
+        attention_head_dim=16,
+        num_layers=1,
+        num_single_layers=2,
+        num_refiner_layers=1,
+        patch_size=2,
+        patch_size_t=1,
+        guidance_embeds=True,
+        text_embed_dim=_TEXT_DIM,
+        pooled_projection_dim=_POOLED_DIM,
+        rope_axes_dim=(4, 6, 6),
+        has_image_proj=True,
+        image_proj_dim=16,  # the tiny SigLIP's hidden size
+        has_clean_x_embedder=True,
+    )
+
+
+def tiny_framepack(seed: int = 0):
+    """A complete tiny ``HunyuanVideoFramepackPipeline`` (next-frame-section prediction from an image)."""
+    from diffusers import HunyuanVideoFramepackPipeline
+
+    image_encoder, feature_extractor = siglip_vision_model(hidden_size=16, seed=seed)
+    return HunyuanVideoFramepackPipeline(
+        image_encoder=image_encoder,
+        feature_extractor=feature_extractor,
+        **_components(seed, tiny_framepack_transformer(seed)),
+    )
+
+
 def _image():
     import numpy as np
     from PIL import Image
@@ -165,7 +210,7 @@ _I2V_CALL = {**_CALL, "image": _image(), "num_frames": 9, "prompt_template": _I2
 ADAPTER = register(
     ModelAdapter(
         family="hunyuan_video",
-        transformer_classes=(TRANSFORMER,),
+        transformer_classes=(TRANSFORMER, FRAMEPACK_TRANSFORMER),
         block_groups=(
             BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P0),
             BlockGroup(path="single_transformer_blocks", pattern=ForwardPattern.P0),
@@ -182,6 +227,12 @@ ADAPTER = register(
                 name="skyreels-v1-i2v",
                 build=tiny_skyreels_v1_i2v,
                 call_kwargs={**_CALL, "image": _image(), "negative_prompt": "blue", "true_cfg_scale": 6.0},
+            ),
+            # 5 frames fill one section of the 2-latent-frame window.
+            TinyPipeline(
+                name="framepack",
+                build=tiny_framepack,
+                call_kwargs={**_CALL, "image": _image(), "latent_window_size": 2},
             ),
         ),
         presets=(
@@ -211,6 +262,19 @@ ADAPTER = register(
                 },
             ),
             ModelPreset(
+                name="hunyuan-video-framepack",
+                pipeline_class="diffusers.HunyuanVideoFramepackPipeline",
+                # The transformer checkpoint; the rest of the pipeline comes from hunyuanvideo-community/HunyuanVideo.
+                hub_id="lllyasviel/FramePackI2V_HY",
+                defaults={
+                    "num_inference_steps": 30,
+                    "guidance_scale": 9.0,
+                    "height": 832,
+                    "width": 480,
+                    "num_frames": 91,
+                },
+            ),
+            ModelPreset(
                 name="skyreels-v1-i2v",
                 pipeline_class="diffusers.HunyuanSkyreelsImageToVideoPipeline",
                 hub_id="Skywork/SkyReels-V1-Hunyuan-I2V",
@@ -229,7 +293,8 @@ ADAPTER = register(
             "forward (under Ulysses it must be reordered with the tokens); RoPE comes from the latent shape. "
             "token_replace I2V modulates the first frame's tokens differently (first_frame_num_tokens is a "
             "position count: adjust it per rank under a sequence split). The I2V and SkyReels pipelines run true CFG "
-            "as two calls without cache_context."
+            "as two calls without cache_context. FramePack prepends clean history tokens (compressed 1x/2x/4x) to the "
+            "noisy window and keeps only the window's tokens at the end; each section changes the sequence length."
         ),
     )
 )
