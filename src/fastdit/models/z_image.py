@@ -93,10 +93,8 @@ ADAPTER = register(
         family="z_image",
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="layers", pattern=ForwardPattern.P3, hidden_arg="x"),),
-        # The forward's timestep is `t`, but Z-Image pipelines pass (1000 - t) / 1000, which rises during a run;
-        # the run tracker reads a rising timestep as a new run, so it is not declared. Runs are told apart by the
-        # input shapes only (the transformer has no CacheMixin, so pipelines do not reset hooks at the end).
-        timestep_arg=None,
+        # Z-Image pipelines pass (1000 - t) / 1000: the timestep rises during a run.
+        timestep_arg="t",
         tiny_pipelines=(
             TinyPipeline(name="z-image", build=tiny_z_image, call_kwargs=_CALL),
             TinyPipeline(
