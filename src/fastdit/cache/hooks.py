@@ -120,7 +120,9 @@ class TransformerCacheHook(ModelHook):
         if self.timestep_arg:
             value = self._reader.get(self.timestep_arg, args, kwargs)
             if isinstance(value, torch.Tensor):
-                timestep = float(value.reshape(-1)[0])
+                # Some pipelines pass one timestep per token or frame, with conditioning tokens pinned at 0: the
+                # largest entry is the one that follows the schedule.
+                timestep = float(value.max())
             elif isinstance(value, (int, float)):
                 timestep = float(value)
         signature = tuple(tuple(a.shape) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))

@@ -244,11 +244,10 @@ ADAPTER = register(
             TinyPipeline(name="video2world", build=tiny_cosmos_video2world, call_kwargs={**_CALL, "image": _image()}),
             TinyPipeline(name="predict2-text2image", build=tiny_cosmos2_text2image, call_kwargs=_IMAGE_CALL),
             TinyPipeline(name="predict2.5", build=tiny_cosmos25_predict, call_kwargs=_CALL),
-            # Pending a cache fix: the variants below pass a per-frame timestep whose conditioning frames are ~0, and
-            # the cache's step tracking reads the first element (it should read the largest); listed once fixed:
-            # TinyPipeline(
-            #     name="predict2-video2world", build=tiny_cosmos2_video2world, call_kwargs={**_CALL, "image": _image()}
-            # ),
+            # Per-frame timesteps with conditioning frames at ~0: the cache follows the largest entry.
+            TinyPipeline(
+                name="predict2-video2world", build=tiny_cosmos2_video2world, call_kwargs={**_CALL, "image": _image()}
+            ),
         ),
         presets=(
             _preset(

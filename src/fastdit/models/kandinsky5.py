@@ -122,6 +122,9 @@ _CALL = {
     "max_sequence_length": 16,
 }
 
+# The T2I pipeline makes one frame; it takes no num_frames.
+_T2I_CALL = {k: v for k, v in _CALL.items() if k != "num_frames"}
+
 ADAPTER = register(
     ModelAdapter(
         family="kandinsky5",
@@ -140,8 +143,7 @@ ADAPTER = register(
             TinyPipeline(
                 name="i2v", build=tiny_kandinsky5_i2v, call_kwargs={**_CALL, "image": _image(), "num_frames": 17}
             ),
-            # tiny_kandinsky5_t2i is not listed yet: its output class names the images `image`, which
-            # fastdit.testing.pipelines.run_tiny does not read.
+            TinyPipeline(name="t2i", build=tiny_kandinsky5_t2i, call_kwargs=_T2I_CALL),
         ),
         presets=(
             ModelPreset(

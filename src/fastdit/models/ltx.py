@@ -123,10 +123,9 @@ ADAPTER = register(
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P2),),
         tiny_pipelines=(
             TinyPipeline(name="t2v", build=tiny_ltx, call_kwargs=_CALL),
-            # Pending a cache fix: the variants below pass a per-token timestep whose conditioning tokens are 0, and
-            # the cache's step tracking reads the first element (it should read the largest); listed once fixed:
-            # TinyPipeline(name="i2v", build=tiny_ltx_i2v, call_kwargs={**_CALL, "image": _image()}),
-            # TinyPipeline(name="condition", build=tiny_ltx_condition, call_kwargs={**_CALL, "image": _image()}),
+            # Per-token timesteps with conditioning tokens at 0: the cache follows the largest entry.
+            TinyPipeline(name="i2v", build=tiny_ltx_i2v, call_kwargs={**_CALL, "image": _image()}),
+            TinyPipeline(name="condition", build=tiny_ltx_condition, call_kwargs={**_CALL, "image": _image()}),
         ),
         presets=(
             ModelPreset(

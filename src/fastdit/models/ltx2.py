@@ -206,10 +206,9 @@ ADAPTER = register(
         ),
         tiny_pipelines=(
             TinyPipeline(name="t2v", build=tiny_ltx2, call_kwargs=_CALL),
-            # Pending a cache fix: the variants below pass a per-token timestep whose conditioning tokens are 0, and
-            # the cache's step tracking reads the first element (it should read the largest); listed once fixed:
+            # Per-token timesteps with conditioning tokens at 0: the cache follows the largest entry.
             # (image_crf=0: the default H.264 re-compression of the condition image needs PyAV.)
-            # TinyPipeline(name="i2v", build=tiny_ltx2_i2v, call_kwargs={**_CALL, "image": _image(), "image_crf": 0}),
+            TinyPipeline(name="i2v", build=tiny_ltx2_i2v, call_kwargs={**_CALL, "image": _image(), "image_crf": 0}),
         ),
         presets=(
             ModelPreset(

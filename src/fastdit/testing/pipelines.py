@@ -28,9 +28,10 @@ def run_tiny(pipe: Any, tiny: TinyPipeline, *, seed: int = 0, **overrides: Any) 
     """
     kwargs = {**tiny.call_kwargs, **overrides}
     kwargs.setdefault("output_type", "np")
+    torch.manual_seed(seed)  # a few pipelines draw from the global RNG besides the generator
     with torch.no_grad():
         result = pipe(**kwargs, generator=torch.Generator().manual_seed(seed))
-    out = result.frames if hasattr(result, "frames") else result.images
+    out = next(getattr(result, name) for name in ("frames", "images", "image") if hasattr(result, name))
     return np.asarray(out, dtype=np.float32)
 
 

@@ -113,6 +113,8 @@ def qwen2_5_vl_model(hidden_size: int = 32, seed: int = 0):
             "num_key_value_heads": hidden_size // head_dim,
             "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
             "rope_theta": 10000.0,
+            "bos_token_id": None,
+            "eos_token_id": tok.eos_token_id,
         },
         vision_config={
             "depth": 1,
