@@ -332,17 +332,30 @@ class RunResult:
         call_seconds: Wall time of each pipeline call of the timed passes.
         warmup_seconds: Total wall time of the warm-up calls.
         cache: Cache statistics of the last pass (``None`` when the pipeline is not accelerated).
+        summary: :func:`fastdit.summary` of the last call (``None`` when the pipeline is not accelerated).
         peak_memory: Peak bytes over the timed passes (``None`` unless tracked).
         memory_kind: What :attr:`peak_memory` measures.
     """
 
-    outputs: list[np.ndarray]
-    seconds: list[float]
-    call_seconds: list[float]
+    outputs: list[np.ndarray] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    call_seconds: list[float] = field(default_factory=list)
     warmup_seconds: float = 0.0
     cache: CacheStats | None = None
+    summary: fastdit.Summary | None = None
     peak_memory: int | None = None
     memory_kind: str = ""
+
+    def extend(self, later: RunResult) -> None:
+        """Add the passes of a later run of the same variant (outputs and statistics are the later ones)."""
+        self.outputs = later.outputs
+        self.seconds += later.seconds
+        self.call_seconds += later.call_seconds
+        self.warmup_seconds += later.warmup_seconds
+        self.cache, self.summary = later.cache, later.summary
+        if later.peak_memory is not None:
+            self.peak_memory = max(self.peak_memory or 0, later.peak_memory)
+            self.memory_kind = later.memory_kind
 
     @property
     def median_seconds(self) -> float:
@@ -465,6 +478,18 @@ class Generator:
         self._sync()
         return _first_output(result), time.perf_counter() - start
 
+    @contextlib.contextmanager
+    def variant(self, options: Mapping[str, Any] | None) -> Iterator[None]:
+        """Run the block accelerated with ``options`` (none or empty: plain), then restore the plain pipeline."""
+        if not options:
+            yield
+            return
+        self.accelerate(**options)
+        try:
+            yield
+        finally:
+            self.disable()
+
     def run(
         self,
         cases: Sequence[Case],
@@ -474,7 +499,7 @@ class Generator:
         repeat: int = 1,
         track_memory: bool = False,
     ) -> RunResult:
-        """Generate every case ``repeat`` times after ``warmup`` untimed calls of the first case.
+        """Generate every case ``repeat`` times, as the pipeline is now, after ``warmup`` untimed calls of the first.
 
         Args:
             cases: What to generate.
@@ -487,31 +512,60 @@ class Generator:
             raise ValueError(
                 f"need at least one case and repeat >= 1, warmup >= 0; got {len(cases)}, {repeat}, {warmup}"
             )
-        warmup_seconds = sum(self._call(cases[0], kwargs)[1] for _ in range(warmup))
+        result = RunResult(warmup_seconds=sum(self._call(cases[0], kwargs)[1] for _ in range(warmup)))
         memory = MemoryTracker(self.device) if track_memory else None
         if memory is not None:
             memory.reset()
-        seconds, call_seconds = [], []
-        outputs: list[np.ndarray] = []
-        stats: CacheStats | None = None
         for _ in range(repeat):
-            outputs, stats = [], CacheStats() if self.accelerated else None
+            result.outputs, result.cache = [], CacheStats() if self.accelerated else None
             for case in cases:
                 output, elapsed = self._call(case, kwargs)
-                outputs.append(output)
-                call_seconds.append(elapsed)
-                if stats is not None:
-                    stats.add(fastdit.summary(self.pipe))
-            seconds.append(sum(call_seconds[-len(cases) :]))
-        return RunResult(
-            outputs,
-            seconds,
-            call_seconds,
-            warmup_seconds,
-            stats,
-            memory.peak() if memory is not None else None,
-            memory.kind if memory is not None else "",
-        )
+                result.outputs.append(output)
+                result.call_seconds.append(elapsed)
+                if result.cache is not None:
+                    result.summary = fastdit.summary(self.pipe)
+                    result.cache.add(result.summary)
+            result.seconds.append(sum(result.call_seconds[-len(cases) :]))
+        if memory is not None:
+            result.peak_memory, result.memory_kind = memory.peak(), memory.kind
+        return result
+
+    def run_variants(
+        self,
+        variants: Sequence[Mapping[str, Any] | None],
+        cases: Sequence[Case],
+        kwargs: Mapping[str, Any],
+        *,
+        warmup: int = 0,
+        repeat: int = 1,
+        track_memory: bool = False,
+    ) -> list[RunResult]:
+        """Run several accelerations (``None`` or ``{}``: plain) on the same cases, interleaved pass by pass.
+
+        Each variant is warmed up first; then every round runs one timed pass of each variant in turn. A change of
+        machine load during the measurement (other processes, clocks, thermals) then slows every variant alike
+        instead of whichever happened to run at the time, so ratios between variants stay meaningful.
+
+        Args:
+            variants: ``fastdit.accelerate`` keyword arguments per variant.
+            cases: What to generate.
+            kwargs: Call arguments from :func:`call_arguments`.
+            warmup: Untimed calls per variant.
+            repeat: Timed passes per variant.
+            track_memory: Measure each variant's peak memory.
+
+        Returns:
+            One result per variant, in order.
+        """
+        results = [RunResult() for _ in variants]
+        for result, options in zip(results, variants, strict=True):
+            with self.variant(options):
+                result.warmup_seconds = sum(self._call(cases[0], kwargs)[1] for _ in range(warmup))
+        for _ in range(repeat):
+            for result, options in zip(results, variants, strict=True):
+                with self.variant(options):
+                    result.extend(self.run(cases, kwargs, track_memory=track_memory))
+        return results
 
 
 def compare_outputs(reference: Sequence[np.ndarray], test: Sequence[np.ndarray]) -> Any:

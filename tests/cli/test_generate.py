@@ -225,6 +225,7 @@ BAD_BEFORE_LOADING = [
     (["--model-path", "{tiny}", "--prompt", "a", "--parallel", "ulysses:2"], "--parallel"),
     (["--model-path", "{tiny}", "--prompt", "a", "--parallel", "heads=2"], "--parallel"),
     (["--model-path", "{tiny}", "--prompt", "a", "--cache", "turbo"], "--cache turbo"),
+    (["--prompt", "a", "--cache", "flux"], "fastdit generate flux --cache"),
     (["--model-path", "{tiny}", "--prompt", "a", "--cache-threshold", "abc"], "--cache-threshold"),
     (["--model-path", "{tiny}", "--prompt", "a", "--cache-threshold", "-1"], "--cache-threshold -1"),
     (["--model-path", "{tiny}", "--prompt", "a", "--cache-max-pruned-ratio", "0.5"], "--cache-max-pruned-ratio"),

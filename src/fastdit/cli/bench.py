@@ -232,17 +232,13 @@ def _row(name: str, config: Any, result: RunResult, baseline: RunResult | None, 
 
 
 def _measure(generator: Generator, plan: _Plan, args: argparse.Namespace) -> list[tuple[BenchRow, RunResult]]:
-    run = {"warmup": args.warmup, "repeat": args.repeat, "track_memory": True}
-    count = len(plan.cases)
-    baseline = generator.run(plan.cases, plan.kwargs, **run)
+    variants = [{}] + [{"cache": config} if config is not None else {} for _, config in plan.configs]
+    results = generator.run_variants(
+        variants, plan.cases, plan.kwargs, warmup=args.warmup, repeat=args.repeat, track_memory=True
+    )
+    baseline, count = results[0], len(plan.cases)
     measured = [(_row("baseline", None, baseline, None, count), baseline)]
-    for name, config in plan.configs:
-        if config is not None:
-            generator.accelerate(cache=config)
-        try:
-            result = generator.run(plan.cases, plan.kwargs, **run)
-        finally:
-            generator.disable()
+    for (name, config), result in zip(plan.configs, results[1:], strict=True):
         measured.append((_row(name, config, result, baseline, count), result))
     return measured
 

@@ -282,23 +282,21 @@ def _accelerate(generator: Generator, plan: GeneratePlan) -> None:
 
 
 def execute(plan: GeneratePlan, *, progress: bool, track_memory: bool) -> tuple[Generator, RunResult, RunResult | None]:
-    """Load, check sizes, accelerate, run (and the baseline with ``plan.compare``).
+    """Load, check sizes and the acceleration, then run (interleaved with the baseline under ``plan.compare``).
 
     Returns:
-        The generator (still accelerated, for :func:`fastdit.summary`), the accelerated result and the baseline.
+        The generator (left un-accelerated), the accelerated result and the baseline result (or ``None``).
     """
     generator = Generator.load(plan.source, device=plan.device, dtype=plan.dtype, progress=progress)
     check_size(generator.pipe, plan.kwargs)
-    run = {"warmup": plan.warmup, "repeat": plan.repeat, "track_memory": track_memory}
-    baseline = None
     if plan.acceleration:
-        _accelerate(generator, plan)  # fail fast, before spending time on the baseline
-        if plan.compare:
-            generator.disable()
-            baseline = generator.run(plan.cases, plan.kwargs, **run)
-            _accelerate(generator, plan)
-    result = generator.run(plan.cases, plan.kwargs, **run)
-    return generator, result, baseline
+        _accelerate(generator, plan)  # fail fast, before spending time on any run
+        generator.disable()
+    variants = [{}, plan.acceleration] if plan.compare else [plan.acceleration]
+    results = generator.run_variants(
+        variants, plan.cases, plan.kwargs, warmup=plan.warmup, repeat=plan.repeat, track_memory=track_memory
+    )
+    return generator, results[-1], results[0] if plan.compare else None
 
 
 def _describe(options: dict[str, Any]) -> Any:
@@ -409,10 +407,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     stream = sys.stderr if args.json else sys.stdout
     _report(payload, stream)
-    if args.summary and generator.accelerated:
-        import fastdit
-
-        print(fastdit.summary(generator.pipe), file=stream)
+    if args.summary and result.summary is not None:
+        print(result.summary, file=stream)
     if args.json:
         print(json.dumps(payload, allow_nan=False))
     return 0

@@ -226,7 +226,21 @@ def _check_preset(name: str, option: str) -> None:
     try:
         get_cache_preset(name)
     except LookupError as error:
-        raise CLIError(f"argument {option}: {error}") from None
+        hint = ""
+        if _is_model_name(name):
+            # ``--cache`` takes an optional value, so ``--cache flux`` reads the model name as a preset.
+            hint = f"; to cache model {name!r}, put it first: fastdit generate {name} --cache"
+        raise CLIError(f"argument {option}: {error}{hint}") from None
+
+
+def _is_model_name(name: str) -> bool:
+    from fastdit.models.registry import get_preset
+
+    try:
+        get_preset(name)
+    except LookupError:
+        return False
+    return True
 
 
 def _build(preset: str, overrides: dict[str, tuple[str, Any]], num_steps: int | None, option: str) -> Any:
