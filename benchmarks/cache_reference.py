@@ -57,28 +57,32 @@ class BlockCounter:
         self.count += 1
 
 
-def generate(pipe, cases: list[tuple[int, int]], steps: int, true_cfg: float) -> tuple[list[np.ndarray], float]:
-    """Generate every (digit, seed) case one by one; return images and total seconds."""
-    images = []
+def generate(
+    pipe, cases: list[tuple[int, int]], steps: int, true_cfg: float, batch: int
+) -> tuple[list[np.ndarray], float]:
+    """Generate every (digit, seed) case, ``batch`` at a time (per-sample seeded generators); images and seconds."""
+    images: list[np.ndarray] = []
     extra = {"negative_prompt": "", "true_cfg_scale": true_cfg} if true_cfg > 1 else {}
     start = time.perf_counter()
-    for digit, seed in cases:
+    for i in range(0, len(cases), batch):
+        chunk = cases[i : i + batch]
         out = pipe(
-            prompt=digit_prompt(digit),
+            prompt=[digit_prompt(d) for d, _ in chunk],
             num_inference_steps=steps,
             height=REFERENCE_DEFAULTS["height"],
             width=REFERENCE_DEFAULTS["width"],
-            generator=torch.Generator().manual_seed(seed),
+            max_sequence_length=REFERENCE_DEFAULTS["max_sequence_length"],
+            generator=[torch.Generator().manual_seed(s) for _, s in chunk],
             output_type="np",
             **extra,
-        ).images[0]
-        images.append(out)
+        ).images
+        images.extend(out)
     return images, time.perf_counter() - start
 
 
-def measure(name, library, pipe, counter, cases, steps, true_cfg, baseline, base_blocks) -> Result:
+def measure(name, library, pipe, counter, cases, steps, true_cfg, batch, baseline, base_blocks) -> Result:
     counter.count = 0
-    images, seconds = generate(pipe, cases, steps, true_cfg)
+    images, seconds = generate(pipe, cases, steps, true_cfg, batch)
     p = [psnr(a, b) for a, b in zip(images, baseline, strict=True)]
     s = [ssim(a, b) for a, b in zip(images, baseline, strict=True)]
     finite = [v for v in p if np.isfinite(v)] or [float("inf")]
@@ -103,6 +107,12 @@ def fastdit_configs(steps: int) -> dict[str, fastdit.DBCache]:
     for threshold in (0.2, 0.3, 0.5):
         configs[f"F1B0 τ{threshold} w2 +TS1"] = dict(fn=1, bn=0, threshold=threshold, warmup_steps=2, taylorseer=ts1)
         configs[f"F1B0 τ{threshold} w2 +TS2"] = dict(fn=1, bn=0, threshold=threshold, warmup_steps=2, taylorseer=ts2)
+    for order in (1, 2):
+        forecast = fastdit.TaylorSeer(order=order, forecast_decision=True)
+        for threshold in (0.05, 0.1, 0.2):
+            configs[f"F1B0 τ{threshold} w2 +TS{order} forecast"] = dict(
+                fn=1, bn=0, threshold=threshold, warmup_steps=2, taylorseer=forecast
+            )
     for preset in ("medium", "fast"):
         mask = fastdit.StepMask.preset(preset, steps)
         configs[f"F1B0 mask:{preset} +TS1"] = dict(fn=1, bn=0, warmup_steps=0, step_mask=mask, taylorseer=ts1)
@@ -128,7 +138,9 @@ def run_cache_dit(pipe, run: Callable[[str, str], Result]) -> list[Result]:
 
     results = []
     for threshold, order in ((0.12, None), (0.2, None), (0.3, None), (0.3, 1), (0.5, 1)):
-        config = DBCacheConfig(Fn_compute_blocks=1, Bn_compute_blocks=0, residual_diff_threshold=threshold, max_warmup_steps=2)
+        config = DBCacheConfig(
+            Fn_compute_blocks=1, Bn_compute_blocks=0, residual_diff_threshold=threshold, max_warmup_steps=2
+        )
         calibrator = TaylorSeerCalibratorConfig(taylorseer_order=order) if order else None
         cache_dit.enable_cache(pipe, cache_config=config, calibrator_config=calibrator)
         try:
@@ -164,14 +176,15 @@ def run_diffusers(pipe, run: Callable[[str, str], Result]) -> list[Result]:
 
 def table(results: list[Result], base_seconds: float) -> str:
     lines = [
-        "| library | configuration | blocks computed | speed-up (blocks) | wall s | speed-up (wall) | PSNR mean / min | "
-        "SSIM mean / min |",
+        "| library | configuration | blocks computed | speed-up (blocks) | wall s | speed-up (wall) "
+        "| PSNR mean / min | SSIM mean / min |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
             f"| {r.library} | {r.name} | {r.blocks_fraction:.1%} | {1 / r.blocks_fraction:.2f}× | {r.seconds:.2f} | "
-            f"{base_seconds / r.seconds:.2f}× | {r.psnr_mean:.1f} / {r.psnr_min:.1f} | {r.ssim_mean:.3f} / {r.ssim_min:.3f} |"
+            f"{base_seconds / r.seconds:.2f}× | {r.psnr_mean:.1f} / {r.psnr_min:.1f} "
+            f"| {r.ssim_mean:.3f} / {r.ssim_min:.3f} |"
         )
     return "\n".join(lines)
 
@@ -182,6 +195,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=REFERENCE_DEFAULTS["num_inference_steps"])
     parser.add_argument("--true-cfg", type=float, default=1.0, help=">1 runs cond+uncond forwards per step")
     parser.add_argument("--with", dest="others", default="", help="comma list: cache-dit, diffusers")
+    parser.add_argument("--batch", type=int, default=20, help="images per pipeline call (cache decisions are per call)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -191,13 +205,15 @@ def main() -> None:
     counter = BlockCounter(pipe.transformer)
     num_blocks = len(counter.handles)
     cases = [(d, s) for s in range(args.seeds) for d in range(10)]
-    generate(pipe, cases[:1], args.steps, args.true_cfg)  # warm-up
+    generate(pipe, cases[:1], args.steps, args.true_cfg, 1)  # warm-up
     counter.count = 0
-    baseline, base_seconds = generate(pipe, cases, args.steps, args.true_cfg)
+    baseline, base_seconds = generate(pipe, cases, args.steps, args.true_cfg, args.batch)
     base_blocks = counter.count
 
     def run(name: str, library: str) -> Result:
-        return measure(name, library, pipe, counter, cases, args.steps, args.true_cfg, baseline, base_blocks)
+        return measure(
+            name, library, pipe, counter, cases, args.steps, args.true_cfg, args.batch, baseline, base_blocks
+        )
 
     results = [run("no cache (baseline again)", "—")]
     results += run_fastdit(pipe, run, args.steps, num_blocks)
@@ -211,11 +227,12 @@ def main() -> None:
     if args.out:
         payload = {
             "date": date.today().isoformat(),
-            "device": f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} threads)",
+            "device": f"CPU {platform.machine()}, {os.cpu_count()} cores, {args.threads} threads",
             "torch": torch.__version__,
             "cases": len(cases),
             "steps": args.steps,
             "true_cfg": args.true_cfg,
+            "batch": args.batch,
             "baseline_seconds": round(base_seconds, 3),
             "results": [r.__dict__ for r in results],
         }
