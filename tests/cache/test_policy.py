@@ -16,7 +16,7 @@ def _run(config: DBCache, residuals: list[float]) -> BranchState:
     for value in residuals:
         state.step += 1
         decide(config, state, torch.full((4,), value), None)
-        state.segments.setdefault(0, None)  # a computed step leaves a segment memory behind
+        state.segment(0).hidden_residual = torch.zeros(4)  # a computed step leaves a segment residual behind
     return state
 
 
@@ -112,7 +112,6 @@ def test_tracker_follows_rising_schedules() -> None:
     assert {k: v.step for k, v in tracker.branches().items()} == {"default": 2, "default/1": 2}
     tracker.begin_call("default", 0.0, ((1,),))  # back to the start: new run
     assert tracker.runs == 2
-
 
 
 def test_tracker_branch_with_other_shapes_is_not_a_new_run() -> None:

@@ -58,7 +58,6 @@ class BlockSlot:
     role: str  # "front" | "middle" | "back"
     group: BlockGroup
     segment: int = -1
-    first_in_segment: bool = False
     last_in_segment: bool = False
     last_front: bool = False
 
@@ -164,8 +163,8 @@ class BlockCacheHook(ModelHook):
         group = slot.group
         hidden = self._reader.get(group.hidden_arg, args, kwargs)
         if slot.role == "front":
-            if slot.index == 0:
-                state.front_hidden_in = hidden
+            if state.front_entered_step != state.step:  # first front block called in this step
+                state.front_hidden_in, state.front_entered_step = hidden, state.step
             output = self._compute(state, args, kwargs)
             if slot.last_front:
                 self._decide(state, output)
@@ -174,8 +173,8 @@ class BlockCacheHook(ModelHook):
             return self._compute(state, args, kwargs)
         encoder = self._reader.get(group.encoder_arg, args, kwargs) if group.pattern.takes_encoder else None
         memory = state.segment(slot.segment)
-        if slot.first_in_segment:
-            memory.hidden_in, memory.encoder_in = hidden, encoder
+        if memory.entered_step != state.step:  # first middle block of this segment called in this step
+            memory.hidden_in, memory.encoder_in, memory.entered_step = hidden, encoder, state.step
         if state.computing:
             output = self._compute(state, args, kwargs)
             state.block_memory[slot.index] = group.pattern.extras(output)
@@ -186,7 +185,7 @@ class BlockCacheHook(ModelHook):
 
     def _decide(self, state: BranchState, output: Any) -> None:
         hidden_out, _ = self.slot.group.pattern.unpack(output)
-        hidden_in = state.front_hidden_in
+        hidden_in = state.front_hidden_in if state.front_entered_step == state.step else None
         if hidden_in is None or hidden_out.shape != hidden_in.shape:
             raise ValueError(
                 f"DBCache.fn={self.engine.config.fn}: the hidden stream changes shape across the front blocks "
@@ -257,7 +256,6 @@ def plan_slots(groups: list[tuple[BlockGroup, torch.nn.ModuleList]], fn: int, bn
                         role="middle",
                         group=group,
                         segment=group_index,
-                        first_in_segment=i == middle[0],
                         last_in_segment=i == middle[-1],
                     )
                 )

@@ -65,7 +65,7 @@ def decide(config: DBCache, state: BranchState, residual: torch.Tensor, reduce: 
     The residual of the front blocks is compared with the one of the last *computed* step, so slow drift over several
     cached steps accumulates until it crosses the threshold.
     """
-    has_cache = state.front_residual is not None and bool(state.segments)
+    has_cache = state.front_residual is not None and state.has_cache
     forced = forced_decision(config, state, has_cache)
     diff: float | None = None
     if has_cache and state.front_residual.shape == residual.shape:

@@ -23,6 +23,9 @@ class SegmentMemory:
 
     hidden_in: torch.Tensor | None = None
     encoder_in: torch.Tensor | None = None
+    # Step at which the segment's input was last recorded: the first *called* middle block of the segment records
+    # it, since a model may leave blocks out of some calls (SD3.5 skip-layer guidance).
+    entered_step: int = -1
     hidden_residual: torch.Tensor | None = None
     encoder_residual: torch.Tensor | None = None
     # Last computed encoder output: patterns 4/5 create the encoder stream inside the blocks.
@@ -40,6 +43,7 @@ class BranchState:
     step: int = -1
     computing: bool = True
     front_hidden_in: torch.Tensor | None = None
+    front_entered_step: int = -1
     front_residual: torch.Tensor | None = None
     # TaylorSeer coefficients of the front residual (for forecast decisions) and the step they were taken at.
     front_taylor: list[torch.Tensor] = field(default_factory=list)
@@ -54,6 +58,11 @@ class BranchState:
     block_memory: dict[int, Any] = field(default_factory=dict)
     # DBPrune: blocks pruned in each step.
     pruned: list[int] = field(default_factory=list)
+
+    @property
+    def has_cache(self) -> bool:
+        """Whether every middle segment seen in this run holds a residual to replay."""
+        return bool(self.segments) and all(m.hidden_residual is not None for m in self.segments.values())
 
     def segment(self, index: int) -> SegmentMemory:
         """The memory of middle segment ``index`` (created on first use)."""
