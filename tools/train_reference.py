@@ -13,6 +13,8 @@ to distinct embeddings. The whole pipeline is written with ``save_pretrained`` a
 
     python tools/train_reference.py                   # CPU (slow)
     python tools/train_reference.py --device cuda     # the documented run
+
+fastdit must be importable (the editable install, or ``PYTHONPATH=src``); scikit-learn provides the data.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NUM_CLASSES = 10
 EMPTY = NUM_CLASSES  # index of the empty prompt among the precomputed text conditions
 COMPONENTS = ("transformer", "vae", "text_encoder", "text_encoder_2")
+MAX_WEIGHTS_BYTES = 20 * 10**6  # the wheel carries the weights: keep them small
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -399,10 +402,12 @@ def main(argv: list[str] | None = None) -> None:
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("out", "log")},
         "vae": vae_log,
         "transformer": tr_log,
-    }  # fmt: skip
+    }
     args.log.parent.mkdir(parents=True, exist_ok=True)
     args.log.write_text(json.dumps(log, indent=1) + "\n")
-    print(f"saved {args.out} ({log['weights_bytes'] / 2**20:.2f} MiB) and {args.log} in {log['total_time_s']}s")
+    print(f"saved {args.out} ({log['weights_bytes'] / 1e6:.2f} MB) and {args.log} in {log['total_time_s']}s")
+    if log["weights_bytes"] > MAX_WEIGHTS_BYTES:
+        print(f"warning: the weights exceed the {MAX_WEIGHTS_BYTES / 1e6:.0f} MB the package ships")
 
 
 if __name__ == "__main__":
