@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from fastdit.cache import apply_cache, cache_engine, cache_summary
+from fastdit.cache.policy import Reducer
 from fastdit.config import Attention, Compile, DBCache, DBPrune, Parallel
 from fastdit.models.base import ModelAdapter
 from fastdit.models.registry import adapter_for
@@ -35,6 +36,7 @@ class _Applied:
     parallel: Parallel | None
     compile: Compile | None
     undo: list[Callable[[], None]] = field(default_factory=list)
+    runtime: Any = None  # ParallelRuntime when parallelism is active
 
 
 def find_transformers(
@@ -85,10 +87,44 @@ def _validate(cache: Any, parallel: Any, compile: Any, attention: Any) -> None:
         raise TypeError(f"compile={compile!r}: expected Compile, True or None")
     if attention is not None and not isinstance(attention, Attention):
         raise TypeError(f"attention={attention!r}: expected Attention or None")
-    if parallel is not None and parallel.is_parallel:
-        raise NotImplementedError(f"parallel={parallel}: parallelism is not available in this version of fastdit")
-    if attention is not None and attention != Attention():
-        raise NotImplementedError(f"attention={attention}: attention backends other than the default are not available")
+    if parallel is not None:
+        missing = [name for name in ("tp", "cfg") if getattr(parallel, name) > 1]
+        missing += [name for name in ("text_encoder", "vae") if getattr(parallel, name)]
+        if missing:
+            raise NotImplementedError(
+                f"parallel={parallel}: {', '.join(missing)} parallelism is not available in this version of fastdit"
+            )
+    if attention is not None and attention != Attention() and not _context_parallel(parallel):
+        raise NotImplementedError(
+            f"attention={attention}: attention backends other than the default are only available with "
+            "context parallelism (Parallel(ulysses=...) or Parallel(ring=...))"
+        )
+
+
+def _context_parallel(parallel: Parallel | None) -> bool:
+    return parallel is not None and parallel.ulysses * parallel.ring > 1
+
+
+def _apply_context_parallel(
+    transformers: dict[str, tuple[torch.nn.Module, ModelAdapter]],
+    parallel: Parallel,
+    attention: Attention | None,
+    applied: _Applied,
+) -> Reducer:
+    """Context parallel on every transformer; returns the reducer that keeps cache decisions equal on all ranks."""
+    from fastdit.parallel.context_parallel import apply_context_parallel, context_parallel_group, cp_reducer
+    from fastdit.parallel.runtime import ParallelRuntime
+
+    for name, (_, found) in transformers.items():
+        if found.cp_plan is None:  # before any process group or hook exists
+            raise ValueError(f"{name}: model family {found.family!r} has no context-parallel plan")
+    first = next(iter(transformers.values()))[0]
+    param = next(first.parameters(), None)
+    runtime = ParallelRuntime.from_config(parallel, device=None if param is None else param.device)
+    applied.runtime = runtime
+    for module, found in transformers.values():
+        applied.undo.append(apply_context_parallel(module, found, parallel, runtime, attention=attention))
+    return cp_reducer(context_parallel_group(runtime))
 
 
 def accelerate(
@@ -120,9 +156,13 @@ def accelerate(
     compile_config = Compile() if compile is True else (compile or None)
     applied = _Applied({k: m for k, (m, _) in transformers.items()}, cache, parallel, compile_config)
     try:
+        reducer = None
+        if _context_parallel(parallel):
+            # Context parallel before the cache hooks, so the cache wraps the split model and sees its shards.
+            reducer = _apply_context_parallel(transformers, parallel, attention, applied)
         for module, found in transformers.values():
             if cache is not None:
-                applied.undo.append(apply_cache(module, found, cache))
+                applied.undo.append(apply_cache(module, found, cache, reducer=reducer))
             if compile_config is not None:
                 from fastdit.compile import apply_compile
 
@@ -218,6 +258,9 @@ def summary(target: Any) -> Summary:
     out: dict[str, dict[str, Any]] = {}
     for name, module in applied.transformers.items():
         info: dict[str, Any] = {"class": type(module).__name__}
+        runtime = applied.runtime
+        if runtime is not None:
+            info["parallel"] = {"rank": runtime.rank, "world_size": runtime.world_size, "layout": repr(runtime)}
         stats = cache_summary(module)
         if stats is not None:
             info["cache"] = stats

@@ -9,9 +9,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from fastdit.parallel.plan import ContextParallelPlan
 
 __all__ = ["BlockGroup", "ForwardPattern", "ModelAdapter", "ModelPreset", "TinyPipeline"]
 
@@ -155,6 +158,8 @@ class ModelAdapter:
         tiny_pipelines: Offline random-weight pipelines for tests and demos.
         presets: Models of this family the CLI can load by name.
         notes: Free text for ``docs/models.md`` (limitations, why a feature is unsupported).
+        cp_plan: Where the family splits and gathers its sequence under context parallelism
+            (:class:`~fastdit.parallel.plan.ContextParallelPlan`); ``None``: context parallelism is unsupported.
     """
 
     family: str
@@ -165,6 +170,7 @@ class ModelAdapter:
     tiny_pipelines: tuple[TinyPipeline, ...] = ()
     presets: tuple[ModelPreset, ...] = ()
     notes: str = ""
+    cp_plan: ContextParallelPlan | None = None
 
     def __post_init__(self) -> None:
         if not self.family:

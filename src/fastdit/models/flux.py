@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.testing.components.encoders import build, clip_text_model, t5_encoder
 
 TRANSFORMER = "diffusers.models.transformers.transformer_flux.FluxTransformer2DModel"
@@ -96,6 +97,26 @@ def _kontext_image():
     return Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8))
 
 
+# Context parallelism: the forward is "embed, loop over blocks, project out", so the root inputs are split. RoPE is
+# computed inside forward from cat(txt_ids, img_ids); splitting the ids on dim 0 like the hidden states (dim 1) gives
+# every rank the rotary embedding of exactly its own tokens. Each rank's attention sequence is [text_r, image_r].
+CP_PLAN = ContextParallelPlan(
+    inputs={
+        "": {
+            "hidden_states": SplitInput(dim=1, expected_dims=3),
+            "encoder_hidden_states": SplitInput(dim=1, expected_dims=3),
+            "img_ids": SplitInput(dim=0, expected_dims=2),
+            "txt_ids": SplitInput(dim=0, expected_dims=2),
+        }
+    },
+    gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
+    attention=AttentionRouting(
+        modules=("diffusers.models.transformers.transformer_flux",),
+        mask_segments=("encoder_hidden_states", "hidden_states"),
+    ),
+    notes="RoPE from img_ids/txt_ids, split on dim 0 with the hidden states: no RoPE patch needed.",
+)
+
 _CALL = {
     "prompt": "a cat holding a sign",
     "height": 32,
@@ -112,6 +133,7 @@ ADAPTER = register(
             BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P1),
             BlockGroup(path="single_transformer_blocks", pattern=ForwardPattern.P1),
         ),
+        cp_plan=CP_PLAN,
         tiny_pipelines=(
             TinyPipeline(name="flux", build=tiny_flux, call_kwargs={**_CALL, "guidance_scale": 3.5}),
             TinyPipeline(

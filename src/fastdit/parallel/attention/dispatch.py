@@ -1,0 +1,331 @@
+# ruff: noqa: N803, N806 - shape suffixes (q_BSHD) name tensor layouts in attention code
+"""The one entry point attention goes through under context parallelism.
+
+diffusers attention processors compute q/k/v and call ``dispatch_attention_fn`` — a name each transformer module
+imports from ``diffusers.models.attention_dispatch`` — passing their own ``_parallel_config``. Its backend registry is
+keyed by a closed ``Enum`` and cannot take a new backend, so routing works in two removable steps:
+
+1. :func:`route_modules` rebinds ``dispatch_attention_fn`` in the named modules to a thin router. The router sends a
+   call to fastdit only when its ``parallel_config`` is a :class:`ContextParallelAttention`; every other call goes to
+   the original function unchanged. Other models of the same family, in this or another thread, are unaffected.
+   Rebinding is reference-counted per module and guarded by a lock, so several transformers may be routed at once.
+2. :func:`mark_processors` sets ``_parallel_config`` of one transformer's attention processors to its
+   :class:`ContextParallelAttention`. Processors that deliberately pass ``parallel_config=None`` (Wan's
+   cross-attention to replicated text) keep running locally.
+
+:class:`ContextParallelAttention` then runs Ulysses (``ulysses > 1``), ring (``ring > 1``) or USP (both), with the
+local attention backend chosen by :func:`local_attention` (SDPA flash / cuDNN / efficient / math, flash-attn,
+SageAttention).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fastdit.config import Attention
+from fastdit.parallel.attention.comm import gather_lengths
+from fastdit.parallel.attention.ulysses import LocalAttention, SeqLayout, ulysses_attention
+
+__all__ = [
+    "ContextParallelAttention",
+    "ForwardLayout",
+    "attention_processors",
+    "local_attention",
+    "mark_processors",
+    "route_modules",
+]
+
+ENTRY_POINT = "dispatch_attention_fn"
+
+_SDPA_KERNELS = {
+    "flash": "FLASH_ATTENTION",
+    "cudnn": "CUDNN_ATTENTION",
+    "efficient": "EFFICIENT_ATTENTION",
+    "math": "MATH",
+}
+_PACKAGES = {"flash-attn": ("flash_attn", "flash-attn"), "sage": ("sageattention", "sageattention")}
+
+
+# --- local attention backends ---
+
+
+def _repeat_kv(q_BSHD: torch.Tensor, x_BSHD: torch.Tensor) -> torch.Tensor:
+    group = q_BSHD.shape[2] // x_BSHD.shape[2]
+    return x_BSHD if group == 1 else x_BSHD.repeat_interleave(group, dim=2)
+
+
+def _import_backend(backend: str) -> Any:
+    module_name, package = _PACKAGES[backend]
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ImportError(
+            f"Attention(backend={backend!r}) needs the {package!r} package: pip install {package}"
+        ) from exc
+
+
+def local_attention(config: Attention | None = None) -> LocalAttention:
+    """Build the local attention function for ``config`` (``(q, k, v, mask, scale) -> out``, all ``BSHD``).
+
+    Raises:
+        ImportError: the backend's package (flash-attn, sageattention) is not installed; names the package.
+    """
+    config = config or Attention()
+    repeat = config.gqa == "repeat"
+    if config.backend in _PACKAGES:
+        module = _import_backend(config.backend)
+        return _external(config.backend, module, repeat=repeat or config.backend == "sage")
+    kernel = _SDPA_KERNELS.get(config.backend)
+
+    def sdpa(q_BSHD, k_BSHD, v_BSHD, attn_mask=None, scale=None):
+        if repeat:
+            k_BSHD, v_BSHD = _repeat_kv(q_BSHD, k_BSHD), _repeat_kv(q_BSHD, v_BSHD)
+        gqa = k_BSHD.shape[2] != q_BSHD.shape[2]
+        args = (q_BSHD.transpose(1, 2), k_BSHD.transpose(1, 2), v_BSHD.transpose(1, 2))
+        with _sdpa_kernel(kernel):
+            out_BHSD = F.scaled_dot_product_attention(*args, attn_mask=attn_mask, scale=scale, enable_gqa=gqa)
+        return out_BHSD.transpose(1, 2)
+
+    return sdpa
+
+
+def _sdpa_kernel(kernel: str | None) -> contextlib.AbstractContextManager:
+    if kernel is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(getattr(SDPBackend, kernel))
+
+
+def _external(backend: str, module: Any, *, repeat: bool) -> LocalAttention:
+    def run(q_BSHD, k_BSHD, v_BSHD, attn_mask=None, scale=None):
+        if attn_mask is not None:
+            raise ValueError(f"Attention(backend={backend!r}) takes no attention mask; use backend='sdpa'")
+        if repeat:
+            k_BSHD, v_BSHD = _repeat_kv(q_BSHD, k_BSHD), _repeat_kv(q_BSHD, v_BSHD)
+        if backend == "flash-attn":
+            return module.flash_attn_func(q_BSHD, k_BSHD, v_BSHD, softmax_scale=scale)
+        return module.sageattn(q_BSHD, k_BSHD, v_BSHD, tensor_layout="NHD", is_causal=False, sm_scale=scale)
+
+    return run
+
+
+# --- what the split hooks tell attention about the current forward ---
+
+
+@dataclass
+class ForwardLayout:
+    """How the current transformer forward's sequences were split (written by the context-parallel hooks).
+
+    Attributes:
+        splits: Per split tensor name, every rank's length along the split dim.
+        even: Whether every split of this forward gave all ranks the same length. Derived from global sizes only,
+            so every rank holds the same value and takes the same branch.
+    """
+
+    splits: dict[str, list[int]] = field(default_factory=dict)
+    even: bool = True
+
+    def reset(self) -> None:
+        """Forget the previous forward's splits."""
+        self.splits.clear()
+        self.even = True
+
+    def record(self, name: str, lens: list[int]) -> None:
+        """Note that tensor ``name`` was split into ``lens``."""
+        self.splits[name] = lens
+        self.even = self.even and len(set(lens)) == 1
+
+    def layout(self, segments: tuple[str, ...]) -> SeqLayout | None:
+        """The :class:`SeqLayout` of ``segments`` concatenated, if all of them were split in this forward."""
+        if not segments or any(name not in self.splits for name in segments):
+            return None
+        per_rank = zip(*(self.splits[name] for name in segments), strict=True)
+        return SeqLayout(tuple(tuple(row) for row in per_rank))
+
+
+# --- the context-parallel attention itself ---
+
+
+@dataclass(eq=False)
+class ContextParallelAttention:
+    """Context-parallel attention of one transformer; set as its processors' ``_parallel_config``.
+
+    Attributes:
+        ulysses_group: Process group of the Ulysses dim (``None`` when ``ulysses_degree == 1``).
+        ring_group: Process group of the ring dim (``None`` when ``ring_degree == 1``).
+        ulysses_degree: Ulysses degree.
+        ring_degree: Ring degree.
+        local: Attention on whole sequences of local heads (Ulysses) or per ring step's local backend.
+        mask_segments: Split tensor names whose concatenation, in this order, is the joint sequence a mask built by
+            the model indexes (e.g. ``("encoder_hidden_states", "hidden_states")``).
+        fp8: Ulysses exchanges in float8.
+        forward: What the split hooks recorded for the current forward.
+    """
+
+    ulysses_group: dist.ProcessGroup | None
+    ring_group: dist.ProcessGroup | None
+    ulysses_degree: int = 1
+    ring_degree: int = 1
+    local: LocalAttention = field(default_factory=local_attention)
+    mask_segments: tuple[str, ...] = ()
+    fp8: bool = False
+    forward: ForwardLayout = field(default_factory=ForwardLayout)
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+        attention_kwargs: dict[str, Any] | None = None,
+        **_: Any,
+    ) -> torch.Tensor:
+        """Attention on sequence shards ``(B, S_local, H, D)``; same signature as ``dispatch_attention_fn``."""
+        if dropout_p or is_causal or attention_kwargs:
+            raise ValueError(
+                "context-parallel attention supports neither dropout, causal masks nor backend-specific "
+                f"attention_kwargs (got dropout_p={dropout_p}, is_causal={is_causal}, kwargs={attention_kwargs})"
+            )
+        if self.ring_degree > 1:
+            return self._ring(query, key, value, attn_mask, scale)
+        q_lens, kv_lens = self._lengths(query, key)
+        layout = self.forward.layout(self.mask_segments) if attn_mask is not None else None
+        if layout is not None and layout.rank_lens != q_lens:
+            layout = None  # this attention's sequence is not the declared joint sequence: one contiguous split
+        return ulysses_attention(
+            query,
+            key,
+            value,
+            group=self.ulysses_group,
+            attn_mask=attn_mask,
+            scale=scale,
+            local=self.local,
+            q_lens=q_lens,
+            kv_lens=kv_lens,
+            layout=layout,
+            fp8=self.fp8,
+        )
+
+    def _lengths(self, query: torch.Tensor, key: torch.Tensor) -> tuple[list[int], list[int]]:
+        degree = self.ulysses_degree
+        if self.forward.even:
+            return [query.shape[1]] * degree, [key.shape[1]] * degree
+        # Some split was uneven: ask every rank (the branch depends on global sizes only, so all ranks come here).
+        exchanged = gather_lengths([query.shape[1], key.shape[1]], self.ulysses_group, query.device)
+        return [e[0] for e in exchanged], [e[1] for e in exchanged]
+
+    def _ring(self, query, key, value, attn_mask, scale) -> torch.Tensor:
+        if self.ulysses_degree > 1:
+            from fastdit.parallel.attention.usp import usp_attention
+
+            return usp_attention(
+                query,
+                key,
+                value,
+                ulysses_group=self.ulysses_group,
+                ring_group=self.ring_group,
+                attn_mask=attn_mask,
+                scale=scale,
+            )
+        from fastdit.parallel.attention.ring import ring_attention
+
+        return ring_attention(query, key, value, group=self.ring_group, attn_mask=attn_mask, scale=scale)
+
+
+# --- routing: rebinding the entry point in processor modules ---
+
+_LOCK = threading.Lock()
+_ROUTED: dict[str, tuple[Callable[..., Any], int]] = {}  # module name -> (original function, reference count)
+
+
+def _router(original: Callable[..., Any]) -> Callable[..., Any]:
+    def dispatch_attention_fn(*args: Any, parallel_config: Any = None, **kwargs: Any) -> Any:
+        if isinstance(parallel_config, ContextParallelAttention):
+            kwargs.pop("backend", None)
+            return parallel_config(*args, **kwargs)
+        return original(*args, parallel_config=parallel_config, **kwargs)
+
+    dispatch_attention_fn.__wrapped__ = original  # type: ignore[attr-defined]
+    dispatch_attention_fn._fastdit_router = True  # type: ignore[attr-defined]
+    return dispatch_attention_fn
+
+
+def route_modules(module_names: Iterable[str]) -> Callable[[], None]:
+    """Rebind ``dispatch_attention_fn`` in each named module to the router; return the undo.
+
+    Raises:
+        ValueError: a module has no ``dispatch_attention_fn`` global.
+    """
+    names = list(dict.fromkeys(module_names))
+    modules = [importlib.import_module(name) for name in names]
+    for name, module in zip(names, modules, strict=True):
+        if not callable(getattr(module, ENTRY_POINT, None)):
+            raise ValueError(f"module {name!r} has no {ENTRY_POINT}: its attention cannot be routed")
+    with _LOCK:
+        for name, module in zip(names, modules, strict=True):
+            original, count = _ROUTED.get(name, (getattr(module, ENTRY_POINT), 0))
+            if count == 0:
+                setattr(module, ENTRY_POINT, _router(original))
+            _ROUTED[name] = (original, count + 1)
+
+    def undo() -> None:
+        with _LOCK:
+            for name, module in zip(names, modules, strict=True):
+                original, count = _ROUTED[name]
+                if count == 1:
+                    setattr(module, ENTRY_POINT, original)
+                    del _ROUTED[name]
+                else:
+                    _ROUTED[name] = (original, count - 1)
+
+    return undo
+
+
+def attention_processors(transformer: torch.nn.Module) -> dict[str, Any]:
+    """The attention processors of ``transformer`` by module path (modules with a ``processor`` attribute)."""
+    return {name: m.processor for name, m in transformer.named_modules() if getattr(m, "processor", None) is not None}
+
+
+def mark_processors(transformer: torch.nn.Module, marker: ContextParallelAttention) -> Callable[[], None]:
+    """Point every attention processor of ``transformer`` at ``marker``; return the undo.
+
+    Raises:
+        ValueError: a processor already has a parallel config (diffusers' own context parallelism is enabled).
+    """
+    processors = {id(p): p for p in attention_processors(transformer).values()}.values()
+    for processor in processors:
+        current = getattr(processor, "_parallel_config", None)
+        if current is not None and not isinstance(current, ContextParallelAttention):
+            raise ValueError(
+                f"{type(processor).__name__} already has a parallel config ({type(current).__name__}): "
+                "disable diffusers' own parallelism before fastdit context parallelism"
+            )
+    saved = [(p, p.__dict__.get("_parallel_config", _MISSING)) for p in processors]
+    for processor, _ in saved:
+        processor._parallel_config = marker
+
+    def undo() -> None:
+        for processor, before in saved:
+            if before is _MISSING:
+                processor.__dict__.pop("_parallel_config", None)
+            else:
+                processor._parallel_config = before
+
+    return undo
+
+
+_MISSING = object()

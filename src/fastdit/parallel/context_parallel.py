@@ -1,0 +1,283 @@
+"""Context parallelism: split a transformer's sequence over ranks per its plan, route attention, gather the output.
+
+:func:`apply_context_parallel` reads the adapter's :class:`~fastdit.parallel.plan.ContextParallelPlan` and installs
+
+* a hook on the transformer (diffusers ``HookRegistry``, name ``fastdit_cp_root``) that starts a forward (forgets
+  the previous forward's split record) and splits the root ``forward`` arguments the plan names;
+* for plan paths below the root, a split of the named ``forward`` arguments. It is a PyTorch forward pre-hook, so it
+  runs *before* every diffusers hook on that module: a cache hook installed later on ``blocks.0`` then sees the
+  split tensors, exactly as if the model's own loop had passed them;
+* on modules whose output is split or gathered, a ``HookRegistry`` hook (``fastdit_cp_output``);
+* the attention routing (:mod:`fastdit.parallel.attention.dispatch`).
+
+Sizes that do not divide the degree are split unevenly (the first ``size % degree`` ranks get one more; one log
+line says so). Every decision that leads to a collective depends only on global sizes, never on a rank's own share.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from diffusers.hooks import HookRegistry, ModelHook
+
+from fastdit.config import Attention, Parallel
+from fastdit.models.base import ModelAdapter
+from fastdit.parallel.attention.comm import gather_lengths, shard_sizes
+from fastdit.parallel.attention.dispatch import (
+    ContextParallelAttention,
+    ForwardLayout,
+    local_attention,
+    mark_processors,
+    route_modules,
+)
+from fastdit.parallel.plan import (
+    ContextParallelPlan,
+    GatherOutput,
+    SplitInput,
+    SplitOutput,
+    match_modules,
+    validate_plan,
+)
+from fastdit.parallel.runtime import ParallelRuntime
+
+__all__ = ["OUTPUT_HOOK", "ROOT_HOOK", "apply_context_parallel", "context_parallel_group", "cp_reducer"]
+
+ROOT_HOOK = "fastdit_cp_root"
+OUTPUT_HOOK = "fastdit_cp_output"
+
+logger = logging.getLogger(__name__)
+
+
+def context_parallel_group(runtime: ParallelRuntime) -> dist.ProcessGroup | None:
+    """The group the sequence is split over: ring × Ulysses ranks, ring-major (``None`` without parallelism)."""
+    parallel = runtime.parallel
+    if runtime.mesh is None:
+        return None
+    if parallel.ring == 1:
+        return runtime.group("ulysses")
+    if parallel.ulysses == 1:
+        return runtime.group("ring")
+    # USP: the split runs over both dims; a flattened sub-mesh gives the ring-major rank order USP expects.
+    return runtime.mesh["ring", "ulysses"]._flatten("fastdit_cp").get_group()
+
+
+def cp_reducer(group: dist.ProcessGroup | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A reducer that sums a small tensor over ``group`` (for cache decisions identical on every rank)."""
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        out = t.detach().clone().contiguous()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        return out
+
+    return reduce
+
+
+class _Splitter:
+    """Splits and gathers tensors over the context-parallel group, recording what it split."""
+
+    def __init__(self, group: dist.ProcessGroup | None, layout: ForwardLayout, *, log: bool) -> None:
+        self.group = group
+        self.degree = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.layout = layout
+        self._log = log
+        self._logged: set[tuple[str, int]] = set()
+
+    def split(self, tensor: Any, dim: int, expected_dims: int | None, name: str) -> Any:
+        if not isinstance(tensor, torch.Tensor) or (expected_dims is not None and tensor.ndim != expected_dims):
+            return tensor
+        total = tensor.shape[dim]
+        sizes = shard_sizes(total, self.degree)
+        self.layout.record(name, sizes)
+        if len(set(sizes)) > 1 and self._log and (name, total) not in self._logged:
+            self._logged.add((name, total))
+            logger.info(
+                "context parallel: %s has %d tokens along dim %d, split unevenly over %d ranks as %s",
+                name,
+                total,
+                dim,
+                self.degree,
+                sizes,
+            )
+        return tensor.narrow(dim, sum(sizes[: self.rank]), sizes[self.rank])
+
+    def gather(self, tensor: Any, dim: int, expected_dims: int | None) -> Any:
+        if not isinstance(tensor, torch.Tensor) or (expected_dims is not None and tensor.ndim != expected_dims):
+            return tensor
+        dim = dim % tensor.ndim
+        local = tensor.shape[dim]
+        if self.layout.even:
+            sizes = [local] * self.degree
+        else:  # the flag is global: every rank exchanges here
+            sizes = [row[0] for row in gather_lengths([local], self.group, tensor.device)]
+        longest = max(sizes)
+        padded = tensor
+        if local < longest:
+            pad_shape = list(tensor.shape)
+            pad_shape[dim] = longest - local
+            padded = torch.cat([tensor, tensor.new_zeros(pad_shape)], dim=dim)
+        parts = [torch.empty_like(padded) for _ in range(self.degree)]
+        dist.all_gather(parts, padded.contiguous(), group=self.group)
+        return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes, strict=True)], dim=dim)
+
+
+class _ArgPositions:
+    """Where a module's ``forward`` expects each named argument when passed by position."""
+
+    def __init__(self, module: torch.nn.Module, names: list[str]) -> None:
+        params = list(inspect.signature(type(module).forward).parameters)[1:]
+        self.positions = {name: params.index(name) for name in names}
+
+    def split(self, args: tuple, kwargs: dict, specs: dict[str, SplitInput], splitter: _Splitter) -> tuple:
+        args = list(args)
+        for name, spec in specs.items():
+            if name in kwargs:
+                kwargs[name] = splitter.split(kwargs[name], spec.dim, spec.expected_dims, name)
+            elif self.positions[name] < len(args):
+                i = self.positions[name]
+                args[i] = splitter.split(args[i], spec.dim, spec.expected_dims, name)
+        return tuple(args), kwargs
+
+
+class _RootHook(ModelHook):
+    """Begins a forward (fresh split record) and splits the root's inputs."""
+
+    def __init__(self, specs: dict[str, SplitInput], splitter: _Splitter) -> None:
+        super().__init__()
+        self.specs = specs
+        self.splitter = splitter
+        self._args: _ArgPositions | None = None
+
+    def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
+        self._args = _ArgPositions(module, list(self.specs))
+        return module
+
+    def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        self.splitter.layout.reset()
+        return self._args.split(args, kwargs, self.specs, self.splitter)
+
+
+class _OutputHook(ModelHook):
+    """Splits or gathers a module's output."""
+
+    def __init__(self, path: str, splits: tuple[SplitOutput, ...], gather: GatherOutput | None, splitter: _Splitter):
+        super().__init__()
+        self.path = path
+        self.splits = splits
+        self.gather = gather
+        self.splitter = splitter
+
+    def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
+        for spec in self.splits:
+            name = self.path if spec.index is None else f"{self.path}[{spec.index}]"
+            if spec.index is None:
+                output = self.splitter.split(output, spec.dim, spec.expected_dims, name)
+            else:
+                items = list(output)
+                items[spec.index] = self.splitter.split(items[spec.index], spec.dim, spec.expected_dims, name)
+                output = type(output)(items) if isinstance(output, tuple) else items
+        if self.gather is not None:
+            output = self.splitter.gather(output, self.gather.dim, self.gather.expected_dims)
+        return output
+
+
+def _input_splitter(module: torch.nn.Module, specs: Mapping[str, SplitInput], splitter: _Splitter) -> Callable:
+    """A forward pre-hook splitting ``module``'s named arguments."""
+    positions = _ArgPositions(module, list(specs))
+    specs = dict(specs)
+
+    def pre_hook(mod: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return positions.split(args, kwargs, specs, splitter)
+
+    return pre_hook
+
+
+def _install_hooks(transformer: torch.nn.Module, plan: ContextParallelPlan, splitter: _Splitter) -> Callable[[], None]:
+    installed: list[tuple[HookRegistry, str]] = []
+    handles: list[Any] = []
+    root = HookRegistry.check_if_exists_or_initialize(transformer)
+    root.register_hook(_RootHook(dict(plan.inputs.get("", {})), splitter), ROOT_HOOK)
+    installed.append((root, ROOT_HOOK))
+    for path, specs in plan.inputs.items():
+        if path == "":
+            continue
+        for _, module in match_modules(transformer, path):
+            handles.append(module.register_forward_pre_hook(_input_splitter(module, specs, splitter), with_kwargs=True))
+    for path in dict.fromkeys([*plan.outputs, *plan.gather]):
+        for _, module in match_modules(transformer, path):
+            # One hook object per module: a hook keeps a reference to the forward it wraps.
+            hook = _OutputHook(path, plan.outputs.get(path, ()), plan.gather.get(path), splitter)
+            registry = HookRegistry.check_if_exists_or_initialize(module)
+            registry.register_hook(hook, OUTPUT_HOOK)
+            installed.append((registry, OUTPUT_HOOK))
+
+    def undo() -> None:
+        for handle in handles:
+            handle.remove()
+        for registry, name in reversed(installed):
+            registry.remove_hook(name, recurse=False)
+
+    return undo
+
+
+def apply_context_parallel(
+    transformer: torch.nn.Module,
+    adapter: ModelAdapter,
+    parallel: Parallel,
+    runtime: ParallelRuntime,
+    *,
+    attention: Attention | None = None,
+    fp8: bool = False,
+) -> Callable[[], None]:
+    """Split ``transformer``'s sequence over the ring × Ulysses ranks of ``runtime`` per ``adapter.cp_plan``.
+
+    Args:
+        transformer: The denoiser (its weights already on this rank's device).
+        adapter: Its adapter; ``adapter.cp_plan`` must be set.
+        parallel: The parallel layout (``ulysses`` and/or ``ring`` > 1).
+        runtime: Process groups of this run.
+        attention: Local attention backend (default SDPA).
+        fp8: Exchange Ulysses all-to-alls in float8.
+
+    Returns:
+        A function that removes every hook and routing again.
+
+    Raises:
+        ValueError: the family has no plan, or the plan does not fit the module tree (nothing is installed).
+    """
+    plan = getattr(adapter, "cp_plan", None)
+    if plan is None:
+        raise ValueError(f"model family {adapter.family!r} has no context-parallel plan (ModelAdapter.cp_plan)")
+    validate_plan(transformer, plan, parallel.ulysses)
+    local = local_attention(attention)
+    group = context_parallel_group(runtime)
+    marker = ContextParallelAttention(
+        ulysses_group=runtime.group("ulysses") if parallel.ulysses > 1 else None,
+        ring_group=runtime.group("ring") if parallel.ring > 1 else None,
+        ulysses_degree=parallel.ulysses,
+        ring_degree=parallel.ring,
+        local=local,
+        mask_segments=plan.attention.mask_segments,
+        fp8=fp8,
+    )
+    splitter = _Splitter(group, marker.forward, log=runtime.is_main)
+    undo: list[Callable[[], None]] = []
+    try:
+        undo.append(route_modules(plan.attention.modules))
+        undo.append(mark_processors(transformer, marker))
+        undo.append(_install_hooks(transformer, plan, splitter))
+    except BaseException:
+        for fn in reversed(undo):
+            fn()
+        raise
+
+    def remove() -> None:
+        for fn in reversed(undo):
+            fn()
+
+    return remove

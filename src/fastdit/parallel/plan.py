@@ -1,0 +1,242 @@
+"""The context-parallel plan vocabulary: where a transformer's sequence is split and gathered, as data.
+
+A plan names module paths (``""`` is the transformer itself; ``"transformer_blocks.*"`` matches every entry of a
+``ModuleList``) and says, for each:
+
+* :class:`SplitInput` — split a ``forward`` argument (by name, whether passed by position or keyword) along a dim
+  before the module runs. Splitting the root's inputs suits models whose forward is "embed, loop over blocks,
+  project out" (Flux); splitting at ``blocks.0`` suits models that build the sequence inside forward.
+* :class:`SplitOutput` — split what a sub-module *returns* (a RoPE or position-embedding module that produces
+  full-length tensors inside forward).
+* :class:`GatherOutput` — all-gather a module's output along a dim (the output projection), so the transformer
+  returns the full sequence on every rank.
+* :class:`AttentionRouting` — which Python modules' ``dispatch_attention_fn`` is routed to context-parallel attention,
+  and which split tensors, concatenated, form the joint sequence a model-built attention mask indexes.
+
+:func:`validate_plan` checks a plan against a module tree (on any device, ``meta`` included) before anything is
+installed. :func:`fastdit.parallel.context_parallel.apply_context_parallel` applies it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+__all__ = [
+    "AttentionRouting",
+    "ContextParallelPlan",
+    "GatherOutput",
+    "SplitInput",
+    "SplitOutput",
+    "match_modules",
+    "validate_plan",
+]
+
+
+def _check_dim(owner: str, dim: Any, expected_dims: Any) -> None:
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        raise ValueError(f"{owner}.dim={dim!r}: must be an integer")
+    if expected_dims is not None and (not isinstance(expected_dims, int) or expected_dims < 1):
+        raise ValueError(f"{owner}.expected_dims={expected_dims!r}: must be a positive integer or None")
+
+
+@dataclass(frozen=True)
+class SplitInput:
+    """Split a ``forward`` argument along ``dim`` over the context-parallel ranks.
+
+    Attributes:
+        dim: The sequence dim of the argument.
+        expected_dims: Split only tensors with this many dims (others pass through whole: e.g. a timestep that is
+            per token in one model variant and per sample in another). ``None``: any tensor.
+    """
+
+    dim: int
+    expected_dims: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_dim("SplitInput", self.dim, self.expected_dims)
+
+
+@dataclass(frozen=True)
+class SplitOutput:
+    """Split a module's output (or one element of a tuple output) along ``dim``.
+
+    Attributes:
+        dim: The sequence dim of the output.
+        expected_dims: As for :class:`SplitInput`.
+        index: Element of a tuple/list output to split; ``None`` if the output is a tensor.
+    """
+
+    dim: int
+    expected_dims: int | None = None
+    index: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_dim("SplitOutput", self.dim, self.expected_dims)
+
+
+@dataclass(frozen=True)
+class GatherOutput:
+    """All-gather a module's output along ``dim`` (shards may differ in length).
+
+    Attributes:
+        dim: The sequence dim of the output.
+        expected_dims: As for :class:`SplitInput`.
+    """
+
+    dim: int
+    expected_dims: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_dim("GatherOutput", self.dim, self.expected_dims)
+
+
+@dataclass(frozen=True)
+class AttentionRouting:
+    """Which attention calls become context-parallel.
+
+    Attributes:
+        modules: Python modules whose ``dispatch_attention_fn`` global is routed (those defining the processors).
+        mask_segments: Names of split inputs whose concatenation, in this order, is the joint sequence that an
+            attention mask built by the model indexes (a mask over the global sequence is reordered to match the
+            ranks' shards; see :class:`fastdit.parallel.attention.ulysses.SeqLayout`). Empty: one contiguous split.
+    """
+
+    modules: tuple[str, ...]
+    mask_segments: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "modules", tuple(self.modules))
+        object.__setattr__(self, "mask_segments", tuple(self.mask_segments))
+        if not self.modules:
+            raise ValueError("AttentionRouting.modules=(): name at least one module")
+
+
+def _frozen(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
+    return MappingProxyType({k: MappingProxyType(dict(v)) if isinstance(v, Mapping) else v for k, v in mapping.items()})
+
+
+@dataclass(frozen=True, kw_only=True)
+class ContextParallelPlan:
+    """Where a transformer family splits and gathers its sequence under context parallelism.
+
+    Attributes:
+        inputs: Module path -> argument name -> :class:`SplitInput`.
+        outputs: Module path -> :class:`SplitOutput` or a tuple of them (one per tuple element).
+        gather: Module path -> :class:`GatherOutput`.
+        attention: Attention routing.
+        notes: How the family's positional embeddings stay consistent with the split (for the docs).
+    """
+
+    inputs: Mapping[str, Mapping[str, SplitInput]] = field(default_factory=dict)
+    outputs: Mapping[str, SplitOutput | tuple[SplitOutput, ...]] = field(default_factory=dict)
+    gather: Mapping[str, GatherOutput] = field(default_factory=dict)
+    attention: AttentionRouting
+    notes: str = ""
+
+    def __post_init__(self) -> None:
+        outputs = {p: (s if isinstance(s, tuple) else (s,)) for p, s in self.outputs.items()}
+        object.__setattr__(self, "inputs", _frozen(self.inputs))
+        object.__setattr__(self, "outputs", MappingProxyType(outputs))
+        object.__setattr__(self, "gather", MappingProxyType(dict(self.gather)))
+        for path, args in self.inputs.items():
+            for name, split in args.items():
+                if not isinstance(split, SplitInput):
+                    raise ValueError(f"ContextParallelPlan.inputs[{path!r}][{name!r}]={split!r}: expected SplitInput")
+        for path, splits in self.outputs.items():
+            if not all(isinstance(s, SplitOutput) for s in splits):
+                raise ValueError(f"ContextParallelPlan.outputs[{path!r}]={splits!r}: expected SplitOutput(s)")
+        for path, gather in self.gather.items():
+            if not isinstance(gather, GatherOutput):
+                raise ValueError(f"ContextParallelPlan.gather[{path!r}]={gather!r}: expected GatherOutput")
+        if not self.gather:
+            raise ValueError("ContextParallelPlan.gather={}: gather the output somewhere (usually proj_out)")
+        split_names = {name for args in self.inputs.values() for name in args}
+        for name in self.attention.mask_segments:
+            if name not in split_names:
+                raise ValueError(f"AttentionRouting.mask_segments: {name!r} is not a split input of the plan")
+
+
+def match_modules(root: torch.nn.Module, path: str) -> list[tuple[str, torch.nn.Module]]:
+    """Modules under ``root`` matching ``path`` (``""``: root; ``*`` matches one path component)."""
+    if path == "":
+        return [("", root)]
+    pattern = re.compile("^" + r"\.".join("[^.]+" if p == "*" else re.escape(p) for p in path.split(".")) + "$")
+    return [(name, module) for name, module in root.named_modules() if name and pattern.match(name)]
+
+
+def _forward_params(module: torch.nn.Module) -> list[str]:
+    # The class's forward, not the instance attribute that hooks may have wrapped.
+    return list(inspect.signature(type(module).forward).parameters)[1:]
+
+
+def validate_plan(
+    transformer: torch.nn.Module, plan: ContextParallelPlan, degree: int, *, uneven_heads: bool = True
+) -> None:
+    """Check ``plan`` against ``transformer`` without running it (works on the ``meta`` device).
+
+    Args:
+        transformer: The module tree to check.
+        plan: The plan.
+        degree: The Ulysses degree (heads are sharded over it).
+        uneven_heads: Whether head counts that do not divide ``degree`` are padded (otherwise an error).
+
+    Raises:
+        ValueError: naming the path, argument or module that does not fit.
+    """
+    cls = type(transformer).__name__
+    paths = [*plan.inputs, *plan.outputs, *plan.gather]
+    resolved = {path: match_modules(transformer, path) for path in paths}
+    for path, found in resolved.items():
+        if not found:
+            raise ValueError(f"context-parallel plan: path {path!r} matches no module of {cls}")
+    for path, args in plan.inputs.items():
+        for name, module in resolved[path]:
+            params = _forward_params(module)
+            for arg in args:
+                if arg not in params:
+                    where = f"{name!r} ({type(module).__name__})" if name else cls
+                    raise ValueError(
+                        f"context-parallel plan: {where}.forward has no argument {arg!r} (path {path!r}); "
+                        f"its arguments are {params}"
+                    )
+    _validate_attention(transformer, plan.attention, degree, uneven_heads)
+
+
+def _validate_attention(
+    transformer: torch.nn.Module, routing: AttentionRouting, degree: int, uneven_heads: bool
+) -> None:
+    for name in routing.modules:
+        try:
+            module = importlib.import_module(name)
+        except ImportError as exc:
+            raise ValueError(f"context-parallel plan: attention module {name!r} cannot be imported") from exc
+        if not callable(getattr(module, "dispatch_attention_fn", None)):
+            raise ValueError(f"context-parallel plan: module {name!r} has no dispatch_attention_fn to route")
+    attention = [(n, m) for n, m in transformer.named_modules() if getattr(m, "processor", None) is not None]
+    if not attention:
+        raise ValueError(f"context-parallel plan: {type(transformer).__name__} has no attention processors to route")
+    for path, module in attention:
+        processor = module.processor
+        if type(processor).__module__ not in routing.modules:
+            raise ValueError(
+                f"context-parallel plan: processor {type(processor).__name__} of {path!r} is defined in "
+                f"{type(processor).__module__!r}, which AttentionRouting.modules does not route"
+            )
+        if not hasattr(processor, "_parallel_config"):
+            raise ValueError(
+                f"context-parallel plan: processor {type(processor).__name__} of {path!r} does not pass a "
+                "parallel_config to dispatch_attention_fn, so its attention cannot be routed"
+            )
+        heads = getattr(module, "heads", None)
+        if isinstance(heads, int) and heads % degree and not uneven_heads:
+            raise ValueError(
+                f"context-parallel plan: {path!r} has {heads} heads, which do not divide the Ulysses degree {degree}"
+            )
