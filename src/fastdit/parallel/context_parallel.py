@@ -257,6 +257,7 @@ def apply_context_parallel(
     local = local_attention(attention)
     group = context_parallel_group(runtime)
     marker = ContextParallelAttention(
+        cp_group=group,
         ulysses_group=runtime.group("ulysses") if parallel.ulysses > 1 else None,
         ring_group=runtime.group("ring") if parallel.ring > 1 else None,
         ulysses_degree=parallel.ulysses,

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from fastdit.config import Attention
 from fastdit.parallel.attention.comm import gather_lengths
-from fastdit.parallel.attention.ulysses import LocalAttention, SeqLayout, ulysses_attention
+from fastdit.parallel.attention.ulysses import LocalAttention, SeqLayout, mask_in_shard_order, ulysses_attention
 
 __all__ = [
     "ContextParallelAttention",
@@ -161,19 +161,21 @@ class ContextParallelAttention:
     """Context-parallel attention of one transformer; set as its processors' ``_parallel_config``.
 
     Attributes:
+        cp_group: The group the sequence is split over (ring × Ulysses ranks, ring-major).
         ulysses_group: Process group of the Ulysses dim (``None`` when ``ulysses_degree == 1``).
         ring_group: Process group of the ring dim (``None`` when ``ring_degree == 1``).
         ulysses_degree: Ulysses degree.
         ring_degree: Ring degree.
-        local: Attention on whole sequences of local heads (Ulysses) or per ring step's local backend.
+        local: Attention on whole sequences of local heads (Ulysses; ring and USP use their own kernels).
         mask_segments: Split tensor names whose concatenation, in this order, is the joint sequence a mask built by
             the model indexes (e.g. ``("encoder_hidden_states", "hidden_states")``).
         fp8: Ulysses exchanges in float8.
         forward: What the split hooks recorded for the current forward.
     """
 
-    ulysses_group: dist.ProcessGroup | None
-    ring_group: dist.ProcessGroup | None
+    cp_group: dist.ProcessGroup | None
+    ulysses_group: dist.ProcessGroup | None = None
+    ring_group: dist.ProcessGroup | None = None
     ulysses_degree: int = 1
     ring_degree: int = 1
     local: LocalAttention = field(default_factory=local_attention)
@@ -200,12 +202,12 @@ class ContextParallelAttention:
                 "context-parallel attention supports neither dropout, causal masks nor backend-specific "
                 f"attention_kwargs (got dropout_p={dropout_p}, is_causal={is_causal}, kwargs={attention_kwargs})"
             )
-        if self.ring_degree > 1:
-            return self._ring(query, key, value, attn_mask, scale)
         q_lens, kv_lens = self._lengths(query, key)
         layout = self.forward.layout(self.mask_segments) if attn_mask is not None else None
         if layout is not None and layout.rank_lens != q_lens:
             layout = None  # this attention's sequence is not the declared joint sequence: one contiguous split
+        if self.ring_degree > 1:
+            return self._ring(query, key, value, attn_mask, scale, q_lens, kv_lens, layout)
         return ulysses_attention(
             query,
             key,
@@ -221,14 +223,20 @@ class ContextParallelAttention:
         )
 
     def _lengths(self, query: torch.Tensor, key: torch.Tensor) -> tuple[list[int], list[int]]:
-        degree = self.ulysses_degree
+        """Every rank's query and key shard lengths, in cp-group order."""
+        degree = self.ulysses_degree * self.ring_degree
         if self.forward.even:
             return [query.shape[1]] * degree, [key.shape[1]] * degree
         # Some split was uneven: ask every rank (the branch depends on global sizes only, so all ranks come here).
-        exchanged = gather_lengths([query.shape[1], key.shape[1]], self.ulysses_group, query.device)
+        exchanged = gather_lengths([query.shape[1], key.shape[1]], self.cp_group, query.device)
         return [e[0] for e in exchanged], [e[1] for e in exchanged]
 
-    def _ring(self, query, key, value, attn_mask, scale) -> torch.Tensor:
+    def _ring(self, query, key, value, attn_mask, scale, q_lens, kv_lens, layout) -> torch.Tensor:
+        """Ring (or USP) attention; a mask becomes this rank's query rows over keys in shard order."""
+        mask = mask_in_shard_order(attn_mask, self.cp_group, q_lens=q_lens, kv_lens=kv_lens, layout=layout)
+        if mask is not None and mask.shape[-2] != 1:
+            rank = dist.get_rank(self.cp_group)
+            mask = mask.narrow(-2, sum(q_lens[:rank]), q_lens[rank])
         if self.ulysses_degree > 1:
             from fastdit.parallel.attention.usp import usp_attention
 
@@ -238,12 +246,13 @@ class ContextParallelAttention:
                 value,
                 ulysses_group=self.ulysses_group,
                 ring_group=self.ring_group,
-                attn_mask=attn_mask,
+                attn_mask=mask,
                 scale=scale,
+                seq_lens=q_lens if q_lens == kv_lens else None,
             )
         from fastdit.parallel.attention.ring import ring_attention
 
-        return ring_attention(query, key, value, group=self.ring_group, attn_mask=attn_mask, scale=scale)
+        return ring_attention(query, key, value, group=self.ring_group, attn_mask=mask, scale=scale, kv_lens=kv_lens)
 
 
 # --- routing: rebinding the entry point in processor modules ---

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from fastdit.parallel.attention.comm import gather_lengths, head_to_seq, pad_heads, seq_to_head_async, shard_sizes
 
-__all__ = ["LocalAttention", "SeqLayout", "sdpa_bshd", "ulysses_attention"]
+__all__ = ["LocalAttention", "SeqLayout", "mask_in_shard_order", "sdpa_bshd", "ulysses_attention"]
 
 # local(q_BSHD, k_BSHD, v_BSHD, attn_mask, scale) -> out_BSHD: attention on whole sequences of a subset of heads.
 LocalAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float | None], torch.Tensor]
@@ -173,39 +173,64 @@ def _prepare_mask(
     num_heads: int,
 ) -> torch.Tensor | None:
     """Turn a caller's mask into one for the post-exchange order and this rank's heads."""
+    mask = mask_in_shard_order(mask, group, q_lens=q_lens, kv_lens=kv_lens, layout=layout)
+    if mask is None or mask.shape[1] == 1:
+        return mask
+    if mask.shape[1] != num_heads:
+        raise ValueError(f"attn_mask {tuple(mask.shape)}: head dim must be 1 or {num_heads}")
+    degree, rank = dist.get_world_size(group), dist.get_rank(group)
+    padded = -num_heads % degree
+    if padded:  # padded heads attend to zeros; any mask row works for them
+        mask = torch.cat([mask, mask[:, :1].expand(-1, padded, -1, -1)], dim=1)
+    per_rank = mask.shape[1] // degree
+    return mask[:, rank * per_rank : (rank + 1) * per_rank]
+
+
+def mask_in_shard_order(
+    mask: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
+    *,
+    q_lens: Sequence[int],
+    kv_lens: Sequence[int],
+    layout: SeqLayout | None,
+) -> torch.Tensor | None:
+    """A mask whose key dim (and query dim, unless 1) follows the ranks' shards concatenated in rank order.
+
+    Args:
+        mask: ``(B, S_kv)`` key padding, or 4-D ``(B|1, H|1, S_q|1, S_kv)``, over the global sequence; or a key-padding
+            mask over this rank's local keys (gathered from every rank).
+        group: The group the sequence is split over.
+        q_lens: Every rank's query shard length.
+        kv_lens: Every rank's key/value shard length.
+        layout: Segment layout of the sequence (``None``: one contiguous split, already in shard order).
+
+    Returns:
+        A 4-D mask, or ``None``.
+
+    Raises:
+        ValueError: the mask's dims fit neither the global nor the local lengths.
+    """
     if mask is None:
         return None
     if mask.ndim == 2:  # (B, S_kv): key padding
         mask = mask[:, None, None, :]
+    while mask.ndim < 4:
+        mask = mask.unsqueeze(0)
     rank = dist.get_rank(group)
-    degree = dist.get_world_size(group)
     total_q, total_kv = sum(q_lens), sum(kv_lens)
     if mask.shape[-1] == total_kv:
         mask = _reorder(mask, -1, kv_lens, layout)
-    elif mask.shape[-1] == kv_lens[rank]:
-        if mask.shape[-2] != 1:
-            raise ValueError(
-                f"attn_mask {tuple(mask.shape)} covers local keys with per-query rows: only a key-padding mask "
-                f"(query dim 1) can be gathered; pass a mask over the global sequence ({total_q} x {total_kv})"
-            )
+    elif mask.shape[-1] == kv_lens[rank] and mask.shape[-2] == 1:
         mask = _gather_keys(mask, group, kv_lens)
     else:
         raise ValueError(
-            f"attn_mask {tuple(mask.shape)}: key dim must be the global ({total_kv}) or local "
-            f"({kv_lens[rank]}) key length"
+            f"attn_mask {tuple(mask.shape)}: key dim must be the global key length {total_kv}, or the local one "
+            f"({kv_lens[rank]}) for a key-padding mask (query dim 1)"
         )
     if mask.shape[-2] == total_q and total_q != 1:
         mask = _reorder(mask, -2, q_lens, layout)
     elif mask.shape[-2] != 1:
         raise ValueError(f"attn_mask {tuple(mask.shape)}: query dim must be 1 or the global length {total_q}")
-    if mask.ndim == 4 and mask.shape[1] > 1:  # per-head mask: keep this rank's (padded) heads
-        if mask.shape[1] != num_heads:
-            raise ValueError(f"attn_mask {tuple(mask.shape)}: head dim must be 1 or {num_heads}")
-        padded = -num_heads % degree
-        if padded:
-            mask = torch.cat([mask, mask[:, :1].expand(-1, padded, -1, -1)], dim=1)
-        per_rank = mask.shape[1] // degree
-        mask = mask[:, rank * per_rank : (rank + 1) * per_rank]
     return mask
 
 
