@@ -147,3 +147,12 @@ def test_merge_is_stable_for_large_lse() -> None:
     full_out, _ = attention_with_lse(q, k, v)
     # Adding 1000 in float32 rounds the LSEs to ~6e-5, which bounds the agreement.
     assert torch.isfinite(out).all() and (out - full_out).abs().max().item() < 1e-4
+
+
+def test_merge_of_bfloat16_partials_accumulates_in_float32() -> None:
+    q, k, v = (t.bfloat16() for t in _qkv())
+    out_a, lse_a = attention_with_lse(q, k[:, :4], v[:, :4])
+    out_b, lse_b = attention_with_lse(q, k[:, 4:], v[:, 4:])
+    out, lse = merge_partials(out_a, lse_a, out_b, lse_b)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    assert (out - _sdpa(q.float(), k.float(), v.float())).abs().max().item() < 2e-2

@@ -83,18 +83,22 @@ def _run_ring(rank: int, world_size: int, case: Case) -> torch.Tensor:
     return ring_attention(q, k, v, group=dist.group.WORLD, attn_mask=mask, kv_lens=kv_lens)
 
 
-def _naive_merge(acc, acc_lse, out, lse) -> None:
-    """A wrong merge: averages the partials, ignoring how many keys (how much softmax mass) each one saw."""
+def _naive_merge_(acc, acc_lse, out, lse) -> None:
+    """A wrong merge: averages the partials, ignoring how much softmax mass (LSE) each one carries."""
     acc.add_(out).mul_(0.5)
 
 
+def _naive_merge(out_a, lse_a, out_b, lse_b) -> tuple[torch.Tensor, torch.Tensor]:
+    return (out_a.float() + out_b.float()) * 0.5, torch.maximum(lse_a, lse_b)
+
+
 def _run_ring_with_broken_merge(rank: int, world_size: int, case: Case) -> torch.Tensor:
-    original = ring.merge_partials_
-    ring.merge_partials_ = _naive_merge
+    originals = ring.merge_partials, ring.merge_partials_
+    ring.merge_partials, ring.merge_partials_ = _naive_merge, _naive_merge_
     try:
         return _run_ring(rank, world_size, case)
     finally:
-        ring.merge_partials_ = original
+        ring.merge_partials, ring.merge_partials_ = originals
 
 
 # --- tests ---

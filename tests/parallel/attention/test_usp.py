@@ -31,9 +31,8 @@ class Case:
     kv_heads: int = 4
     head_dim: int = 8
     dtype: torch.dtype = torch.float32
-    mask: str | None = (
-        None  # None, "padding" (keys only), "rows" (per query row and head), "rows-1" (boolean, heads share)
-    )
+    # None, "padding" (keys only), "rows" (per query row and head) or "rows-1" (boolean, shared by the heads)
+    mask: str | None = None
     pass_seq_lens: bool = False
     shard_by_global_rank: bool = False  # a deliberately wrong assignment of shards to ranks
     seed: int = 0

@@ -106,7 +106,8 @@ def merge_partials(
         inputs and float32 at least; rows with ``-inf`` in both stay output 0, LSE ``-inf``.
     """
     weight_a_BHS, weight_b_BHS, lse_BHS = _merge_weights(lse_a_BHS, lse_b_BHS)
-    out_BSHD = out_a_BSHD * _per_row(weight_a_BHS) + out_b_BSHD * _per_row(weight_b_BHS)
+    out_BSHD = out_a_BSHD * _per_row(weight_a_BHS)  # a fresh tensor of the promoted dtype: accumulate in place
+    out_BSHD.addcmul_(out_b_BSHD, _per_row(weight_b_BHS))
     return out_BSHD, lse_BHS
 
 
@@ -224,7 +225,8 @@ def _cuda_efficient_masked(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The memory-efficient kernel with the mask as an additive bias; fully masked rows made exact (0, -inf)."""
-    bias_BHQK = _aligned_bias(attn_mask, q_BHSD, k_BHSD.size(2))
+    mask = _as_4d(attn_mask)
+    bias_BHQK = _aligned_bias(mask, q_BHSD, k_BHSD.size(2))
     params = torch.backends.cuda.SDPAParams(q_BHSD, k_BHSD, v_BHSD, bias_BHQK, 0.0, False, False)
     if not _can_use("can_use_efficient_attention", params):
         return None
@@ -232,17 +234,23 @@ def _cuda_efficient_masked(
         q_BHSD, k_BHSD, v_BHSD, bias_BHQK, True, scale=scale
     )[:2]
     lse_BHS = _normalize_lse(lse, q_BHSD.size(2))
-    # Whatever the kernel leaves in rows without any visible key (nan or a huge value), the merge needs 0 and -inf.
-    empty_BHS = ~torch.isfinite(lse_BHS)
+    # The kernel returns output 0 but LSE 0 (not -inf) for rows that see no key; a finite LSE would give those zeros
+    # weight in a merge, so such rows are found from the mask itself (on its own, unexpanded shape: cheap).
+    has_key = mask.any(-1) if mask.dtype == torch.bool else (mask > _NEG_INF).any(-1)
+    empty_BHS = ~has_key.expand_as(lse_BHS)
     lse_BHS = lse_BHS.masked_fill(empty_BHS, _NEG_INF)
     out_BHSD = out_BHSD.masked_fill(empty_BHS.unsqueeze(-1), 0.0)
     return out_BHSD, lse_BHS
 
 
-def _aligned_bias(attn_mask: torch.Tensor, q_BHSD: torch.Tensor, seq_k: int) -> torch.Tensor:
-    """The mask as an additive bias in the query dtype, expanded to (B, H, S_q, S_k) with 16-aligned rows."""
+def _as_4d(attn_mask: torch.Tensor) -> torch.Tensor:
+    """A mask broadcastable to (B, H, S_q, S_k) with its missing leading dims added as size 1."""
+    return attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+
+
+def _aligned_bias(mask: torch.Tensor, q_BHSD: torch.Tensor, seq_k: int) -> torch.Tensor:
+    """A 4-D mask as an additive bias in the query dtype, expanded to (B, H, S_q, S_k) with 16-aligned rows."""
     batch, heads, seq_q, _ = q_BHSD.shape
-    mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
     if mask.dtype == torch.bool:
         bias = torch.zeros(mask.shape, dtype=q_BHSD.dtype, device=q_BHSD.device).masked_fill_(~mask, _NEG_INF)
     else:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from fastdit.parallel.attention.local import attention_with_lse, merge_partials_
+from fastdit.parallel.attention.local import attention_with_lse, merge_partials, merge_partials_
 
 __all__ = ["ring_attention"]
 
@@ -143,8 +143,10 @@ def _ring_loop(
         out_BSHD, lse_BHS = attention_with_lse(
             q_BSHD, cur_k, cur_v, attn_mask=_chunk_mask(attn_mask, kv_lens, source), scale=scale
         )
-        if acc_BSHD is None:
-            acc_BSHD, acc_lse_BHS = out_BSHD.to(torch.promote_types(out_BSHD.dtype, torch.float32)), lse_BHS
+        if hop == 0:
+            acc_BSHD, acc_lse_BHS = out_BSHD, lse_BHS
+        elif hop == 1:  # the first merge allocates the float32 accumulator (no separate up-cast pass)
+            acc_BSHD, acc_lse_BHS = merge_partials(acc_BSHD, acc_lse_BHS, out_BSHD, lse_BHS)
         else:
             merge_partials_(acc_BSHD, acc_lse_BHS, out_BSHD, lse_BHS)
         # Waiting on the sends too keeps the buffer being received into at the next hop free of readers.
