@@ -213,30 +213,30 @@ def validate_plan(
 def _validate_attention(
     transformer: torch.nn.Module, routing: AttentionRouting, degree: int, uneven_heads: bool
 ) -> None:
-    for name in routing.modules:
-        try:
-            module = importlib.import_module(name)
-        except ImportError as exc:
-            raise ValueError(f"context-parallel plan: attention module {name!r} cannot be imported") from exc
-        if not callable(getattr(module, "dispatch_attention_fn", None)):
-            raise ValueError(f"context-parallel plan: module {name!r} has no dispatch_attention_fn to route")
     attention = [(n, m) for n, m in transformer.named_modules() if getattr(m, "processor", None) is not None]
     if not attention:
         raise ValueError(f"context-parallel plan: {type(transformer).__name__} has no attention processors to route")
     for path, module in attention:
         processor = module.processor
-        if type(processor).__module__ not in routing.modules:
-            raise ValueError(
-                f"context-parallel plan: processor {type(processor).__name__} of {path!r} is defined in "
-                f"{type(processor).__module__!r}, which AttentionRouting.modules does not route"
-            )
         if not hasattr(processor, "_parallel_config"):
             raise ValueError(
                 f"context-parallel plan: processor {type(processor).__name__} of {path!r} does not pass a "
                 "parallel_config to dispatch_attention_fn, so its attention cannot be routed"
+            )
+        if type(processor).__module__ not in routing.modules:
+            raise ValueError(
+                f"context-parallel plan: processor {type(processor).__name__} of {path!r} is defined in "
+                f"{type(processor).__module__!r}, which AttentionRouting.modules does not route"
             )
         heads = getattr(module, "heads", None)
         if isinstance(heads, int) and heads % degree and not uneven_heads:
             raise ValueError(
                 f"context-parallel plan: {path!r} has {heads} heads, which do not divide the Ulysses degree {degree}"
             )
+    for name in routing.modules:
+        try:
+            py_module = importlib.import_module(name)
+        except ImportError as exc:
+            raise ValueError(f"context-parallel plan: attention module {name!r} cannot be imported") from exc
+        if not callable(getattr(py_module, "dispatch_attention_fn", None)):
+            raise ValueError(f"context-parallel plan: module {name!r} has no dispatch_attention_fn to route")
