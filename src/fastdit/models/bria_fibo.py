@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.testing.components.autoencoder_kl_wan import autoencoder_kl_wan
 from fastdit.testing.components.encoders import build
+from fastdit.testing.components.images import random_image
 from fastdit.testing.components.smollm3 import smollm3_model
 
 TRANSFORMER = "diffusers.models.transformers.transformer_bria_fibo.BriaFiboTransformer2DModel"
@@ -46,28 +48,6 @@ def tiny_transformer(seed: int = 0, *, num_layers: int = 1, num_single_layers: i
     )
 
 
-def tiny_vae(seed: int = 0):
-    """A Wan 2.2-style ``AutoencoderKLWan`` (residual, 2x2 pixel patchify): spatial factor 16, as FIBO expects."""
-    from diffusers import AutoencoderKLWan
-
-    return build(
-        AutoencoderKLWan,
-        seed=seed,
-        base_dim=4,
-        z_dim=_LATENT_CHANNELS,
-        dim_mult=[1, 1, 1, 1],
-        num_res_blocks=1,
-        temperal_downsample=[False, True, True],
-        is_residual=True,
-        in_channels=12,
-        out_channels=12,
-        patch_size=2,
-        scale_factor_spatial=16,
-        latents_mean=[0.0] * _LATENT_CHANNELS,
-        latents_std=[1.0] * _LATENT_CHANNELS,
-    )
-
-
 def _components(seed: int) -> dict:
     from diffusers import FlowMatchEulerDiscreteScheduler
 
@@ -75,7 +55,8 @@ def _components(seed: int) -> dict:
     return {
         "transformer": tiny_transformer(seed),
         "scheduler": FlowMatchEulerDiscreteScheduler(),
-        "vae": tiny_vae(seed),
+        # Wan 2.2 layout: spatial factor 16, as FIBO expects.
+        "vae": autoencoder_kl_wan(latent_channels=_LATENT_CHANNELS, wan22=True, seed=seed),
         "text_encoder": text_encoder,
         "tokenizer": tokenizer,
     }
@@ -93,14 +74,6 @@ def tiny_bria_fibo_edit(seed: int = 0):
     from diffusers import BriaFiboEditPipeline
 
     return BriaFiboEditPipeline(**_components(seed))
-
-
-def _reference_image():
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    return Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8))
 
 
 # FIBO is prompted with structured JSON. guidance_scale > 1 batches cond and uncond in one call; the default empty
@@ -134,7 +107,7 @@ ADAPTER = register(
                 call_kwargs={
                     **_CALL,
                     "prompt": '{"edit_instruction": "make the cat red"}',
-                    "image": _reference_image(),
+                    "image": random_image(64),
                 },
             ),
         ),

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.testing.components.autoencoder_kl_wan import autoencoder_kl_wan
+from fastdit.testing.components.clip_vision import clip_vision_model
 from fastdit.testing.components.encoders import build, umt5_encoder
+from fastdit.testing.components.images import random_image
 
 TRANSFORMER = "diffusers.models.transformers.transformer_chronoedit.ChronoEditTransformer3DModel"
 
@@ -41,45 +44,12 @@ def tiny_transformer(seed: int = 0, *, num_layers: int = 3):
     )
 
 
-def tiny_vae(seed: int = 0):
-    """A Wan 2.1-style ``AutoencoderKLWan`` with 3 base channels (spatial factor 8, temporal factor 4)."""
-    from diffusers import AutoencoderKLWan
-
-    return build(
-        AutoencoderKLWan,
-        seed=seed,
-        base_dim=3,
-        z_dim=_LATENT_CHANNELS,
-        dim_mult=[1, 1, 1, 1],
-        num_res_blocks=1,
-        temperal_downsample=[False, True, True],
-        latents_mean=[0.0] * _LATENT_CHANNELS,
-        latents_std=[1.0] * _LATENT_CHANNELS,
-    )
-
-
-def tiny_image_encoder(seed: int = 0):
-    """``(CLIPVisionModel, CLIPImageProcessorPil)`` for 32x32 inputs (16 patches + class token, width 8)."""
-    from transformers import CLIPImageProcessorPil, CLIPVisionConfig, CLIPVisionModel
-
-    config = CLIPVisionConfig(
-        hidden_size=_IMAGE_DIM,
-        intermediate_size=2 * _IMAGE_DIM,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=32,
-        patch_size=8,
-    )
-    processor = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    return build(CLIPVisionModel, config, seed=seed), processor
-
-
 def tiny_chronoedit(seed: int = 0):
     """A complete tiny ``ChronoEditPipeline`` (UMT5 + CLIP vision encoders, Wan VAE, flow UniPC)."""
     from diffusers import ChronoEditPipeline, UniPCMultistepScheduler
 
     text_encoder, tokenizer = umt5_encoder(d_model=_TEXT_DIM, seed=seed)
-    image_encoder, image_processor = tiny_image_encoder(seed)
+    image_encoder, image_processor = clip_vision_model(hidden_size=_IMAGE_DIM, seed=seed)
     # A multistep scheduler: temporal reasoning trims its stored model outputs when it drops the middle frames.
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0)
     return ChronoEditPipeline(
@@ -88,17 +58,9 @@ def tiny_chronoedit(seed: int = 0):
         image_encoder=image_encoder,
         image_processor=image_processor,
         transformer=tiny_transformer(seed),
-        vae=tiny_vae(seed),
+        vae=autoencoder_kl_wan(latent_channels=_LATENT_CHANNELS, seed=seed),
         scheduler=scheduler,
     )
-
-
-def _input_image():
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    return Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8))
 
 
 ADAPTER = register(
@@ -112,7 +74,7 @@ ADAPTER = register(
                 build=tiny_chronoedit,
                 # guidance_scale > 1: a cond then an uncond transformer call per step, without cache contexts.
                 call_kwargs={
-                    "image": _input_image(),
+                    "image": random_image(),
                     "prompt": "a cat holding a sign",
                     "negative_prompt": "blue",
                     "guidance_scale": 5.0,

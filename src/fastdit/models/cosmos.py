@@ -18,11 +18,13 @@ import torch
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.testing.components.autoencoder_kl_wan import WAN_LATENT_CHANNELS, autoencoder_kl_wan
 from fastdit.testing.components.encoders import build, qwen2_5_vl_model, t5_encoder
+from fastdit.testing.components.images import random_image
 
 TRANSFORMER = "diffusers.models.transformers.transformer_cosmos.CosmosTransformer3DModel"
 
-_LATENT = 16  # the Wan VAE of Predict2/2.5 has 16 channels; the tiny Cosmos 1.0 VAE uses the same
+_LATENT = WAN_LATENT_CHANNELS  # the Wan VAE of Predict2/2.5; the tiny Cosmos 1.0 VAE uses the same
 _TEXT_DIM = 32
 _SIZE = 32
 
@@ -110,21 +112,6 @@ def tiny_cosmos_vae(seed: int = 0):
     )
 
 
-def tiny_wan_vae(seed: int = 0):
-    """An ``AutoencoderKLWan`` with 3 base channels (space x8, time x4) for Predict2 and 2.5."""
-    from diffusers import AutoencoderKLWan
-
-    return build(
-        AutoencoderKLWan,
-        seed=seed,
-        base_dim=3,
-        z_dim=_LATENT,
-        dim_mult=[1, 1, 1, 1],
-        num_res_blocks=1,
-        temperal_downsample=[False, True, True],
-    )
-
-
 def _edm_scheduler():
     from diffusers import EDMEulerScheduler
 
@@ -174,7 +161,9 @@ def tiny_cosmos2_text2image(seed: int = 0):
     from diffusers import Cosmos2TextToImagePipeline, FlowMatchEulerDiscreteScheduler
 
     scheduler = FlowMatchEulerDiscreteScheduler(use_karras_sigmas=True)
-    return Cosmos2TextToImagePipeline(**_t5_components(seed, tiny_transformer(seed), tiny_wan_vae(seed), scheduler))
+    return Cosmos2TextToImagePipeline(
+        **_t5_components(seed, tiny_transformer(seed), autoencoder_kl_wan(seed=seed), scheduler)
+    )
 
 
 def tiny_cosmos2_video2world(seed: int = 0):
@@ -183,7 +172,7 @@ def tiny_cosmos2_video2world(seed: int = 0):
 
     scheduler = FlowMatchEulerDiscreteScheduler(use_karras_sigmas=True)
     transformer = tiny_transformer(seed, in_channels=_LATENT + 1)
-    return Cosmos2VideoToWorldPipeline(**_t5_components(seed, transformer, tiny_wan_vae(seed), scheduler))
+    return Cosmos2VideoToWorldPipeline(**_t5_components(seed, transformer, autoencoder_kl_wan(seed=seed), scheduler))
 
 
 def tiny_cosmos25_predict(seed: int = 0):
@@ -197,20 +186,12 @@ def tiny_cosmos25_predict(seed: int = 0):
     return Cosmos2_5_PredictBasePipeline(
         # The pipeline feeds every normalised hidden layer but the embeddings, concatenated on channels.
         transformer=tiny_transformer(seed, in_channels=_LATENT + 1, text_dim=_TEXT_DIM * num_layers),
-        vae=tiny_wan_vae(seed),
+        vae=autoencoder_kl_wan(seed=seed),
         text_encoder=text_encoder,
         tokenizer=tokenizer,
         scheduler=UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0),
         safety_checker=PassThroughSafetyChecker(),
     )
-
-
-def _image():
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    return Image.fromarray(rng.integers(0, 255, (_SIZE, _SIZE, 3), dtype=np.uint8))
 
 
 _CALL = {
@@ -241,12 +222,16 @@ ADAPTER = register(
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P2),),
         tiny_pipelines=(
             TinyPipeline(name="text2world", build=tiny_cosmos_text2world, call_kwargs=_CALL),
-            TinyPipeline(name="video2world", build=tiny_cosmos_video2world, call_kwargs={**_CALL, "image": _image()}),
+            TinyPipeline(
+                name="video2world", build=tiny_cosmos_video2world, call_kwargs={**_CALL, "image": random_image(_SIZE)}
+            ),
             TinyPipeline(name="predict2-text2image", build=tiny_cosmos2_text2image, call_kwargs=_IMAGE_CALL),
             TinyPipeline(name="predict2.5", build=tiny_cosmos25_predict, call_kwargs=_CALL),
             # Per-frame timesteps with conditioning frames at ~0: the cache follows the largest entry.
             TinyPipeline(
-                name="predict2-video2world", build=tiny_cosmos2_video2world, call_kwargs={**_CALL, "image": _image()}
+                name="predict2-video2world",
+                build=tiny_cosmos2_video2world,
+                call_kwargs={**_CALL, "image": random_image(_SIZE)},
             ),
         ),
         presets=(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.testing.components.autoencoder_kl_wan import autoencoder_kl_wan
 from fastdit.testing.components.encoders import build
 from fastdit.testing.components.gemma2 import gemma2_model
 
@@ -42,23 +43,6 @@ def tiny_transformer(seed: int = 0, *, num_layers: int = 3):
     )
 
 
-def tiny_vae(seed: int = 0):
-    """A Wan 2.1-style ``AutoencoderKLWan`` with 3 base channels (spatial factor 8, temporal factor 4)."""
-    from diffusers import AutoencoderKLWan
-
-    return build(
-        AutoencoderKLWan,
-        seed=seed,
-        base_dim=3,
-        z_dim=_LATENT_CHANNELS,
-        dim_mult=[1, 1, 1, 1],
-        num_res_blocks=1,
-        temperal_downsample=[False, True, True],
-        latents_mean=[0.0] * _LATENT_CHANNELS,
-        latents_std=[1.0] * _LATENT_CHANNELS,
-    )
-
-
 def tiny_sana_video(seed: int = 0):
     """A complete tiny ``SanaVideoPipeline`` (Gemma 2 text encoder, Wan VAE, flow DPM-Solver++)."""
     from diffusers import DPMSolverMultistepScheduler, SanaVideoPipeline
@@ -68,7 +52,7 @@ def tiny_sana_video(seed: int = 0):
     return SanaVideoPipeline(
         tokenizer=tokenizer,
         text_encoder=text_encoder,
-        vae=tiny_vae(seed),
+        vae=autoencoder_kl_wan(latent_channels=_LATENT_CHANNELS, seed=seed),
         transformer=tiny_transformer(seed),
         scheduler=scheduler,
     )

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
-from fastdit.models.wan import tiny_image_encoder, tiny_vae
+from fastdit.testing.components.autoencoder_kl_wan import WAN_LATENT_CHANNELS, autoencoder_kl_wan
+from fastdit.testing.components.clip_vision import clip_vision_model
 from fastdit.testing.components.encoders import build, umt5_encoder
+from fastdit.testing.components.images import random_image
 
 TRANSFORMER = "diffusers.models.transformers.transformer_skyreels_v2.SkyReelsV2Transformer3DModel"
 
-_Z_DIM = 16  # latent channels of the Wan VAE
+_Z_DIM = WAN_LATENT_CHANNELS
+_IMAGE_DIM = 8  # width of the tiny CLIP vision tower
 _TEXT_DIM = 32
 
 
@@ -50,7 +53,12 @@ def _common(seed: int) -> dict:
 
     text_encoder, tokenizer = umt5_encoder(d_model=_TEXT_DIM, seed=seed)
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=8.0)
-    return {"vae": tiny_vae(seed), "text_encoder": text_encoder, "tokenizer": tokenizer, "scheduler": scheduler}
+    return {
+        "vae": autoencoder_kl_wan(seed=seed),
+        "text_encoder": text_encoder,
+        "tokenizer": tokenizer,
+        "scheduler": scheduler,
+    }
 
 
 def tiny_skyreels_t2v(seed: int = 0):
@@ -64,10 +72,10 @@ def tiny_skyreels_i2v(seed: int = 0):
     """A complete tiny ``SkyReelsV2ImageToVideoPipeline`` (CLIP image tokens + first-frame latents)."""
     from diffusers import SkyReelsV2ImageToVideoPipeline
 
-    image_encoder, image_processor = tiny_image_encoder(seed)
+    image_encoder, image_processor = clip_vision_model(hidden_size=_IMAGE_DIM, seed=seed)
     return SkyReelsV2ImageToVideoPipeline(
         # 16 noise + 4 mask + 16 first-frame latent channels.
-        transformer=tiny_transformer(seed, in_channels=2 * _Z_DIM + 4, image_dim=8),
+        transformer=tiny_transformer(seed, in_channels=2 * _Z_DIM + 4, image_dim=_IMAGE_DIM),
         image_encoder=image_encoder,
         image_processor=image_processor,
         **_common(seed),
@@ -81,14 +89,6 @@ def tiny_skyreels_df(seed: int = 0):
     return SkyReelsV2DiffusionForcingPipeline(
         transformer=tiny_transformer(seed, inject_sample_info=True), **_common(seed)
     )
-
-
-def _image():
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    return Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8))
 
 
 _CALL = {
@@ -109,7 +109,7 @@ ADAPTER = register(
         block_groups=(BlockGroup(path="blocks", pattern=ForwardPattern.P2),),
         tiny_pipelines=(
             TinyPipeline(name="t2v", build=tiny_skyreels_t2v, call_kwargs=_CALL),
-            TinyPipeline(name="i2v", build=tiny_skyreels_i2v, call_kwargs={**_CALL, "image": _image()}),
+            TinyPipeline(name="i2v", build=tiny_skyreels_i2v, call_kwargs={**_CALL, "image": random_image()}),
             # 13 frames -> 4 latent frames in causal blocks of 2: attention gets a block-causal mask.
             TinyPipeline(
                 name="df",
