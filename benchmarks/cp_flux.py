@@ -1,0 +1,251 @@
+"""Context parallelism on a FLUX.1-dev-sized transformer: one GPU vs Ulysses vs ring (fastdit), time and quality.
+
+The transformer has FLUX.1-dev's shape with random bf16 weights built directly on the device; the residual-branch
+output projections are scaled by 0.2 so 57 random blocks stay finite. The pipeline gets ``prompt_embeds`` and
+``pooled_prompt_embeds``, so no text encoder is loaded; the VAE is FLUX-shaped with random weights. Every mode runs
+the same seeds; quality is PSNR/SSIM of the decoded images (and PSNR of the latents) against the single-device run.
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
+        torchrun --nproc_per_node 2 benchmarks/cp_flux.py --out benchmarks/results/cp_flux_h200x2.json
+    torchrun --nproc_per_node 2 benchmarks/cp_flux.py --tiny          # CPU smoke test over gloo, seconds
+
+Every rank runs the single-device baseline on its own device (concurrently), then each parallel mode; rank 0 prints a
+markdown table and writes JSON (to ``--out``, else ``$OUT/cp_flux.json`` when ``OUT`` is set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+for _name in ("NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS", "TORCH_SYMM_MEM_DISABLE_MULTICAST"):
+    # NVLink multicast is unavailable on the machines this runs on; set before torch initialises NCCL.
+    os.environ.setdefault(_name, "0" if _name == "NCCL_NVLS_ENABLE" else "1")
+
+import numpy as np  # noqa: E402 - after the NCCL environment
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import fastdit  # noqa: E402
+from fastdit.metrics import psnr, ssim  # noqa: E402
+
+FLUX_DEV = {
+    "patch_size": 1,
+    "in_channels": 64,
+    "num_layers": 19,
+    "num_single_layers": 38,
+    "attention_head_dim": 128,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 4096,
+    "pooled_projection_dim": 768,
+    "guidance_embeds": True,
+    "axes_dims_rope": (16, 56, 56),
+}
+TINY = {**FLUX_DEV, "num_layers": 1, "num_single_layers": 2, "attention_head_dim": 16, "num_attention_heads": 4,
+        "joint_attention_dim": 64, "pooled_projection_dim": 32, "axes_dims_rope": (4, 6, 6)}  # fmt: skip
+VAE_FLUX = {"block_out_channels": (128, 256, 512, 512), "layers_per_block": 2}
+VAE_TINY = {"block_out_channels": (8, 8, 8, 8), "layers_per_block": 1, "norm_num_groups": 8}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny model, 64x64, 4 steps (CPU smoke test)")
+    parser.add_argument("--steps", type=int, default=None, help="denoising steps (default 28; 4 with --tiny)")
+    parser.add_argument("--size", type=int, default=None, help="image height and width (default 1024; 64 with --tiny)")
+    parser.add_argument("--modes", default="single,ulysses,ring,ulysses_fp8", help="comma-separated modes to run")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed calls per mode")
+    parser.add_argument("--repeat", type=int, default=2, help="timed calls per mode (median reported)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default $OUT/cp_flux.json if OUT is set)")
+    return parser.parse_args()
+
+
+def setup() -> tuple[int, int, torch.device]:
+    """Join the torchrun process group (NCCL on GPUs, gloo on CPU); a plain run is one process."""
+    if "WORLD_SIZE" not in os.environ:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(dist.get_default_backend_for_device(device))
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def build_pipeline(tiny: bool, device: torch.device, dtype: torch.dtype, seed: int) -> Any:
+    """FluxPipeline with a random FLUX-shaped transformer and VAE and no text encoders, built on ``device``."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    torch.manual_seed(seed)
+    vae_config = {**(VAE_TINY if tiny else VAE_FLUX), "latent_channels": 16, "use_quant_conv": False,
+                  "use_post_quant_conv": False, "shift_factor": 0.1159, "scaling_factor": 0.3611}  # fmt: skip
+    vae_config["down_block_types"] = ("DownEncoderBlock2D",) * 4
+    vae_config["up_block_types"] = ("UpDecoderBlock2D",) * 4
+    with torch.device(device):
+        transformer = FluxTransformer2DModel(**(TINY if tiny else FLUX_DEV))
+        vae = AutoencoderKL(**vae_config)
+    scale_residual_outputs(transformer, 0.2)
+    pipe = FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15),
+        vae=vae.to(dtype).eval(),
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        transformer=transformer.to(dtype).eval(),
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def scale_residual_outputs(transformer: torch.nn.Module, factor: float) -> None:
+    """Shrink the output projection of every residual branch so a deep random model does not blow up."""
+    with torch.no_grad():
+        for block in transformer.transformer_blocks:
+            for linear in (block.attn.to_out[0], block.attn.to_add_out, block.ff.net[2], block.ff_context.net[2]):
+                linear.weight.mul_(factor)
+        for block in transformer.single_transformer_blocks:
+            block.proj_out.weight.mul_(factor)
+
+
+def embeddings(tiny: bool, device: torch.device, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+    config = TINY if tiny else FLUX_DEV
+    g = torch.Generator().manual_seed(seed + 1)
+    tokens = 16 if tiny else 512
+    return {
+        "prompt_embeds": torch.randn(1, tokens, config["joint_attention_dim"], generator=g).to(device, dtype),
+        "pooled_prompt_embeds": torch.randn(1, config["pooled_projection_dim"], generator=g).to(device, dtype),
+    }
+
+
+def generate(pipe: Any, kwargs: dict[str, Any], seed: int, device: torch.device) -> tuple[np.ndarray, np.ndarray]:
+    """One pipeline call; returns (images in [0, 1], latents) as float32 arrays."""
+    latents = pipe(**kwargs, generator=torch.Generator(device).manual_seed(seed), output_type="latent").images
+    with torch.no_grad():
+        unpacked = pipe._unpack_latents(latents, kwargs["height"], kwargs["width"], pipe.vae_scale_factor)
+        decoded = pipe.vae.decode(unpacked / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor).sample
+    images = (decoded.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy()
+    return images, latents.float().cpu().numpy()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def timed(run: Callable[[], Any], args: argparse.Namespace, device: torch.device) -> tuple[Any, float]:
+    """Warm up, then the median wall time over ``repeat`` calls (the slowest rank's, under parallelism)."""
+    for _ in range(args.warmup):
+        run()
+    times, result = [], None
+    for _ in range(args.repeat):
+        synchronize(device)
+        start = time.perf_counter()
+        result = run()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    seconds = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return result, seconds.item()
+
+
+def accelerate_mode(pipe: Any, mode: str, world_size: int) -> Callable[[], None]:
+    """Apply ``mode`` to ``pipe``; return its undo."""
+    if mode == "ulysses_fp8":  # FP8 all-to-all is an engine option below the public API
+        from diffusers import FluxTransformer2DModel  # noqa: F401 - registry lookup needs the class loaded
+
+        from fastdit.models.registry import adapter_for
+        from fastdit.parallel.context_parallel import apply_context_parallel
+        from fastdit.parallel.runtime import ParallelRuntime
+
+        parallel = fastdit.Parallel(ulysses=world_size)
+        runtime = ParallelRuntime.from_config(parallel, device=pipe.transformer.device)
+        adapter = adapter_for(pipe.transformer)
+        return apply_context_parallel(pipe.transformer, adapter, parallel, runtime, fp8=True)
+    degrees = {"ulysses": {"ulysses": world_size}, "ring": {"ring": world_size}}[mode]
+    fastdit.accelerate(pipe, parallel=fastdit.Parallel(**degrees))
+    return lambda: fastdit.disable(pipe)
+
+
+def main() -> None:
+    args = parse_args()
+    rank, world_size, device = setup()
+    steps = args.steps or (4 if args.tiny else 28)
+    size = args.size or (64 if args.tiny else 1024)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    pipe = build_pipeline(args.tiny, device, dtype, args.seed)
+    kwargs = {**embeddings(args.tiny, device, dtype, args.seed), "height": size, "width": size,
+              "num_inference_steps": steps, "guidance_scale": 3.5}  # fmt: skip
+    rows, baseline = [], None
+    for mode in args.modes.split(","):
+        if mode != "single" and world_size == 1:
+            print(f"skipping {mode}: run under torchrun with 2 or more processes")
+            continue
+        undo = accelerate_mode(pipe, mode, world_size) if mode != "single" else (lambda: None)
+        try:
+            (images, latents), seconds = timed(lambda: generate(pipe, kwargs, args.seed, device), args, device)
+        finally:
+            undo()
+        if baseline is None:
+            baseline = (images, latents, seconds)
+        rows.append(score(mode, seconds, images, latents, baseline, world_size))
+    if rank == 0:
+        report(rows, args, world_size, device, steps, size)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def score(mode: str, seconds: float, images, latents, baseline, world_size: int) -> dict[str, Any]:
+    base_images, base_latents, base_seconds = baseline
+    latent_range = float(base_latents.max() - base_latents.min())
+    return {
+        "mode": mode,
+        "degree": 1 if mode == "single" else world_size,
+        "seconds": round(seconds, 4),
+        "speedup": round(base_seconds / seconds, 3),
+        "psnr": psnr(base_images, images, data_range=1.0),
+        "ssim": ssim(base_images, images, data_range=1.0),
+        "latent_psnr": psnr(base_latents[0], latents[0], data_range=latent_range),
+        "latent_max_abs_err": float(np.abs(base_latents - latents).max()),
+    }
+
+
+def report(rows: list[dict[str, Any]], args, world_size: int, device: torch.device, steps: int, size: int) -> None:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    print(f"\nFLUX.1-dev-sized transformer ({'tiny' if args.tiny else 'full'}), {size}x{size}, {steps} steps, "
+          f"{world_size} x {name}\n")  # fmt: skip
+    print("| mode | degree | seconds | speed-up | PSNR (dB) | SSIM | latent PSNR | latent max err |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['mode']} | {r['degree']} | {r['seconds']:.3f} | {r['speedup']:.2f}x | {r['psnr']:.2f} | "
+              f"{r['ssim']:.4f} | {r['latent_psnr']:.2f} | {r['latent_max_abs_err']:.2e} |")  # fmt: skip
+    out = args.out or (Path(os.environ["OUT"]) / "cp_flux.json" if "OUT" in os.environ else None)
+    if out is None:
+        return
+    payload = {
+        "benchmark": "cp_flux",
+        "date": date.today().isoformat(),
+        "device": name,
+        "world_size": world_size,
+        "torch": torch.__version__,
+        "config": {"tiny": args.tiny, "steps": steps, "size": size, "warmup": args.warmup, "repeat": args.repeat},
+        "results": [{k: (v if v != float("inf") else "inf") for k, v in r.items()} for r in rows],
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
