@@ -1,0 +1,340 @@
+"""Context parallelism end to end: whole pipelines on gloo ranks equal the single-process run, with and without cache.
+
+Every rank runs the whole pipeline with the same seed (text encoders and VAE replicated, the transformer's sequence
+split); the images must match the single-process images computed here in the parent.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import fastdit
+from fastdit.testing.distributed import DistributedTestError, WorkerPool
+
+TINY_CALL = {"prompt": "a cat holding a sign", "num_inference_steps": 4, "max_sequence_length": 16}
+
+
+@functools.lru_cache(maxsize=1)
+def _tiny_pipeline() -> Any:
+    from fastdit.models.flux import tiny_flux
+
+    pipe = tiny_flux(0)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@functools.lru_cache(maxsize=1)
+def _reference_pipeline() -> Any:
+    from fastdit.reference import load_reference_pipeline
+
+    return load_reference_pipeline()
+
+
+def _has_reference() -> bool:
+    from fastdit.reference import reference_dir
+
+    try:
+        reference_dir()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+needs_reference = pytest.mark.skipif(not _has_reference(), reason="reference weights are not in this checkout")
+
+
+def _call(pipe: Any, kwargs: dict[str, Any], seed: int = 0) -> np.ndarray:
+    return pipe(**kwargs, generator=torch.Generator().manual_seed(seed), output_type="np").images
+
+
+def _reference_kwargs(digit: int, true_cfg: bool) -> dict[str, Any]:
+    from fastdit.reference import REFERENCE_DEFAULTS, REFERENCE_TRUE_CFG, digit_prompt
+
+    return {"prompt": digit_prompt(digit), **REFERENCE_DEFAULTS, **(REFERENCE_TRUE_CFG if true_cfg else {})}
+
+
+def _cached_steps(pipe: Any) -> dict[str, list[int]]:
+    stats = fastdit.summary(pipe).transformers["transformer"].get("cache", {})
+    return {name: branch["cached_steps"] for name, branch in stats.get("branches", {}).items()}
+
+
+def _accelerated(pipe: Any, kwargs: dict[str, Any], **options: Any) -> tuple[np.ndarray, dict[str, list[int]]]:
+    fastdit.accelerate(pipe, **options)
+    try:
+        return _call(pipe, kwargs), _cached_steps(pipe)
+    finally:
+        fastdit.disable(pipe)
+
+
+# --- worker functions ---
+
+
+def _tiny(rank: int, world_size: int, parallel: dict[str, int], size: int, attention: str | None = None) -> np.ndarray:
+    options: dict[str, Any] = {"parallel": fastdit.Parallel(**parallel)}
+    if attention is not None:
+        options["attention"] = fastdit.Attention(backend=attention)
+    return _accelerated(_tiny_pipeline(), {**TINY_CALL, "height": size, "width": size}, **options)[0]
+
+
+def _reference(
+    rank: int, world_size: int, parallel: dict[str, int] | None, cache: Any, digit: int, true_cfg: bool
+) -> tuple[np.ndarray, dict[str, list[int]]]:
+    options = {"parallel": fastdit.Parallel(**parallel) if parallel else None, "cache": cache}
+    return _accelerated(_reference_pipeline(), _reference_kwargs(digit, true_cfg), **options)
+
+
+def _disable_restores(rank: int, world_size: int) -> dict[str, Any]:
+    import diffusers.models.transformers.transformer_flux as flux_module
+
+    pipe = _tiny_pipeline()
+    kwargs = {**TINY_CALL, "height": 32, "width": 32}
+    original_fn = flux_module.dispatch_attention_fn
+    before = _call(pipe, kwargs)
+    fastdit.accelerate(pipe, parallel=fastdit.Parallel(ulysses=world_size))
+    routed = flux_module.dispatch_attention_fn is not original_fn
+    fastdit.disable(pipe)
+    after = _call(pipe, kwargs)
+    modules = list(pipe.transformer.modules())
+    return {
+        "identical": np.array_equal(before, after),
+        "routed_while_on": routed,
+        "fn_restored": flux_module.dispatch_attention_fn is original_fn,
+        "hooks_left": sum(len(m._diffusers_hook.hooks) for m in modules if hasattr(m, "_diffusers_hook")),
+        "pre_hooks_left": sum(len(m._forward_pre_hooks) for m in modules),
+        "marks_left": sum("_parallel_config" in vars(m.processor) for m in modules if hasattr(m, "processor")),
+    }
+
+
+def _uneven_log(rank: int, world_size: int) -> list[str]:
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    log = logging.getLogger("fastdit.parallel.context_parallel")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        pipe = _tiny_pipeline()
+        fastdit.accelerate(pipe, parallel=fastdit.Parallel(ulysses=world_size))
+        try:
+            for _ in range(2):  # the second run must not log again
+                _call(pipe, {**TINY_CALL, "height": 40, "width": 40, "num_inference_steps": 1})
+        finally:
+            fastdit.disable(pipe)
+    finally:
+        log.removeHandler(handler)
+    return records
+
+
+def _bare_transformer(rank: int, world_size: int) -> torch.Tensor:
+    from fastdit.models.flux import tiny_transformer
+
+    transformer = tiny_transformer(0)
+    fastdit.accelerate(transformer, parallel=fastdit.Parallel(ulysses=world_size))
+    try:
+        with torch.no_grad():
+            return transformer(**_transformer_inputs()).sample
+    finally:
+        fastdit.disable(transformer)
+
+
+def _transformer_inputs() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {
+        "hidden_states": torch.randn(2, 21, 16, generator=g),  # odd lengths: uneven over 2 ranks
+        "encoder_hidden_states": torch.randn(2, 5, 32, generator=g),
+        "pooled_projections": torch.randn(2, 32, generator=g),
+        "timestep": torch.tensor([0.7, 0.7]),
+        "img_ids": torch.randn(21, 3, generator=g),
+        "txt_ids": torch.zeros(5, 3),
+    }
+
+
+def _fp8_tiny(rank: int, world_size: int) -> np.ndarray:
+    from fastdit.config import Parallel
+    from fastdit.models.flux import ADAPTER
+    from fastdit.parallel.context_parallel import apply_context_parallel
+    from fastdit.parallel.runtime import ParallelRuntime
+
+    pipe = _tiny_pipeline()
+    parallel = Parallel(ulysses=world_size)
+    undo = apply_context_parallel(pipe.transformer, ADAPTER, parallel, ParallelRuntime.from_config(parallel), fp8=True)
+    try:
+        return _call(pipe, {**TINY_CALL, "height": 32, "width": 32})
+    finally:
+        undo()
+
+
+# --- tiny FluxPipeline ---
+
+
+def _single_tiny(size: int) -> np.ndarray:
+    return _call(_tiny_pipeline(), {**TINY_CALL, "height": size, "width": size})
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("parallel", "size"),
+    [
+        ({"ulysses": 2}, 32),
+        ({"ring": 2}, 32),
+        ({"ulysses": 3}, 40),  # 100 image + 16 text tokens over 3 ranks; 2 heads padded to 3
+        ({"ring": 3}, 40),
+        ({"ulysses": 2, "ring": 2}, 32),  # USP on a 2 x 2 grid
+    ],
+    ids=["ulysses2", "ring2", "ulysses3-uneven", "ring3-uneven", "usp2x2"],
+)
+def test_tiny_flux_matches_single_process(
+    dist2: WorkerPool, dist3: WorkerPool, dist4: WorkerPool, parallel: dict[str, int], size: int
+) -> None:
+    expected = _single_tiny(size)
+    pool = {2: dist2, 3: dist3, 4: dist4}[fastdit.Parallel(**parallel).world_size]
+    for images in pool.run(_tiny, parallel, size, timeout=120):
+        assert images.shape == expected.shape
+        assert np.abs(images - expected).max() < 1e-5
+
+
+@pytest.mark.distributed
+def test_local_backend_under_context_parallel(dist2: WorkerPool) -> None:
+    expected = _single_tiny(32)
+    for images in dist2.run(_tiny, {"ulysses": 2}, 32, "math", timeout=120):
+        assert np.abs(images - expected).max() < 1e-5
+
+
+@pytest.mark.distributed
+def test_fp8_all_to_all_is_close(dist2: WorkerPool) -> None:
+    from fastdit.metrics import psnr
+
+    expected = _single_tiny(32)
+    for images in dist2.run(_fp8_tiny, timeout=120):
+        assert 30 < psnr(expected, images) < float("inf")
+
+
+@pytest.mark.distributed
+def test_bare_transformer_with_uneven_sequence(dist2: WorkerPool) -> None:
+    from fastdit.models.flux import tiny_transformer
+
+    with torch.no_grad():
+        expected = tiny_transformer(0)(**_transformer_inputs()).sample
+    for out in dist2.run(_bare_transformer, timeout=120):
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.distributed
+def test_disable_restores_everything(dist2: WorkerPool) -> None:
+    for result in dist2.run(_disable_restores, timeout=120):
+        assert result == {
+            "identical": True,
+            "routed_while_on": True,
+            "fn_restored": True,
+            "hooks_left": 0,
+            "pre_hooks_left": 0,
+            "marks_left": 0,
+        }
+
+
+@pytest.mark.distributed
+def test_uneven_split_logs_once_on_the_main_rank(dist3: WorkerPool) -> None:
+    records = dist3.run(_uneven_log, timeout=120)
+    assert records[1] == records[2] == []
+    # 16 text tokens -> [6, 5, 5]; 100 image tokens (and their ids) -> [34, 33, 33]; logged once per tensor.
+    assert len(records[0]) == 4
+    assert all("split unevenly over 3 ranks" in line for line in records[0])
+    assert any("hidden_states has 100 tokens along dim 1" in line and "[34, 33, 33]" in line for line in records[0])
+
+
+# --- validation in a single process ---
+
+
+def test_family_without_plan_is_refused_before_anything() -> None:
+    from dataclasses import replace
+
+    from fastdit.models.flux import ADAPTER, tiny_transformer
+
+    transformer = tiny_transformer(0)
+    with pytest.raises(ValueError, match="no context-parallel plan"):
+        fastdit.accelerate(transformer, parallel=fastdit.Parallel(ulysses=2), adapter=replace(ADAPTER, cp_plan=None))
+    assert not hasattr(transformer, "_diffusers_hook") or not transformer._diffusers_hook.hooks
+
+
+def test_world_size_mismatch_leaves_the_model_alone() -> None:
+    pipe = _tiny_pipeline()
+    with pytest.raises(ValueError, match="needs 2 processes, got 1"):
+        fastdit.accelerate(pipe, parallel=fastdit.Parallel(ulysses=2))
+    fastdit.accelerate(pipe)  # not marked as accelerated by the failed call
+    fastdit.disable(pipe)
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"parallel": fastdit.Parallel(tp=2)}, "tp parallelism"),
+        ({"parallel": fastdit.Parallel(ulysses=2, cfg=2)}, "cfg parallelism"),
+        ({"parallel": fastdit.Parallel(vae=True)}, "vae parallelism"),
+        ({"attention": fastdit.Attention(backend="math")}, "only available with context parallelism"),
+    ],
+)
+def test_unavailable_combinations(options: dict[str, Any], match: str) -> None:
+    with pytest.raises(NotImplementedError, match=match):
+        fastdit.accelerate(_tiny_pipeline(), **options)
+
+
+# --- the trained reference pipeline (28 steps) ---
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@needs_reference
+@pytest.mark.parametrize("parallel", [{"ulysses": 2}, {"ring": 2}], ids=["ulysses2", "ring2"])
+def test_reference_pipeline_28_steps(dist2: WorkerPool, parallel: dict[str, int]) -> None:
+    from fastdit.metrics import psnr
+
+    expected, _ = _reference(0, 1, None, None, 3, False)
+    for images, _ in dist2.run(_reference, parallel, None, 3, False, timeout=180):
+        assert psnr(expected, images) >= 60
+
+
+def _cache_schedules(count: int) -> list[tuple[fastdit.DBCache, int, bool]]:
+    """A few DBCache settings (threshold, warm-up, caps) drawn with a fixed seed, with a digit and a CFG mode."""
+    rng = random.Random(20261130)
+    out = []
+    for _ in range(count):
+        cache = fastdit.DBCache(
+            fn=1,
+            bn=rng.choice([0, 1]),
+            threshold=round(rng.uniform(0.1, 0.4), 3),
+            warmup_steps=rng.choice([0, 2, 4]),
+            max_continuous_cached_steps=rng.choice([None, 2, 3]),
+        )
+        out.append((cache, rng.randrange(10), rng.random() < 0.5))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@needs_reference
+@pytest.mark.parametrize(("cache", "digit", "true_cfg"), _cache_schedules(3))
+def test_cache_under_context_parallel_matches_single_process(
+    dist2: WorkerPool, cache: fastdit.DBCache, digit: int, true_cfg: bool
+) -> None:
+    """Identical cached steps on every rank and as in one process; no hang; the same image."""
+    from fastdit.metrics import psnr
+
+    expected, expected_steps = _reference(0, 1, None, cache, digit, true_cfg)
+    assert sum(len(steps) for steps in expected_steps.values()) > 0, "the schedule must cache some steps"
+    for images, steps in dist2.run(_reference, {"ulysses": 2}, cache, digit, true_cfg, timeout=180):
+        assert steps == expected_steps
+        assert psnr(expected, images) >= 60
+
+
+def test_rank_failure_surfaces(dist2: WorkerPool) -> None:
+    """A plan error raised on every rank reaches the caller instead of hanging a collective."""
+    with pytest.raises(DistributedTestError) as info:
+        dist2.run(_tiny, {"ulysses": 3}, 32)  # 3 ranks asked of a 2-rank pool
+    assert set(info.value.exc_types.values()) == {"ValueError"}
