@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.testing.components.autoencoder_kl_hunyuan_video import autoencoder_kl_hunyuan_video
 from fastdit.testing.components.encoders import build, clip_text_model
+from fastdit.testing.components.images import random_image
 from fastdit.testing.components.llama import llama_model
 from fastdit.testing.components.llava import NUM_IMAGE_TOKENS, llava_image_processor, llava_model
 from fastdit.testing.components.siglip import siglip_vision_model
@@ -51,48 +53,36 @@ _I2V_TEMPLATE = {
     "image_emb_len": NUM_IMAGE_TOKENS,
 }
 
+# Block layout shared by the plain and the FramePack transformer: 1 dual + 2 single blocks of 2 heads x 16, patch 2x2,
+# one frame per token.
+_TRANSFORMER_LAYOUT = {
+    "out_channels": _LATENT,
+    "num_attention_heads": 2,
+    "attention_head_dim": 16,
+    "num_layers": 1,
+    "num_single_layers": 2,
+    "num_refiner_layers": 1,
+    "patch_size": 2,
+    "patch_size_t": 1,
+    "text_embed_dim": _TEXT_DIM,
+    "pooled_projection_dim": _POOLED_DIM,
+    "rope_axes_dim": (4, 6, 6),
+}
+
 
 def tiny_transformer(
     seed: int = 0, *, in_channels: int = _LATENT, guidance: bool = True, image_condition_type: str | None = None
 ):
-    """A 1 dual + 2 single block ``HunyuanVideoTransformer3DModel`` (patch 2x2, one frame per token)."""
+    """A ``HunyuanVideoTransformer3DModel`` in the tiny block layout (1 dual + 2 single blocks)."""
     from diffusers import HunyuanVideoTransformer3DModel
 
     return build(
         HunyuanVideoTransformer3DModel,
         seed=seed,
         in_channels=in_channels,
-        out_channels=_LATENT,
-        num_attention_heads=2,
-        attention_head_dim=16,
-        num_layers=1,
-        num_single_layers=2,
-        num_refiner_layers=1,
-        patch_size=2,
-        patch_size_t=1,
         guidance_embeds=guidance,
-        text_embed_dim=_TEXT_DIM,
-        pooled_projection_dim=_POOLED_DIM,
-        rope_axes_dim=(4, 6, 6),
         image_condition_type=image_condition_type,
-    )
-
-
-def tiny_vae(seed: int = 0):
-    """An ``AutoencoderKLHunyuanVideo`` with 8 channels per level (spatial factor 8, temporal factor 4)."""
-    from diffusers import AutoencoderKLHunyuanVideo
-
-    return build(
-        AutoencoderKLHunyuanVideo,
-        seed=seed,
-        latent_channels=_LATENT,
-        down_block_types=("HunyuanVideoDownBlock3D",) * 4,
-        up_block_types=("HunyuanVideoUpBlock3D",) * 4,
-        block_out_channels=(8, 8, 8, 8),
-        layers_per_block=1,
-        norm_num_groups=4,
-        spatial_compression_ratio=8,
-        temporal_compression_ratio=4,
+        **_TRANSFORMER_LAYOUT,
     )
 
 
@@ -103,7 +93,7 @@ def _components(seed: int, transformer, *, llava: bool = False) -> dict:
     text_encoder_2, tokenizer_2 = clip_text_model(hidden_size=_POOLED_DIM, seed=seed + 1)
     return {
         "transformer": transformer,
-        "vae": tiny_vae(seed),
+        "vae": autoencoder_kl_hunyuan_video(latent_channels=_LATENT, seed=seed),
         "text_encoder": text_encoder,
         "tokenizer": tokenizer,
         "text_encoder_2": text_encoder_2,
@@ -149,25 +139,15 @@ def tiny_skyreels_v1_i2v(seed: int = 0):
 
 
 def tiny_framepack_transformer(seed: int = 0):
-    """A 1 dual + 2 single block ``HunyuanVideoFramepackTransformer3DModel`` (SigLIP image tokens, history)."""
+    """A ``HunyuanVideoFramepackTransformer3DModel`` in the tiny block layout (SigLIP image tokens, history)."""
     from diffusers import HunyuanVideoFramepackTransformer3DModel
 
     return build(
         HunyuanVideoFramepackTransformer3DModel,
         seed=seed,
         in_channels=_LATENT,
-        out_channels=_LATENT,
-        num_attention_heads=2,
-        attention_head_dim=16,
-        num_layers=1,
-        num_single_layers=2,
-        num_refiner_layers=1,
-        patch_size=2,
-        patch_size_t=1,
         guidance_embeds=True,
-        text_embed_dim=_TEXT_DIM,
-        pooled_projection_dim=_POOLED_DIM,
-        rope_axes_dim=(4, 6, 6),
+        **_TRANSFORMER_LAYOUT,
         has_image_proj=True,
         image_proj_dim=16,  # the tiny SigLIP's hidden size
         has_clean_x_embedder=True,
@@ -186,14 +166,6 @@ def tiny_framepack(seed: int = 0):
     )
 
 
-def _image():
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    return Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8))
-
-
 _CALL = {
     "prompt": "a cat holding a sign",
     "height": 32,
@@ -205,7 +177,7 @@ _CALL = {
     "prompt_template": _T2V_TEMPLATE,
 }
 # The latent_concat I2V pipeline drops the first 4 decoded frames: 9 frames in, 5 out.
-_I2V_CALL = {**_CALL, "image": _image(), "num_frames": 9, "prompt_template": _I2V_TEMPLATE}
+_I2V_CALL = {**_CALL, "image": random_image(), "num_frames": 9, "prompt_template": _I2V_TEMPLATE}
 
 ADAPTER = register(
     ModelAdapter(
@@ -226,13 +198,13 @@ ADAPTER = register(
             TinyPipeline(
                 name="skyreels-v1-i2v",
                 build=tiny_skyreels_v1_i2v,
-                call_kwargs={**_CALL, "image": _image(), "negative_prompt": "blue", "true_cfg_scale": 6.0},
+                call_kwargs={**_CALL, "image": random_image(), "negative_prompt": "blue", "true_cfg_scale": 6.0},
             ),
             # 5 frames fill one section of the 2-latent-frame window.
             TinyPipeline(
                 name="framepack",
                 build=tiny_framepack,
-                call_kwargs={**_CALL, "image": _image(), "latent_window_size": 2},
+                call_kwargs={**_CALL, "image": random_image(), "latent_window_size": 2},
             ),
         ),
         presets=(

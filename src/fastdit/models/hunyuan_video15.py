@@ -14,6 +14,7 @@ from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelP
 from fastdit.models.registry import register
 from fastdit.testing.components.byt5 import byt5_encoder
 from fastdit.testing.components.encoders import build, qwen2_5_vl_model
+from fastdit.testing.components.images import random_image
 from fastdit.testing.components.siglip import NUM_IMAGE_TOKENS, siglip_vision_model
 
 TRANSFORMER = "diffusers.models.transformers.transformer_hunyuan_video15.HunyuanVideo15Transformer3DModel"
@@ -136,14 +137,6 @@ def tiny_hunyuan_video15_i2v(seed: int = 0):
     )
 
 
-def _image():
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    return Image.fromarray(rng.integers(0, 255, (_SIZE, _SIZE, 3), dtype=np.uint8))
-
-
 # The quoted words are glyph text: they reach the ByT5 encoder.
 _CALL = {"prompt": 'a cat holding a sign "hi"', "num_frames": 5, "num_inference_steps": 2}
 
@@ -157,7 +150,9 @@ ADAPTER = register(
                 name="t2v", build=tiny_hunyuan_video15, call_kwargs={**_CALL, "height": _SIZE, "width": _SIZE}
             ),
             # I2V takes its size from the image and the transformer's target_size.
-            TinyPipeline(name="i2v", build=tiny_hunyuan_video15_i2v, call_kwargs={**_CALL, "image": _image()}),
+            TinyPipeline(
+                name="i2v", build=tiny_hunyuan_video15_i2v, call_kwargs={**_CALL, "image": random_image(_SIZE)}
+            ),
         ),
         presets=(
             ModelPreset(

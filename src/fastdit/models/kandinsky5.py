@@ -13,10 +13,11 @@ from __future__ import annotations
 import copy
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
-from fastdit.models.hunyuan_video import tiny_vae as hunyuan_video_vae
 from fastdit.models.registry import register
 from fastdit.testing.components.autoencoder_kl import autoencoder_kl
+from fastdit.testing.components.autoencoder_kl_hunyuan_video import autoencoder_kl_hunyuan_video
 from fastdit.testing.components.encoders import build, clip_text_model, qwen2_5_vl_model
+from fastdit.testing.components.images import random_image
 from fastdit.testing.components.qwen2_5_vl import qwen2_vl_processor
 
 TRANSFORMER = "diffusers.models.transformers.transformer_kandinsky.Kandinsky5Transformer3DModel"
@@ -81,7 +82,8 @@ def tiny_kandinsky5_t2v(seed: int = 0):
     """A complete tiny ``Kandinsky5T2VPipeline`` (Qwen2.5-VL + CLIP text, HunyuanVideo VAE)."""
     from diffusers import Kandinsky5T2VPipeline
 
-    return _shrink(Kandinsky5T2VPipeline(**_components(seed, tiny_transformer(seed), hunyuan_video_vae(seed))))
+    vae = autoencoder_kl_hunyuan_video(latent_channels=_LATENT, seed=seed)
+    return _shrink(Kandinsky5T2VPipeline(**_components(seed, tiny_transformer(seed), vae)))
 
 
 def tiny_kandinsky5_i2v(seed: int = 0):
@@ -89,7 +91,8 @@ def tiny_kandinsky5_i2v(seed: int = 0):
     from diffusers import Kandinsky5I2VPipeline
 
     transformer = tiny_transformer(seed, visual_cond=True)
-    return _shrink(Kandinsky5I2VPipeline(**_components(seed, transformer, hunyuan_video_vae(seed))))
+    vae = autoencoder_kl_hunyuan_video(latent_channels=_LATENT, seed=seed)
+    return _shrink(Kandinsky5I2VPipeline(**_components(seed, transformer, vae)))
 
 
 def tiny_kandinsky5_t2i(seed: int = 0):
@@ -101,14 +104,6 @@ def tiny_kandinsky5_t2i(seed: int = 0):
     # The pipeline snaps any size to its list of ~1 MP resolutions; the tiny one allows 32x32 only.
     pipe.resolutions = [(_SIZE, _SIZE)]
     return pipe
-
-
-def _image():
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    return Image.fromarray(rng.integers(0, 255, (_SIZE, _SIZE, 3), dtype=np.uint8))
 
 
 _CALL = {
@@ -141,7 +136,9 @@ ADAPTER = register(
             TinyPipeline(name="t2v", build=tiny_kandinsky5_t2v, call_kwargs=_CALL),
             # I2V renormalises the first 4 latent frames against the next ones: it needs 5 latent frames (17 frames).
             TinyPipeline(
-                name="i2v", build=tiny_kandinsky5_i2v, call_kwargs={**_CALL, "image": _image(), "num_frames": 17}
+                name="i2v",
+                build=tiny_kandinsky5_i2v,
+                call_kwargs={**_CALL, "image": random_image(_SIZE), "num_frames": 17},
             ),
             TinyPipeline(name="t2i", build=tiny_kandinsky5_t2i, call_kwargs=_T2I_CALL),
         ),
