@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.testing.components.autoencoder_kl_ltx import autoencoder_kl_ltx_video
 from fastdit.testing.components.encoders import build, t5_encoder
+from fastdit.testing.components.images import random_image
 
 TRANSFORMER = "diffusers.models.transformers.transformer_ltx.LTXVideoTransformer3DModel"
 
@@ -37,39 +39,13 @@ def tiny_transformer(seed: int = 0):
     )
 
 
-def tiny_vae(seed: int = 0):
-    """An ``AutoencoderKLLTXVideo`` with 8 channels per level (space x8, time x8; the real one is x32, x8)."""
-    from diffusers import AutoencoderKLLTXVideo
-
-    scaling = (True, True, True, False)
-    return build(
-        AutoencoderKLLTXVideo,
-        seed=seed,
-        latent_channels=_LATENT,
-        block_out_channels=(8, 8, 8, 8),
-        decoder_block_out_channels=(8, 8, 8, 8),
-        layers_per_block=(1, 1, 1, 1, 1),
-        decoder_layers_per_block=(1, 1, 1, 1, 1),
-        spatio_temporal_scaling=scaling,
-        decoder_spatio_temporal_scaling=scaling,
-        decoder_inject_noise=(False,) * 5,
-        upsample_residual=(False,) * 4,
-        upsample_factor=(1,) * 4,
-        timestep_conditioning=False,
-        patch_size=1,
-        patch_size_t=1,
-        encoder_causal=True,
-        decoder_causal=False,
-    )
-
-
 def _components(seed: int) -> dict:
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     text_encoder, tokenizer = t5_encoder(d_model=_TEXT_DIM, seed=seed)
     return {
         "transformer": tiny_transformer(seed),
-        "vae": tiny_vae(seed),
+        "vae": autoencoder_kl_ltx_video(latent_channels=_LATENT, seed=seed),
         "text_encoder": text_encoder,
         "tokenizer": tokenizer,
         "scheduler": FlowMatchEulerDiscreteScheduler(),
@@ -97,14 +73,6 @@ def tiny_ltx_condition(seed: int = 0):
     return LTXConditionPipeline(**_components(seed))
 
 
-def _image():
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    return Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8))
-
-
 _CALL = {
     "prompt": "a cat holding a sign",
     "negative_prompt": "blue",
@@ -124,8 +92,8 @@ ADAPTER = register(
         tiny_pipelines=(
             TinyPipeline(name="t2v", build=tiny_ltx, call_kwargs=_CALL),
             # Per-token timesteps with conditioning tokens at 0: the cache follows the largest entry.
-            TinyPipeline(name="i2v", build=tiny_ltx_i2v, call_kwargs={**_CALL, "image": _image()}),
-            TinyPipeline(name="condition", build=tiny_ltx_condition, call_kwargs={**_CALL, "image": _image()}),
+            TinyPipeline(name="i2v", build=tiny_ltx_i2v, call_kwargs={**_CALL, "image": random_image()}),
+            TinyPipeline(name="condition", build=tiny_ltx_condition, call_kwargs={**_CALL, "image": random_image()}),
         ),
         presets=(
             ModelPreset(

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.testing.components.autoencoder_kl_ltx import autoencoder_kl_ltx2_video
 from fastdit.testing.components.encoders import build
 from fastdit.testing.components.gemma3 import gemma3_model
+from fastdit.testing.components.images import random_image
 
 TRANSFORMER = "diffusers.models.transformers.transformer_ltx2.LTX2VideoTransformer3DModel"
 
@@ -75,35 +77,6 @@ def tiny_connectors(seed: int = 0):
     )
 
 
-def tiny_vae(seed: int = 0):
-    """An ``AutoencoderKLLTX2Video`` with 8 channels per level (space x8, time x8; the real one is x32, x8)."""
-    from diffusers import AutoencoderKLLTX2Video
-
-    vae = build(
-        AutoencoderKLLTX2Video,
-        seed=seed,
-        latent_channels=_LATENT,
-        block_out_channels=(8, 8, 8),
-        down_block_types=("LTX2VideoDownBlock3D",) * 3,
-        decoder_block_out_channels=(8, 8, 8),
-        layers_per_block=(1, 1, 1, 1),
-        decoder_layers_per_block=(1, 1, 1, 1),
-        spatio_temporal_scaling=(True, True, True),
-        decoder_spatio_temporal_scaling=(True, True, True),
-        decoder_inject_noise=(False,) * 4,
-        downsample_type=("spatiotemporal",) * 3,
-        upsample_type=("spatiotemporal",) * 3,
-        upsample_residual=(False,) * 3,
-        upsample_factor=(1,) * 3,
-        timestep_conditioning=False,
-        patch_size=1,
-        patch_size_t=1,
-        encoder_causal=True,
-        decoder_causal=False,
-    )
-    return vae
-
-
 def tiny_audio_vae(seed: int = 0):
     """An ``AutoencoderKLLTX2Audio`` over 8 mel bins (16 kHz, hop 160)."""
     from diffusers import AutoencoderKLLTX2Audio
@@ -150,7 +123,7 @@ def _components(seed: int) -> dict:
     text_encoder, tokenizer = gemma3_model(hidden_size=_TEXT_DIM, num_layers=_TEXT_LAYERS, seed=seed)
     return {
         "transformer": tiny_transformer(seed),
-        "vae": tiny_vae(seed),
+        "vae": autoencoder_kl_ltx2_video(latent_channels=_LATENT, seed=seed),
         "audio_vae": tiny_audio_vae(seed),
         "text_encoder": text_encoder,
         "tokenizer": tokenizer,
@@ -172,14 +145,6 @@ def tiny_ltx2_i2v(seed: int = 0):
     from diffusers import LTX2ImageToVideoPipeline
 
     return LTX2ImageToVideoPipeline(**_components(seed))
-
-
-def _image():
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    return Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8))
 
 
 _CALL = {
@@ -208,7 +173,9 @@ ADAPTER = register(
             TinyPipeline(name="t2v", build=tiny_ltx2, call_kwargs=_CALL),
             # Per-token timesteps with conditioning tokens at 0: the cache follows the largest entry.
             # (image_crf=0: the default H.264 re-compression of the condition image needs PyAV.)
-            TinyPipeline(name="i2v", build=tiny_ltx2_i2v, call_kwargs={**_CALL, "image": _image(), "image_crf": 0}),
+            TinyPipeline(
+                name="i2v", build=tiny_ltx2_i2v, call_kwargs={**_CALL, "image": random_image(), "image_crf": 0}
+            ),
         ),
         presets=(
             ModelPreset(

@@ -1,0 +1,73 @@
+"""Tiny random-weight LTX video VAEs: ``AutoencoderKLLTXVideo`` (LTX-Video) and ``AutoencoderKLLTX2Video`` (LTX-2).
+
+Both classes share one layout: 8 channels per level, one ResNet layer per level, patch size 1, a causal encoder and a
+non-causal decoder without timestep conditioning or noise injection. Every level that scales halves space and time,
+so three scaling levels give factors x8 (space) and x8 (time); the real VAEs are x32 and x8.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastdit.testing.components.encoders import build
+
+__all__ = ["autoencoder_kl_ltx2_video", "autoencoder_kl_ltx_video"]
+
+
+def _layout(latent_channels: int, scaling: tuple[bool, ...]) -> dict[str, Any]:
+    """Constructor arguments of the shared layout; ``scaling`` says which levels scale (one entry per level)."""
+    levels = len(scaling)
+    return {
+        "latent_channels": latent_channels,
+        "block_out_channels": (8,) * levels,
+        "decoder_block_out_channels": (8,) * levels,
+        "layers_per_block": (1,) * (levels + 1),
+        "decoder_layers_per_block": (1,) * (levels + 1),
+        "spatio_temporal_scaling": scaling,
+        "decoder_spatio_temporal_scaling": scaling,
+        "decoder_inject_noise": (False,) * (levels + 1),
+        "upsample_residual": (False,) * levels,
+        "upsample_factor": (1,) * levels,
+        "timestep_conditioning": False,
+        "patch_size": 1,
+        "patch_size_t": 1,
+        "encoder_causal": True,
+        "decoder_causal": False,
+    }
+
+
+def autoencoder_kl_ltx_video(*, latent_channels: int = 8, seed: int = 0):
+    """A tiny ``AutoencoderKLLTXVideo``: 4 levels, the last one without scaling (space x8, time x8).
+
+    Args:
+        latent_channels: Channels of the latent the transformer denoises.
+        seed: RNG seed for the weights.
+
+    Returns:
+        The VAE in ``eval()`` mode.
+    """
+    from diffusers import AutoencoderKLLTXVideo
+
+    return build(AutoencoderKLLTXVideo, seed=seed, **_layout(latent_channels, (True, True, True, False)))
+
+
+def autoencoder_kl_ltx2_video(*, latent_channels: int = 4, seed: int = 0):
+    """A tiny ``AutoencoderKLLTX2Video``: 3 spatio-temporal levels (space x8, time x8).
+
+    Args:
+        latent_channels: Channels of the latent the transformer denoises.
+        seed: RNG seed for the weights.
+
+    Returns:
+        The VAE in ``eval()`` mode.
+    """
+    from diffusers import AutoencoderKLLTX2Video
+
+    return build(
+        AutoencoderKLLTX2Video,
+        seed=seed,
+        **_layout(latent_channels, (True, True, True)),
+        down_block_types=("LTX2VideoDownBlock3D",) * 3,
+        downsample_type=("spatiotemporal",) * 3,
+        upsample_type=("spatiotemporal",) * 3,
+    )
