@@ -11,6 +11,7 @@ from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelP
 from fastdit.models.registry import register
 from fastdit.testing.components.autoencoder_kl import autoencoder_kl
 from fastdit.testing.components.encoders import build, qwen2_5_vl_model
+from fastdit.testing.components.images import random_image
 from fastdit.testing.components.qwen2_5_vl import qwen2_vl_processor
 
 TRANSFORMER = "diffusers.models.transformers.transformer_longcat_image.LongCatImageTransformer2DModel"
@@ -39,30 +40,21 @@ def tiny_transformer(seed: int = 0, *, num_layers: int = 1, num_single_layers: i
     )
 
 
-def tiny_edit_vae(seed: int = 0, *, num_levels: int = 6, channels: int = 2):
-    """A narrow ``AutoencoderKL`` with scale factor 32 and no encoder resnets, cheap at 1024x1024.
+def tiny_edit_vae(seed: int = 0):
+    """A narrow ``AutoencoderKL`` (2 channels a level) with scale factor 32 and no encoder resnets, cheap at 1 MP.
 
     LongCat-Image-Edit always works at ~1 MP (the output size follows the input's aspect ratio), so the VAE must be
     cheap at full resolution and downsample far enough that the transformer sees few tokens.
     """
-    from diffusers import AutoencoderKL
-
-    return build(
-        AutoencoderKL,
-        seed=seed,
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * num_levels,
-        up_block_types=("UpDecoderBlock2D",) * num_levels,
-        block_out_channels=(channels,) * num_levels,
-        layers_per_block=0,
+    return autoencoder_kl(
         latent_channels=_LATENT_CHANNELS,
-        norm_num_groups=channels,
-        sample_size=32,
+        num_levels=6,
         scaling_factor=_SCALING,
         shift_factor=_SHIFT,
         use_quant_conv=False,
-        use_post_quant_conv=False,
+        width=2,
+        layers_per_block=0,
+        seed=seed,
     )
 
 
@@ -95,14 +87,6 @@ def tiny_longcat_image_edit(seed: int = 0):
     return LongCatImageEditPipeline(**_components(seed, tiny_edit_vae(seed)))
 
 
-def _edit_image():
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    return Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8))
-
-
 # guidance_scale > 1 turns on CFG: two transformer calls per step ("cond" then "uncond"). The prompt rewrite runs
 # text generation with the VL model; it is off so the run stays short and independent of sampling.
 _CALL = {
@@ -127,7 +111,7 @@ ADAPTER = register(
                 call_kwargs={**_CALL, "height": 32, "width": 32, "enable_prompt_rewrite": False},
             ),
             # The edit pipeline takes no height/width: its output is the input's aspect ratio at ~1 MP (1024x1024).
-            TinyPipeline(name="edit", build=tiny_longcat_image_edit, call_kwargs={**_CALL, "image": _edit_image()}),
+            TinyPipeline(name="edit", build=tiny_longcat_image_edit, call_kwargs={**_CALL, "image": random_image()}),
         ),
         presets=(
             ModelPreset(
