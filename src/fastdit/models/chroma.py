@@ -13,6 +13,7 @@ from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelP
 from fastdit.models.registry import register
 from fastdit.testing.components.autoencoder_kl import autoencoder_kl
 from fastdit.testing.components.encoders import build, t5_encoder
+from fastdit.testing.components.images import random_image
 
 TRANSFORMER = "diffusers.models.transformers.transformer_chroma.ChromaTransformer2DModel"
 
@@ -67,14 +68,6 @@ def tiny_chroma_img2img(seed: int = 0):
     return ChromaImg2ImgPipeline(**_components(seed))
 
 
-def _input_image():
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    return Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8))
-
-
 _CALL = {
     "prompt": "a cat holding a sign",
     "negative_prompt": "a dog",
@@ -99,7 +92,7 @@ ADAPTER = register(
                 name="img2img",
                 build=tiny_chroma_img2img,
                 # strength 0.5 of 4 scheduled steps leaves 2 denoising steps.
-                call_kwargs={**_CALL, "image": _input_image(), "strength": 0.5, "num_inference_steps": 4},
+                call_kwargs={**_CALL, "image": random_image(), "strength": 0.5, "num_inference_steps": 4},
             ),
         ),
         presets=(

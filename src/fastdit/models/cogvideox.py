@@ -10,6 +10,7 @@ from __future__ import annotations
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.testing.components.encoders import build, t5_encoder
+from fastdit.testing.components.images import random_image
 
 TRANSFORMER = "diffusers.models.transformers.cogvideox_transformer_3d.CogVideoXTransformer3DModel"
 
@@ -130,14 +131,6 @@ def tiny_cogvideox15_i2v(seed: int = 0):
     return CogVideoXImageToVideoPipeline(**_components(seed, transformer, dpm=True))
 
 
-def _image():
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    return Image.fromarray(rng.integers(0, 255, (_SIZE, _SIZE, 3), dtype=np.uint8))
-
-
 _CALL = {
     "prompt": "a cat holding a sign",
     "negative_prompt": "blue",
@@ -157,8 +150,10 @@ ADAPTER = register(
         tiny_pipelines=(
             TinyPipeline(name="t2v-2b", build=tiny_cogvideox_2b, call_kwargs=_CALL),
             TinyPipeline(name="t2v-5b", build=tiny_cogvideox_5b, call_kwargs=_CALL),
-            TinyPipeline(name="i2v", build=tiny_cogvideox_i2v, call_kwargs={**_CALL, "image": _image()}),
-            TinyPipeline(name="1.5-i2v", build=tiny_cogvideox15_i2v, call_kwargs={**_CALL, "image": _image()}),
+            TinyPipeline(name="i2v", build=tiny_cogvideox_i2v, call_kwargs={**_CALL, "image": random_image(_SIZE)}),
+            TinyPipeline(
+                name="1.5-i2v", build=tiny_cogvideox15_i2v, call_kwargs={**_CALL, "image": random_image(_SIZE)}
+            ),
         ),
         presets=(
             ModelPreset(

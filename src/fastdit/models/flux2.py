@@ -12,6 +12,7 @@ from __future__ import annotations
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.testing.components.encoders import build
+from fastdit.testing.components.images import random_image
 from fastdit.testing.components.mistral3 import mistral3_model
 from fastdit.testing.components.qwen3 import qwen3_config, qwen3_tokenizer
 
@@ -100,15 +101,6 @@ def tiny_flux2_klein(seed: int = 0):
     )
 
 
-def _reference_image():
-    import numpy as np
-    from PIL import Image
-
-    # The pipelines reject reference images under 64 px a side.
-    rng = np.random.default_rng(0)
-    return Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8))
-
-
 _CALL = {
     "prompt": "a cat holding a sign",
     "height": 32,
@@ -133,7 +125,8 @@ ADAPTER = register(
                 name="klein-edit",
                 build=tiny_flux2_klein,
                 # Reference images are encoded and appended to the image tokens (the output keeps the first part).
-                call_kwargs={**_CALL, "guidance_scale": 4.0, "image": _reference_image()},
+                # The pipelines reject reference images under 64 px a side.
+                call_kwargs={**_CALL, "guidance_scale": 4.0, "image": random_image(64)},
             ),
         ),
         presets=(

@@ -14,6 +14,7 @@ from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelP
 from fastdit.models.registry import register
 from fastdit.testing.components.autoencoder_kl import autoencoder_kl
 from fastdit.testing.components.encoders import build
+from fastdit.testing.components.images import random_image
 from fastdit.testing.components.qwen3 import qwen3_model
 
 TRANSFORMER = "diffusers.models.transformers.transformer_z_image.ZImageTransformer2DModel"
@@ -69,14 +70,6 @@ def tiny_z_image_img2img(seed: int = 0):
     return ZImageImg2ImgPipeline(**_components(seed))
 
 
-def _init_image():
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    return Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8))
-
-
 # CFG here is batched: cond and uncond go through one transformer call per step.
 _CALL = {
     "prompt": "a cat holding a sign",
@@ -101,7 +94,7 @@ ADAPTER = register(
                 name="img2img",
                 build=tiny_z_image_img2img,
                 # strength 0.5 of 4 steps: two denoising steps start from the noised input image.
-                call_kwargs={**_CALL, "image": _init_image(), "strength": 0.5, "num_inference_steps": 4},
+                call_kwargs={**_CALL, "image": random_image(), "strength": 0.5, "num_inference_steps": 4},
             ),
         ),
         presets=(
