@@ -171,6 +171,56 @@ def _fp8_tiny(rank: int, world_size: int) -> np.ndarray:
         undo()
 
 
+@functools.lru_cache(maxsize=1)
+def _tiny_qwen() -> Any:
+    from fastdit.models.qwenimage import ADAPTER
+
+    pipe = ADAPTER.tiny("qwen-image").build()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _qwen_call(size: int) -> dict[str, Any]:
+    from fastdit.models.qwenimage import ADAPTER
+
+    return {**ADAPTER.tiny("qwen-image").call_kwargs, "num_inference_steps": 3, "height": size, "width": size}
+
+
+def _qwen_pipeline(rank: int, world_size: int, parallel: dict[str, int] | None, size: int) -> np.ndarray:
+    pipe, kwargs = _tiny_qwen(), _qwen_call(size)
+    if parallel is None:
+        return _call(pipe, kwargs)
+    return _accelerated(pipe, kwargs, parallel=fastdit.Parallel(**parallel))[0]
+
+
+def _qwen_inputs() -> dict[str, Any]:
+    """Two samples, 7 text tokens (the second with 3 padding tokens), a 6 x 4 grid of image tokens."""
+    g = torch.Generator().manual_seed(11)
+    mask = torch.ones(2, 7, dtype=torch.bool)
+    mask[1, 4:] = False
+    return {
+        "hidden_states": torch.randn(2, 24, 16, generator=g),
+        "encoder_hidden_states": torch.randn(2, 7, 32, generator=g),
+        "encoder_hidden_states_mask": mask,
+        "timestep": torch.tensor([0.6, 0.6]),
+        "img_shapes": [[(1, 6, 4)], [(1, 6, 4)]],
+    }
+
+
+def _qwen_masked(rank: int, world_size: int, parallel: dict[str, int] | None) -> torch.Tensor:
+    from fastdit.models.qwenimage import tiny_transformer
+
+    transformer = tiny_transformer(0)
+    if parallel is not None:
+        fastdit.accelerate(transformer, parallel=fastdit.Parallel(**parallel))
+    try:
+        with torch.no_grad():
+            return transformer(**_qwen_inputs()).sample
+    finally:
+        if parallel is not None:
+            fastdit.disable(transformer)
+
+
 # --- tiny FluxPipeline ---
 
 
@@ -247,6 +297,31 @@ def test_uneven_split_logs_once_on_the_main_rank(dist3: WorkerPool) -> None:
     assert len(records[0]) == 4
     assert all("split unevenly over 3 ranks" in line for line in records[0])
     assert any("hidden_states has 100 tokens along dim 1" in line and "[34, 33, 33]" in line for line in records[0])
+
+
+# --- Qwen-Image: split at the first block, RoPE tables split, the text padding mask gathered in attention ---
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("parallel", "size"), [({"ulysses": 2}, 32), ({"ulysses": 3}, 48), ({"ring": 3}, 48)], ids=["u2", "u3", "r3"]
+)
+def test_tiny_qwen_image_matches_single_process(
+    dist2: WorkerPool, dist3: WorkerPool, parallel: dict[str, int], size: int
+) -> None:
+    expected = _qwen_pipeline(0, 1, None, size)
+    pool = dist2 if fastdit.Parallel(**parallel).world_size == 2 else dist3
+    for images in pool.run(_qwen_pipeline, parallel, size, timeout=180):
+        assert np.abs(images - expected).max() < 1e-5
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("parallel", [{"ulysses": 2}, {"ulysses": 3}, {"ring": 2}], ids=["u2", "u3", "r2"])
+def test_qwen_text_padding_mask(dist2: WorkerPool, dist3: WorkerPool, parallel: dict[str, int]) -> None:
+    expected = _qwen_masked(0, 1, None)
+    pool = dist2 if fastdit.Parallel(**parallel).world_size == 2 else dist3
+    for out in pool.run(_qwen_masked, parallel, timeout=180):
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 # --- validation in a single process ---

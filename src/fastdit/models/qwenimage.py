@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 from fastdit.testing.components.autoencoder_kl_qwenimage import autoencoder_kl_qwenimage
 from fastdit.testing.components.encoders import build, qwen2_5_vl_model
 from fastdit.testing.components.qwen2_5_vl import qwen2_vl_processor
@@ -81,6 +82,29 @@ def _edit_image():
     return Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8))
 
 
+# Context parallelism: the root forward derives RoPE from the full text length and img_shapes, so the sequence is split
+# at the first block instead (the blocks see the split streams; the loop between blocks is token-wise). ``pos_embed``
+# returns (image, text) rotary tables for the full sequence: both are split like their streams. Every block gets the
+# text padding mask, split with the text; the processor then builds a mask over its local [text, image] keys, which
+# context-parallel attention all-gathers into the order of the exchanged keys. ``modulate_index`` (zero_cond_t edit
+# checkpoints) is per image token.
+CP_PLAN = ContextParallelPlan(
+    inputs={
+        "transformer_blocks.0": {
+            "hidden_states": SplitInput(dim=1, expected_dims=3),
+            "encoder_hidden_states": SplitInput(dim=1, expected_dims=3),
+        },
+        "transformer_blocks.*": {
+            "encoder_hidden_states_mask": SplitInput(dim=1, expected_dims=2),
+            "modulate_index": SplitInput(dim=1, expected_dims=2),
+        },
+    },
+    outputs={"pos_embed": (SplitOutput(dim=0, expected_dims=2, index=0), SplitOutput(dim=0, expected_dims=2, index=1))},
+    gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
+    attention=AttentionRouting(modules=("diffusers.models.transformers.transformer_qwenimage",)),
+    notes="RoPE tables from pos_embed split like the streams; the split text mask is gathered inside attention.",
+)
+
 # A negative prompt turns on true CFG: two transformer calls per step ("cond" then "uncond" cache contexts).
 _CALL = {
     "prompt": "a cat holding a sign",
@@ -95,6 +119,7 @@ ADAPTER = register(
         family="qwenimage",
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P1),),
+        cp_plan=CP_PLAN,
         tiny_pipelines=(
             TinyPipeline(name="qwen-image", build=tiny_qwen_image, call_kwargs={**_CALL, "height": 32, "width": 32}),
             TinyPipeline(
