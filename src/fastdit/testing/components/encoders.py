@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from fastdit.testing.components.decoder_lm import HEAD_DIM, decoder_lm_kwargs, vision_token_ids
 from fastdit.testing.components.tokenizers import clip_tokenizer, qwen2_tokenizer, t5_tokenizer
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "clip_text_model",
     "clip_text_model_with_projection",
     "qwen2_5_vl_model",
+    "t5_config_kwargs",
     "t5_encoder",
     "umt5_encoder",
 ]
@@ -63,38 +65,45 @@ def clip_text_model_with_projection(hidden_size: int = 32, projection_dim: int =
     return build(CLIPTextModelWithProjection, config, seed=seed), clip_tokenizer()
 
 
-def _t5_config(d_model: int, num_layers: int):
-    from transformers import T5Config
+def t5_config_kwargs(tokenizer: Any, d_model: int, num_layers: int) -> dict[str, Any]:
+    """Config arguments of a tiny T5-family encoder (T5, UMT5, ByT5) reading ``tokenizer``.
 
-    tok = t5_tokenizer()
+    Args:
+        tokenizer: Gives the vocabulary size and the pad/EOS ids.
+        d_model: Model width; heads are 8 channels wide.
+        num_layers: Encoder layers.
+
+    Returns:
+        Keyword arguments for ``T5Config`` or ``UMT5Config``.
+    """
     return dict(
-        vocab_size=len(tok),
+        vocab_size=len(tokenizer),
         d_model=d_model,
         d_ff=2 * d_model,
         d_kv=8,
         num_layers=num_layers,
         num_heads=max(1, d_model // 8),
         relative_attention_num_buckets=8,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        decoder_start_token_id=tok.pad_token_id,
-    ), T5Config
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+    )
 
 
 def t5_encoder(d_model: int = 32, num_layers: int = 2, seed: int = 0):
     """``(T5EncoderModel, T5TokenizerFast)``."""
-    from transformers import T5EncoderModel
+    from transformers import T5Config, T5EncoderModel
 
-    kwargs, config_cls = _t5_config(d_model, num_layers)
-    return build(T5EncoderModel, config_cls(**kwargs), seed=seed), t5_tokenizer()
+    config = T5Config(**t5_config_kwargs(t5_tokenizer(), d_model, num_layers))
+    return build(T5EncoderModel, config, seed=seed), t5_tokenizer()
 
 
 def umt5_encoder(d_model: int = 32, num_layers: int = 2, seed: int = 0):
     """``(UMT5EncoderModel, T5TokenizerFast)`` (Wan, SkyReels)."""
     from transformers import UMT5Config, UMT5EncoderModel
 
-    kwargs, _ = _t5_config(d_model, num_layers)
-    return build(UMT5EncoderModel, UMT5Config(**kwargs), seed=seed), t5_tokenizer()
+    config = UMT5Config(**t5_config_kwargs(t5_tokenizer(), d_model, num_layers))
+    return build(UMT5EncoderModel, config, seed=seed), t5_tokenizer()
 
 
 def qwen2_5_vl_model(hidden_size: int = 32, seed: int = 0):
@@ -102,20 +111,19 @@ def qwen2_5_vl_model(hidden_size: int = 32, seed: int = 0):
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     tok = qwen2_tokenizer()
-    head_dim = 16
     config = Qwen2_5_VLConfig(
-        text_config={
-            "vocab_size": len(tok),
-            "hidden_size": hidden_size,
-            "intermediate_size": 2 * hidden_size,
-            "num_hidden_layers": 2,
-            "num_attention_heads": hidden_size // head_dim,
-            "num_key_value_heads": hidden_size // head_dim,
-            "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
-            "rope_theta": 10000.0,
-            "bos_token_id": None,
-            "eos_token_id": tok.eos_token_id,
-        },
+        text_config=decoder_lm_kwargs(
+            tok,
+            hidden_size,
+            2,
+            num_key_value_heads=hidden_size // HEAD_DIM,
+            head_dim=False,
+            max_position_embeddings=None,
+            token_ids=("eos",),
+            bos_token_id=None,
+            rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+            rope_theta=10000.0,
+        ),
         vision_config={
             "depth": 1,
             "hidden_size": 16,
@@ -128,8 +136,6 @@ def qwen2_5_vl_model(hidden_size: int = 32, seed: int = 0):
             "fullatt_block_indexes": [0],
         },
         vocab_size=len(tok),
-        image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
-        video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
-        vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
+        **vision_token_ids(tok, vision_end=False),
     )
     return build(Qwen2_5_VLForConditionalGeneration, config, seed=seed), tok

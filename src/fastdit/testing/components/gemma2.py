@@ -9,8 +9,9 @@ from __future__ import annotations
 import copy
 import string
 
+from fastdit.testing.components.decoder_lm import decoder_lm_kwargs
 from fastdit.testing.components.encoders import build
-from fastdit.testing.components.tokenizers import WORDS, cached_copy
+from fastdit.testing.components.tokenizers import WORDS, cached_copy, merge_left_to_right
 
 __all__ = ["gemma2_config", "gemma2_model", "gemma_tokenizer"]
 
@@ -31,15 +32,7 @@ def gemma_tokenizer(model_max_length: int = 1024):
         vocab.setdefault(ch, len(vocab))
     merges: list[tuple[str, str]] = []
     for word in WORDS:
-        # Merge left to right: "▁ c a t" -> "▁c a t" -> "▁ca t" -> "▁cat".
-        pieces = list("▁" + word)
-        while len(pieces) > 1:
-            pair = (pieces[0], pieces[1])
-            if pair not in merges:
-                merges.append(pair)
-            merged = pieces[0] + pieces[1]
-            vocab.setdefault(merged, len(vocab))
-            pieces = [merged, *pieces[2:]]
+        merge_left_to_right(list("▁" + word), vocab, merges)  # "▁ c a t" -> "▁c a t" -> "▁ca t" -> "▁cat"
     return GemmaTokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length, add_bos_token=True)
 
 
@@ -47,22 +40,7 @@ def gemma2_config(hidden_size: int = 32, num_layers: int = 2):
     """A ``Gemma2Config`` sized for :func:`gemma_tokenizer`: 2 query heads over 1 KV head of 16 (GQA like Gemma 2)."""
     from transformers import Gemma2Config
 
-    tok = gemma_tokenizer()
-    head_dim = 16
-    return Gemma2Config(
-        vocab_size=len(tok),
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=hidden_size // head_dim,
-        num_key_value_heads=1,
-        head_dim=head_dim,
-        max_position_embeddings=1024,
-        sliding_window=64,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
+    return Gemma2Config(**decoder_lm_kwargs(gemma_tokenizer(), hidden_size, num_layers, sliding_window=64))
 
 
 def gemma2_model(hidden_size: int = 32, num_layers: int = 2, seed: int = 0):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 
+from fastdit.testing.components.decoder_lm import decoder_lm_kwargs
 from fastdit.testing.components.encoders import build
 from fastdit.testing.components.gemma2 import gemma_tokenizer
 
@@ -20,22 +21,7 @@ def gemma3_config(hidden_size: int = 32, num_layers: int = 2):
     """A ``Gemma3Config`` sized for the tiny Gemma tokenizer."""
     from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
 
-    tok = gemma_tokenizer()
-    head_dim = 16
-    text = Gemma3TextConfig(
-        vocab_size=len(tok),
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=hidden_size // head_dim,
-        num_key_value_heads=1,
-        head_dim=head_dim,
-        max_position_embeddings=1024,
-        sliding_window=64,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
+    text = Gemma3TextConfig(**decoder_lm_kwargs(gemma_tokenizer(), hidden_size, num_layers, sliding_window=64))
     vision = SiglipVisionConfig(
         hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8
     )

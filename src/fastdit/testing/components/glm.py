@@ -6,6 +6,7 @@ token is ``<|endoftext|>`` (CogView4 left-pads prompts to a multiple of 16 token
 
 from __future__ import annotations
 
+from fastdit.testing.components.decoder_lm import decoder_lm_kwargs
 from fastdit.testing.components.encoders import build
 from fastdit.testing.components.tokenizers import byte_level_bpe, cached_copy
 
@@ -40,18 +41,5 @@ def glm_model(hidden_size: int = 32, num_layers: int = 2, seed: int = 0):
     from transformers import GlmConfig, GlmModel
 
     tok = glm_tokenizer()
-    head_dim = 16
-    config = GlmConfig(
-        vocab_size=len(tok),
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=hidden_size // head_dim,
-        num_key_value_heads=1,
-        head_dim=head_dim,
-        max_position_embeddings=1024,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=None,
-    )
+    config = GlmConfig(**decoder_lm_kwargs(tok, hidden_size, num_layers, token_ids=("pad", "eos"), bos_token_id=None))
     return build(GlmModel, config, seed=seed), tok

@@ -9,6 +9,7 @@ in the tiny pipelines are written out in full.
 
 from __future__ import annotations
 
+from fastdit.testing.components.decoder_lm import decoder_lm_kwargs
 from fastdit.testing.components.encoders import build
 from fastdit.testing.components.tokenizers import byte_level_bpe, cached_copy
 
@@ -49,21 +50,7 @@ def llama_config(hidden_size: int = 32, num_layers: int = 2):
     """A ``LlamaConfig`` sized for :func:`llama_tokenizer`: 2 query heads over 1 KV head (GQA like Llama 3)."""
     from transformers import LlamaConfig
 
-    tok = llama_tokenizer()
-    head_dim = 16
-    return LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=hidden_size // head_dim,
-        num_key_value_heads=1,
-        head_dim=head_dim,
-        max_position_embeddings=1024,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
+    return LlamaConfig(**decoder_lm_kwargs(llama_tokenizer(), hidden_size, num_layers))
 
 
 def llama_model(hidden_size: int = 32, num_layers: int = 2, seed: int = 0):

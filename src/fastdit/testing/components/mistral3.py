@@ -9,6 +9,7 @@ expect: ``<s>[SYSTEM_PROMPT]...[/SYSTEM_PROMPT][INST]...[/INST]`` with ``[IMG]``
 
 from __future__ import annotations
 
+from fastdit.testing.components.decoder_lm import decoder_lm_kwargs
 from fastdit.testing.components.encoders import build
 from fastdit.testing.components.tokenizers import byte_level_bpe
 
@@ -60,23 +61,10 @@ def mistral3_model(hidden_size: int = 32, num_layers: int = 3, seed: int = 0):
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
     tok = mistral3_tokenizer()
-    head_dim = 16
     config = Mistral3Config(
-        text_config={
-            "model_type": "mistral",
-            "vocab_size": len(tok),
-            "hidden_size": hidden_size,
-            "intermediate_size": 2 * hidden_size,
-            "num_hidden_layers": num_layers,
-            "num_attention_heads": hidden_size // head_dim,
-            "num_key_value_heads": 1,
-            "head_dim": head_dim,
-            "max_position_embeddings": 2048,
-            "sliding_window": None,
-            "pad_token_id": tok.pad_token_id,
-            "bos_token_id": tok.bos_token_id,
-            "eos_token_id": tok.eos_token_id,
-        },
+        text_config=decoder_lm_kwargs(
+            tok, hidden_size, num_layers, max_position_embeddings=2048, model_type="mistral", sliding_window=None
+        ),
         vision_config={
             "model_type": "pixtral",
             "hidden_size": 16,

@@ -8,6 +8,7 @@ tokenizer emits only a few hundred ids: pipelines hard-code Llama 3 ids (Bria-Fi
 
 from __future__ import annotations
 
+from fastdit.testing.components.decoder_lm import decoder_lm_kwargs
 from fastdit.testing.components.encoders import build
 from fastdit.testing.components.llama import llama_tokenizer
 
@@ -25,17 +26,8 @@ def smollm3_model(hidden_size: int = 32, num_layers: int = 2, seed: int = 0):
     from transformers import SmolLM3Config, SmolLM3ForCausalLM
 
     tok = llama_tokenizer()
-    head_dim = 16
-    config = SmolLM3Config(
-        vocab_size=SMOLLM3_VOCAB_SIZE,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=hidden_size // head_dim,
-        num_key_value_heads=1,
-        max_position_embeddings=4096,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
+    kwargs = decoder_lm_kwargs(
+        tok, hidden_size, num_layers, head_dim=False, max_position_embeddings=4096, vocab_size=SMOLLM3_VOCAB_SIZE
     )
+    config = SmolLM3Config(**kwargs)
     return build(SmolLM3ForCausalLM, config, seed=seed), tok

@@ -8,7 +8,16 @@ import string
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["WORDS", "byte_level_bpe", "cached_copy", "clip_tokenizer", "qwen2_tokenizer", "t5_tokenizer"]
+__all__ = [
+    "WORDS",
+    "byte_level_bpe",
+    "cached_copy",
+    "clip_tokenizer",
+    "merge_left_to_right",
+    "qwen2_tokenizer",
+    "qwen_chat_tokenizer",
+    "t5_tokenizer",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -23,6 +32,26 @@ def cached_copy(builder: F) -> F:
         return copy.deepcopy(built(*args, **kwargs))
 
     return wrapper  # type: ignore[return-value]
+
+
+def merge_left_to_right(pieces: list[str], vocab: dict[str, int], merges: list[tuple[str, str]]) -> None:
+    """Add the BPE merges that join ``pieces`` into one token, left to right, to ``merges`` and ``vocab``.
+
+    ``["c", "a", "t</w>"]`` adds the merges ``("c", "a")`` then ``("ca", "t</w>")`` and the merged pieces ``"ca"``
+    and ``"cat</w>"``; merges and pieces already present are kept as they are.
+
+    Args:
+        pieces: The word split into its initial pieces (characters or bytes), all already in ``vocab``.
+        vocab: Token-to-id map; a new merged piece gets the next free id.
+        merges: The BPE merge list, in priority order; a new merge is appended.
+    """
+    while len(pieces) > 1:
+        pair = (pieces[0], pieces[1])
+        if pair not in merges:
+            merges.append(pair)
+        merged = pieces[0] + pieces[1]
+        vocab.setdefault(merged, len(vocab))
+        pieces = [merged, *pieces[2:]]
 
 
 # Words the tiny pipelines and the reference pipeline are prompted with.
@@ -46,15 +75,7 @@ def clip_tokenizer(model_max_length: int = 77):
         vocab.setdefault(ch + "</w>", len(vocab))
     merges: list[tuple[str, str]] = []
     for word in WORDS:
-        # Merge left to right: "c a t</w>" -> "ca t</w>" -> "cat</w>".
-        pieces = [*word[:-1], word[-1] + "</w>"]
-        while len(pieces) > 1:
-            pair = (pieces[0], pieces[1])
-            if pair not in merges:
-                merges.append(pair)
-            merged = pieces[0] + pieces[1]
-            vocab.setdefault(merged, len(vocab))
-            pieces = [merged, *pieces[2:]]
+        merge_left_to_right([*word[:-1], word[-1] + "</w>"], vocab, merges)
     return CLIPTokenizer(
         vocab=vocab,
         merges=merges,
@@ -96,14 +117,7 @@ def byte_level_bpe(special_tokens: tuple[str, ...], model_max_length: int):
     merges: list[tuple[str, str]] = []
     space = "Ġ"  # byte-level encoding of " "
     for word in WORDS:
-        pieces = list(space + word)
-        while len(pieces) > 1:
-            pair = (pieces[0], pieces[1])
-            if pair not in merges:
-                merges.append(pair)
-            merged = pieces[0] + pieces[1]
-            vocab.setdefault(merged, len(vocab))
-            pieces = [merged, *pieces[2:]]
+        merge_left_to_right(list(space + word), vocab, merges)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
     tok.decoder = decoders.ByteLevel()
@@ -111,16 +125,20 @@ def byte_level_bpe(special_tokens: tuple[str, ...], model_max_length: int):
     return tok
 
 
-@cached_copy
-def qwen2_tokenizer(model_max_length: int = 256):
-    """A ``Qwen2TokenizerFast`` (byte-level BPE) with the chat special tokens Qwen pipelines use."""
+def qwen_chat_tokenizer(special_tokens: tuple[str, ...], model_max_length: int, **kwargs: Any):
+    """A ``Qwen2TokenizerFast`` over :func:`byte_level_bpe` with Qwen's ChatML EOS and pad tokens and no BOS.
+
+    Args:
+        special_tokens: Special tokens of the vocabulary; must include ``<|im_end|>`` and ``<|endoftext|>``.
+        model_max_length: Longest input the tokenizer accepts.
+        **kwargs: Further ``Qwen2TokenizerFast`` arguments (e.g. ``chat_template``).
+
+    Returns:
+        A new tokenizer.
+    """
     from transformers import PreTrainedTokenizerFast, Qwen2TokenizerFast
 
-    specials = (
-        "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-        "<|image_pad|>", "<|video_pad|>",
-    )  # fmt: skip
-    base = PreTrainedTokenizerFast(tokenizer_object=byte_level_bpe(specials, model_max_length))
+    base = PreTrainedTokenizerFast(tokenizer_object=byte_level_bpe(special_tokens, model_max_length))
     return Qwen2TokenizerFast(
         tokenizer_object=base._tokenizer,
         model_max_length=model_max_length,
@@ -128,4 +146,15 @@ def qwen2_tokenizer(model_max_length: int = 256):
         pad_token="<|endoftext|>",
         unk_token=None,
         bos_token=None,
+        **kwargs,
     )
+
+
+@cached_copy
+def qwen2_tokenizer(model_max_length: int = 256):
+    """A ``Qwen2TokenizerFast`` (byte-level BPE) with the chat special tokens Qwen pipelines use."""
+    specials = (
+        "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+        "<|image_pad|>", "<|video_pad|>",
+    )  # fmt: skip
+    return qwen_chat_tokenizer(specials, model_max_length)
