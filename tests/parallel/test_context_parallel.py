@@ -221,6 +221,33 @@ def _qwen_masked(rank: int, world_size: int, parallel: dict[str, int] | None) ->
             fastdit.disable(transformer)
 
 
+@functools.lru_cache(maxsize=4)
+def _tiny_wan(name: str) -> Any:
+    from fastdit.models.wan import ADAPTER
+
+    pipe = ADAPTER.tiny(name).build()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _wan(
+    rank: int, world_size: int, name: str, parallel: dict[str, int] | None, cache: Any = None, **overrides: Any
+) -> tuple[np.ndarray, dict[str, list[int]]]:
+    from fastdit.models.wan import ADAPTER
+
+    pipe = _tiny_wan(name)
+    kwargs = {**ADAPTER.tiny(name).call_kwargs, **overrides}
+    options = {"parallel": fastdit.Parallel(**parallel) if parallel else None, "cache": cache}
+    if parallel is None and cache is None:
+        return np.asarray(pipe(**kwargs, generator=torch.Generator().manual_seed(0), output_type="np").frames), {}
+    fastdit.accelerate(pipe, **options)
+    try:
+        frames = pipe(**kwargs, generator=torch.Generator().manual_seed(0), output_type="np").frames
+        return np.asarray(frames), _cached_steps(pipe)
+    finally:
+        fastdit.disable(pipe)
+
+
 # --- tiny FluxPipeline ---
 
 
@@ -322,6 +349,49 @@ def test_qwen_text_padding_mask(dist2: WorkerPool, dist3: WorkerPool, parallel: 
     pool = dist2 if fastdit.Parallel(**parallel).world_size == 2 else dist3
     for out in pool.run(_qwen_masked, parallel, timeout=180):
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+# --- Wan: split at blocks.0 (positional call), RoPE tables split, text replicated ---
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("name", "parallel", "overrides"),
+    [
+        ("t2v", {"ulysses": 2}, {}),
+        ("t2v", {"ring": 3}, {"height": 48}),  # 2 latent frames x 6 x 4 tokens over 3 ranks
+        ("i2v", {"ulysses": 3}, {}),  # 2.1 I2V: CLIP image tokens in the (replicated) cross-attention
+        ("wan2.2-t2v", {"ulysses": 2}, {}),  # two experts, both routed
+        ("wan2.2-ti2v", {"ulysses": 2}, {}),  # per-token timestep split at the root
+    ],
+    ids=["t2v-u2", "t2v-r3", "i2v-u3", "a14b-u2", "ti2v-u2"],
+)
+def test_tiny_wan_matches_single_process(
+    dist2: WorkerPool, dist3: WorkerPool, name: str, parallel: dict[str, int], overrides: dict[str, Any]
+) -> None:
+    expected, _ = _wan(0, 1, name, None, **overrides)
+    pool = dist2 if fastdit.Parallel(**parallel).world_size == 2 else dist3
+    for frames, _ in pool.run(_wan, name, parallel, timeout=180, **overrides):
+        assert np.abs(frames - expected).max() < 1e-5
+
+
+@pytest.mark.distributed
+def test_wan_cache_sees_split_tokens_at_blocks_0(dist2: WorkerPool) -> None:
+    """The split at blocks.0 runs before the cache's block hook, so the cached residual is the rank's own shard."""
+    mask = fastdit.StepMask(compute_steps=(0,), policy="static")  # random weights: force cached steps
+    cache = fastdit.DBCache(fn=1, bn=0, threshold=0.1, warmup_steps=0, step_mask=mask)
+    expected, expected_steps = _wan(0, 1, "t2v", None, cache, num_inference_steps=4)
+    assert expected_steps == {"cond": [1, 2, 3], "uncond": [1, 2, 3]}
+    for frames, steps in dist2.run(_wan, "t2v", {"ulysses": 2}, cache, num_inference_steps=4, timeout=180):
+        assert steps == expected_steps
+        assert np.abs(frames - expected).max() < 1e-5
+
+
+@pytest.mark.distributed
+def test_fewer_tokens_than_ranks_is_refused(dist3: WorkerPool) -> None:
+    with pytest.raises(DistributedTestError) as info:
+        dist3.run(_wan, "wan2.2-ti2v", {"ulysses": 3}, timeout=180)  # 2 tokens per frame pair
+    assert "ValueError" in set(info.value.exc_types.values())
 
 
 # --- validation in a single process ---

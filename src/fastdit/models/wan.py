@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 from fastdit.testing.components.encoders import build, umt5_encoder
 
 TRANSFORMER = "diffusers.models.transformers.transformer_wan.WanTransformer3DModel"
@@ -183,6 +184,23 @@ def _preset(
     )
 
 
+# Context parallelism: the sequence only exists after patch_embedding + flatten inside forward, so the image tokens are
+# split at the first block (called positionally). RoPE comes from the module `rope`, which returns (cos, sin) tables
+# (1, S, 1, D) for the full latent grid: both are split on dim 1 like the tokens. TI2V-5B's per-token timestep (B, S)
+# is split at the root, so the per-token modulation it becomes matches the split tokens (a per-sample timestep is 1-D
+# and passes whole). The text is not split: self-attention is context-parallel; cross-attention (the processor passes
+# parallel_config=None on purpose) attends from local image tokens to the whole text on every rank.
+CP_PLAN = ContextParallelPlan(
+    inputs={
+        "": {"timestep": SplitInput(dim=1, expected_dims=2)},
+        "blocks.0": {"hidden_states": SplitInput(dim=1, expected_dims=3)},
+    },
+    outputs={"rope": (SplitOutput(dim=1, expected_dims=4, index=0), SplitOutput(dim=1, expected_dims=4, index=1))},
+    gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
+    attention=AttentionRouting(modules=("diffusers.models.transformers.transformer_wan",)),
+    notes="RoPE tables from `rope` split on dim 1; tokens split at blocks.0; text replicated (cross-attention local).",
+)
+
 _CALL = {
     "prompt": "a cat holding a sign",
     "negative_prompt": "blue",
@@ -199,6 +217,7 @@ ADAPTER = register(
         family="wan",
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="blocks", pattern=ForwardPattern.P2),),
+        cp_plan=CP_PLAN,
         tiny_pipelines=(
             TinyPipeline(name="t2v", build=tiny_wan_t2v, call_kwargs=_CALL),
             TinyPipeline(name="i2v", build=tiny_wan_i2v, call_kwargs={**_CALL, "image": _image()}),

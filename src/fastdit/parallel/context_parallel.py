@@ -92,6 +92,10 @@ class _Splitter:
         if not isinstance(tensor, torch.Tensor) or (expected_dims is not None and tensor.ndim != expected_dims):
             return tensor
         total = tensor.shape[dim]
+        if total < self.degree:  # global size: every rank raises alike
+            raise ValueError(
+                f"context parallel: {name} has {total} tokens along dim {dim}, fewer than the {self.degree} ranks"
+            )
         sizes = shard_sizes(total, self.degree)
         self.layout.record(name, sizes)
         if len(set(sizes)) > 1 and self._log and (name, total) not in self._logged:
