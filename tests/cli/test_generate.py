@@ -270,7 +270,7 @@ BAD_AFTER_LOADING = [
     (["--height", "30"], {}, "--height 30"),
     (["--width", "34"], {}, "--width 34"),
     (["--cache", "dbcache"], {}, "fn=8"),
-    (["--parallel", "ulysses=2"], {"WORLD_SIZE": "2", "RANK": "0"}, "parallel"),
+    (["--parallel", "tp=2"], {"WORLD_SIZE": "2", "RANK": "0"}, "--parallel"),
 ]
 
 
@@ -316,6 +316,26 @@ def test_python_m_fastdit_generate(tiny_flux_dir: Path, tmp_path: Path) -> None:
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1] == "fastdit: error: argument --steps -3: must be positive"
     assert not Path(str(out) + "2").exists()
+
+
+@pytest.mark.slow
+def test_torchrun_context_parallel_writes_once(tiny_flux_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cp.png"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(name, None)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "fastdit", "generate"]
+    argv = ["--model-path", str(tiny_flux_dir), "--prompt", "a cat", *TINY, "--parallel", "ulysses=2", "--compare"]
+    done = subprocess.run(
+        [*command, *argv, "--out", str(out), "--json"], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    json_lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(json_lines) == 1  # only rank 0 reports
+    payload = json.loads(json_lines[0])
+    assert payload["world_size"] == 2 and payload["acceleration"]["parallel"]["ulysses"] == 2
+    assert payload["psnr_min"] == "inf" or payload["psnr_min"] > 35  # context parallel is exact up to float order
+    assert [p.name for p in tmp_path.iterdir()] == ["cp.png"]
 
 
 def _reference_available() -> bool:

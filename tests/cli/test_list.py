@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 from fastdit.cache.presets import CACHE_PRESETS
@@ -30,7 +31,7 @@ def test_json_has_one_object_per_registered_model(capsys: Any) -> None:
     assert flux == {
         "name": "flux",
         "family": "flux",
-        "features": ["cache"],
+        "features": ["cache", "cp"],
         "hub_id": "black-forest-labs/FLUX.1-dev",
         "pipeline_class": "diffusers.FluxPipeline",
         "env_var": "FLUX_DIR",
@@ -56,8 +57,10 @@ def test_families_with_their_tiny_pipelines(capsys: Any) -> None:
 
 
 def test_features_come_from_the_adapter() -> None:
-    adapter = get_preset("flux")[1]
-    assert features(adapter) == ["cache"]
+    assert features(get_preset("flux")[1]) == ["cache", "cp"]
+    for adapter in all_adapters():
+        assert ("cp" in features(adapter)) == (adapter.cp_plan is not None), adapter.family
+        assert features(replace(adapter, cp_plan=None)) == ["cache"]
 
 
 def test_cache_presets(capsys: Any) -> None:

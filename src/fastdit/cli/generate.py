@@ -11,10 +11,12 @@ succeeds: bad input ends with one line ``fastdit: error: ...`` and exit code 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
 import json
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -384,6 +386,19 @@ def _report(payload: dict[str, Any], stream: TextIO) -> None:
     line("saved", ", ".join(payload["files"]) if payload["files"] else "nothing (pass --out PATH to save)")
 
 
+@contextlib.contextmanager
+def _process_group_scope() -> Iterator[None]:
+    """End the process group that accelerating with ``--parallel`` started under torchrun, once the runs are done."""
+    import torch.distributed as dist
+
+    existed = dist.is_available() and dist.is_initialized()
+    try:
+        yield
+    finally:
+        if not existed and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def run(args: argparse.Namespace) -> int:
     """Generate, report, and save (rank 0 only).
 
@@ -398,7 +413,8 @@ def run(args: argparse.Namespace) -> int:
     """
     plan = plan_from_args(args)
     main = is_main_process()
-    generator, result, baseline = execute(plan, progress=main and not args.quiet, track_memory=args.track_memory)
+    with _process_group_scope():
+        generator, result, baseline = execute(plan, progress=main and not args.quiet, track_memory=args.track_memory)
     if main and plan.outputs:
         for path, output in zip(plan.outputs, result.outputs, strict=True):
             save_output(path, output, fps=args.fps)

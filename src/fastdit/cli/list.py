@@ -20,6 +20,8 @@ __all__ = ["FEATURES", "add_parser", "features", "run"]
 FEATURES: tuple[tuple[str, Callable[[ModelAdapter], bool]], ...] = (
     # Step caching needs nothing but the block lists every adapter declares.
     ("cache", lambda adapter: bool(adapter.block_groups)),
+    # Context parallelism (Ulysses, ring) needs the family's plan of where to split and gather the sequence.
+    ("cp", lambda adapter: adapter.cp_plan is not None),
 )
 """Feature name and the test of an adapter that says whether the family supports it, in display order."""
 

@@ -10,6 +10,7 @@ one line naming the flag (exit code 2) rather than as an argparse usage dump.
 from __future__ import annotations
 
 import argparse
+import os
 import types
 import typing
 from collections.abc import Mapping
@@ -386,16 +387,20 @@ def check_positive(option: str, value: int | float | None, *, allow_zero: bool =
         raise CLIError(f"argument {option} {value}: must be {bound}")
 
 
-def resolve_device(text: str | None) -> torch.device:
-    """``--device``: the given device, or ``cuda`` when available, else ``cpu``."""
-    if text is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def resolve_device(text: str | None, environ: Mapping[str, str] | None = None) -> torch.device:
+    """``--device``: the given device, or ``cuda`` when available, else ``cpu``.
+
+    Under ``torchrun`` a CUDA device without an index becomes ``cuda:<LOCAL_RANK>``, one GPU per process.
+    """
+    environ = os.environ if environ is None else environ
     try:
-        device = torch.device(text)
+        device = torch.device(text if text is not None else "cuda" if torch.cuda.is_available() else "cpu")
     except (RuntimeError, ValueError):
         raise CLIError(f"argument --device: invalid device {text!r}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise CLIError(f"argument --device {text}: CUDA is not available on this machine")
+    if device.type == "cuda" and device.index is None and environ.get("LOCAL_RANK", "").isdigit():
+        device = torch.device("cuda", int(environ["LOCAL_RANK"]))
     return device
 
 
