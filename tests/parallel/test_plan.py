@@ -126,3 +126,30 @@ def test_plan_is_frozen_data() -> None:
 def test_invalid_plans_raise(make, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         make()
+
+
+def _families_with_plans() -> list[str]:
+    from fastdit.models.registry import all_adapters
+
+    return sorted(a.family for a in all_adapters() if a.cp_plan is not None)
+
+
+def test_flux_wan_and_qwen_image_have_plans() -> None:
+    assert {"flux", "qwenimage", "wan"} <= set(_families_with_plans())
+
+
+@pytest.mark.parametrize("family", _families_with_plans())
+def test_every_plan_validates_against_the_default_config_on_meta(family: str) -> None:
+    """Each family's plan fits its transformer class at the class's default (full-size) config, without weights."""
+    import importlib
+
+    from fastdit.models.registry import all_adapters
+
+    adapter = next(a for a in all_adapters() if a.family == family)
+    for qualified in adapter.transformer_classes:
+        module_name, _, class_name = qualified.rpartition(".")
+        cls = getattr(importlib.import_module(module_name), class_name)
+        with torch.device("meta"):
+            transformer = cls()
+        for degree in (2, 3, 4, 8):
+            validate_plan(transformer, adapter.cp_plan, degree)
