@@ -49,6 +49,7 @@ __all__ = [
     "compare_outputs",
     "default_prompts",
     "default_steps",
+    "frame_multiple",
     "import_pipeline_class",
     "is_main_process",
     "is_video_pipeline",
@@ -246,6 +247,16 @@ def size_multiple(pipe: Any) -> int:
     transformer = getattr(pipe, "transformer", None)
     patch = _spatial(getattr(getattr(transformer, "config", None), "patch_size", None)) or 1
     return math.lcm(int(processor_factor), int(vae_factor) * int(patch))
+
+
+def frame_multiple(pipe: Any) -> int | None:
+    """Video pipelines: ``num_frames - 1`` must be a multiple of this (the VAE's temporal factor); else ``None``.
+
+    Causal video VAEs keep the first frame and compress the rest by their temporal factor, so other counts are
+    rounded by the pipeline.
+    """
+    factor = getattr(pipe, "vae_scale_factor_temporal", None)
+    return int(factor) if isinstance(factor, int) and factor > 1 else None
 
 
 @dataclass(frozen=True)

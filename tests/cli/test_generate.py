@@ -161,6 +161,23 @@ def test_video_pipeline_writes_mp4(tiny_wan_dir: Path, tmp_path: Path, capsys: A
     assert _last_json(stdout)["frames"] == 5
 
 
+def test_video_frames_must_fit_the_temporal_vae_factor(tiny_wan_dir: Path, tmp_path: Path, capsys: Any) -> None:
+    out = tmp_path / "clip.mp4"
+    code, _, err = _run(
+        capsys, "--model-path", str(tiny_wan_dir), "--prompt", "a", *TINY, "--frames", "6", "--out", str(out)
+    )
+    assert code == 2
+    assert _error_lines(err) == [
+        "fastdit: error: argument --frames 6: must be one more than a multiple of 4 for WanPipeline "
+        "(temporal VAE factor), e.g. 5"
+    ]
+    assert not out.exists()
+    code, _, err = _run(
+        capsys, "--model-path", str(tiny_wan_dir), "--prompt", "a", *TINY, "--out", str(tmp_path / "x.png")
+    )
+    assert code == 2 and "a video needs one of the suffixes" in err
+
+
 def test_only_rank_zero_writes(
     tiny_flux_dir: Path, tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -23,7 +23,14 @@ import torch
 from fastdit.cache.presets import CACHE_PRESETS, DEFAULT_CACHE_PRESET, NO_CACHE, cache_config, get_cache_preset
 from fastdit.cli import CLIError
 from fastdit.config import STEP_MASK_PRESETS, DBCache, DBPrune, Parallel, StepMask, TaylorSeer, config_fields
-from fastdit.generate import ModelSource, call_parameters, import_pipeline_class, resolve_model, size_multiple
+from fastdit.generate import (
+    ModelSource,
+    call_parameters,
+    frame_multiple,
+    import_pipeline_class,
+    resolve_model,
+    size_multiple,
+)
 
 __all__ = [
     "DTYPES",
@@ -519,7 +526,10 @@ def _load_image(path: str) -> Any:
 
 
 def check_size(pipe: Any, kwargs: Mapping[str, Any]) -> None:
-    """Reject a height or width the loaded pipeline would silently round (see :func:`size_multiple`)."""
+    """Reject a height, width or frame count the loaded pipeline would silently round.
+
+    See :func:`~fastdit.generate.size_multiple` and :func:`~fastdit.generate.frame_multiple`.
+    """
     multiple = size_multiple(pipe)
     for name in ("height", "width"):
         value = kwargs.get(name)
@@ -528,3 +538,9 @@ def check_size(pipe: Any, kwargs: Mapping[str, Any]) -> None:
                 f"argument --{name} {value}: must be a multiple of {multiple} for {type(pipe).__name__} "
                 "(VAE factor × patch size)"
             )
+    frames, temporal = kwargs.get("num_frames"), frame_multiple(pipe)
+    if isinstance(frames, int) and temporal is not None and (frames - 1) % temporal:
+        raise CLIError(
+            f"argument --frames {frames}: must be one more than a multiple of {temporal} for {type(pipe).__name__} "
+            f"(temporal VAE factor), e.g. {(frames - 1) // temporal * temporal + 1}"
+        )
