@@ -107,19 +107,30 @@ class PendingAllToAll:
 # --- packing: every chunk is one flat buffer, so tensors of different shapes share one collective ---
 
 
-def _to_wire(parts_PN: list[torch.Tensor], fp8: bool) -> torch.Tensor:
-    """Concatenate per-tensor ``(P, N_i)`` rows into one ``(P, N)`` send buffer (FP8: quantised + scales)."""
-    if not fp8:
-        return torch.cat(parts_PN, dim=1) if len(parts_PN) > 1 else parts_PN[0]
-    rows, scales = [], []
-    for part in parts_PN:
-        # One scale per tensor maps its largest magnitude onto the largest finite float8 value.
-        scale = part.detach().abs().amax().float().clamp(min=1e-12) / FP8_MAX
-        rows.append((part.float() / scale).to(FP8_DTYPE).view(torch.uint8))
-        scales.append(scale)
-    scale_bytes = torch.stack(scales).view(torch.uint8)
-    rows.append(scale_bytes.unsqueeze(0).expand(parts_PN[0].shape[0], -1))
-    return torch.cat(rows, dim=1)
+def _to_wire(parts: list[torch.Tensor], fp8: bool) -> torch.Tensor:
+    """Pack per-tensor ``(P, ...)`` views into one contiguous ``(P, N)`` send buffer, row ``j`` for rank ``j``.
+
+    Each part is copied once, straight into its columns (FP8: quantised with one scale per tensor, the scales
+    appended as float32 bytes to every row).
+    """
+    degree = parts[0].shape[0]
+    numels = [p[0].numel() for p in parts]
+    dtype = torch.uint8 if fp8 else parts[0].dtype
+    send = torch.empty(degree, _wire_numel(numels, fp8), dtype=dtype, device=parts[0].device)
+    offset, scales = 0, []
+    for part, numel in zip(parts, numels, strict=True):
+        target = send[:, offset : offset + numel].unflatten(1, part.shape[1:])
+        if fp8:
+            # One scale per tensor maps its largest magnitude onto the largest finite float8 value.
+            scale = part.detach().abs().amax().float().clamp(min=1e-12) / FP8_MAX
+            target.copy_((part.float() / scale).to(FP8_DTYPE).view(torch.uint8))
+            scales.append(scale)
+        else:
+            target.copy_(part)
+        offset += numel
+    if fp8:
+        send[:, offset:] = torch.stack(scales).view(torch.uint8)
+    return send
 
 
 def _from_wire(chunk: torch.Tensor, numels: list[int], dtype: torch.dtype, fp8: bool) -> list[torch.Tensor]:
@@ -184,11 +195,11 @@ def seq_to_head_async(
     parts = []
     for x, lens in zip(xs_BSHD, seq_lens, strict=True):
         _check_heads(x, degree)
-        B, S, H, D = x.shape
+        S, H = x.shape[1], x.shape[2]
         if lens[rank] != S:
             raise ValueError(f"local length {S} differs from the declared seq_lens[{rank}]={lens[rank]}")
-        # (B, S, P, H/P, D) -> (P, B, S, H/P, D): row j holds the heads rank j will own.
-        parts.append(x.reshape(B, S, degree, H // degree, D).permute(2, 0, 1, 3, 4).reshape(degree, -1))
+        # (B, S, P, H/P, D) -> (P, B, S, H/P, D): row j holds the heads rank j will own (a view; packed once).
+        parts.append(x.unflatten(2, (degree, H // degree)).permute(2, 0, 1, 3, 4))
     # numels_by_sender[r][i]: elements of tensor i that arrive from rank r.
     numels_by_sender = [
         [x.shape[0] * lens[r] * (x.shape[2] // degree) * x.shape[3] for x, lens in zip(xs_BSHD, seq_lens, strict=True)]
@@ -244,19 +255,21 @@ def head_to_seq_async(
     if sum(seq_lens) != S:
         raise ValueError(f"sequence length {S} differs from sum(seq_lens)={sum(seq_lens)}")
     # Slice r of the sequence goes back to rank r, which owned it before attention.
-    slices = x_BSHD.split(list(seq_lens), dim=1)
-    even = len(set(seq_lens)) == 1
-    if even:
-        send = torch.stack(slices).reshape(degree, -1)
-        work, recv = _exchange(_to_wire([send], fp8), [_wire_numel([send.shape[1]], fp8)] * degree, group)
+    if len(set(seq_lens)) == 1:
+        send = _to_wire([x_BSHD.unflatten(1, (degree, seq_lens[0])).transpose(0, 1)], fp8)  # (P, B, S, h, D)
+        work, recv = _exchange(send, [send.shape[1]] * degree, group)
     else:
-        work, recv = _exchange_uneven(slices, group, fp8)
+        work, recv = _exchange_uneven(x_BSHD.split(list(seq_lens), dim=1), group, fp8)
     local_numel = B * seq_lens[rank] * Hl * D
     recv_numel = _wire_numel([local_numel], fp8)
 
     def finish() -> torch.Tensor:
-        pieces = [_from_wire(c, [local_numel], x_BSHD.dtype, fp8)[0] for c in recv.split(recv_numel)]
-        heads = torch.stack(pieces).view(degree, B, seq_lens[rank], Hl, D)
+        if fp8:
+            pieces = [_from_wire(c, [local_numel], x_BSHD.dtype, fp8)[0] for c in recv.split(recv_numel)]
+            received = torch.stack(pieces)
+        else:
+            received = recv  # already (P, B, S_local, h, D) in memory order
+        heads = received.view(degree, B, seq_lens[rank], Hl, D)
         return heads.permute(1, 2, 0, 3, 4).reshape(B, seq_lens[rank], degree * Hl, D)
 
     return PendingAllToAll(work, finish)
@@ -266,7 +279,7 @@ def _exchange_uneven(slices: Sequence[torch.Tensor], group: dist.ProcessGroup | 
     """Send ``slices[j]`` to rank ``j`` when slices differ in size (receivers all get equal-size pieces)."""
     degree = len(slices)
     rank = dist.get_rank(group)
-    wires = [_to_wire([s.reshape(1, -1)], fp8).view(-1) for s in slices]
+    wires = [_to_wire([s.unsqueeze(0)], fp8).view(-1) for s in slices]
     send = torch.cat(wires)
     recv_numel = wires[rank].numel()
     recv = send.new_empty(recv_numel * degree)
