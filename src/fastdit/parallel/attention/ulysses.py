@@ -159,7 +159,7 @@ def ulysses_attention(
     mask = _prepare_mask(attn_mask, group, q_lens=q_lens, kv_lens=kv_lens, layout=layout, num_heads=num_heads)
     q_g, k_g, v_g = pending.wait()
     out_g = local(q_g, k_g, v_g, mask, scale)
-    out = head_to_seq(out_g.contiguous(), group, seq_lens=q_lens, fp8=fp8)
+    out = head_to_seq(out_g, group, seq_lens=q_lens, fp8=fp8)  # packs from the strided view: no extra copy
     return out[:, :, :num_heads]
 
 
