@@ -478,6 +478,59 @@ def test_cache_under_context_parallel_matches_single_process(
         assert psnr(expected, images) >= 60
 
 
+def _pruned_blocks(pipe: Any) -> dict[str, list[int]]:
+    stats = fastdit.summary(pipe).transformers["transformer"]["cache"]["branches"]
+    return {name: branch["pruned_blocks_per_step"] for name, branch in stats.items()}
+
+
+def _reference_other(rank: int, world_size: int, parallel: dict[str, int] | None, config: Any) -> tuple[Any, Any]:
+    """The reference pipeline under DBPrune or DBCache + TaylorSeer: images and per-step decisions."""
+    pipe = _reference_pipeline()
+    fastdit.accelerate(pipe, parallel=fastdit.Parallel(**parallel) if parallel else None, cache=config)
+    try:
+        images = _call(pipe, _reference_kwargs(4, False))
+        decisions = _pruned_blocks(pipe) if isinstance(config, fastdit.DBPrune) else _cached_steps(pipe)
+        return images, decisions
+    finally:
+        fastdit.disable(pipe)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@needs_reference
+@pytest.mark.parametrize(
+    "config",
+    [
+        fastdit.DBPrune(fn=1, bn=0, threshold=0.3, warmup_steps=2),
+        fastdit.DBCache(fn=1, bn=0, threshold=0.3, warmup_steps=2, taylorseer=fastdit.TaylorSeer(order=2)),
+    ],
+    ids=["dbprune", "taylorseer"],
+)
+def test_prune_and_taylorseer_under_context_parallel(dist2: WorkerPool, config: Any) -> None:
+    from fastdit.metrics import psnr
+
+    expected, expected_decisions = _reference_other(0, 1, None, config)
+    assert any(any(steps) for steps in expected_decisions.values()), "the config must skip some work"
+    for images, decisions in dist2.run(_reference_other, {"ulysses": 2}, config, timeout=180):
+        assert decisions == expected_decisions
+        assert psnr(expected, images) >= 60
+
+
+def _compiled(rank: int, world_size: int) -> np.ndarray:
+    pipe = _tiny_pipeline()
+    kwargs = {**TINY_CALL, "height": 32, "width": 32}
+    return _accelerated(pipe, kwargs, parallel=fastdit.Parallel(ulysses=2), compile=fastdit.Compile(backend="eager"))[0]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_compiled_blocks_under_context_parallel(dist2: WorkerPool) -> None:
+    """Dynamo traces the blocks around the routed attention (collectives break the graph, results stay exact)."""
+    expected = _single_tiny(32)
+    for images in dist2.run(_compiled, timeout=180):
+        assert np.abs(images - expected).max() < 1e-5
+
+
 def test_rank_failure_surfaces(dist2: WorkerPool) -> None:
     """A plan error raised on every rank reaches the caller instead of hanging a collective."""
     with pytest.raises(DistributedTestError) as info:
