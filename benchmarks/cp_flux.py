@@ -60,7 +60,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="tiny model, 64x64, 4 steps (CPU smoke test)")
     parser.add_argument("--steps", type=int, default=None, help="denoising steps (default 28; 4 with --tiny)")
     parser.add_argument("--size", type=int, default=None, help="image height and width (default 1024; 64 with --tiny)")
-    parser.add_argument("--modes", default="single,ulysses,ring,ulysses_fp8", help="comma-separated modes to run")
+    parser.add_argument(
+        "--modes", default="single,ulysses,ring,ulysses_fp8,usp", help="comma-separated modes (usp needs 4+ processes)"
+    )
     parser.add_argument("--warmup", type=int, default=1, help="untimed calls per mode")
     parser.add_argument("--repeat", type=int, default=2, help="timed calls per mode (median reported)")
     parser.add_argument("--seed", type=int, default=0)
@@ -173,7 +175,11 @@ def accelerate_mode(pipe: Any, mode: str, world_size: int) -> Callable[[], None]
         runtime = ParallelRuntime.from_config(parallel, device=pipe.transformer.device)
         adapter = adapter_for(pipe.transformer)
         return apply_context_parallel(pipe.transformer, adapter, parallel, runtime, fp8=True)
-    degrees = {"ulysses": {"ulysses": world_size}, "ring": {"ring": world_size}}[mode]
+    degrees = {
+        "ulysses": {"ulysses": world_size},
+        "ring": {"ring": world_size},
+        "usp": {"ulysses": 2, "ring": world_size // 2},  # 4+ processes: Ulysses pairs, ring across them
+    }[mode]
     fastdit.accelerate(pipe, parallel=fastdit.Parallel(**degrees))
     return lambda: fastdit.disable(pipe)
 
@@ -189,8 +195,8 @@ def main() -> None:
               "num_inference_steps": steps, "guidance_scale": 3.5}  # fmt: skip
     rows, baseline = [], None
     for mode in args.modes.split(","):
-        if mode != "single" and world_size == 1:
-            print(f"skipping {mode}: run under torchrun with 2 or more processes")
+        if (mode != "single" and world_size == 1) or (mode == "usp" and (world_size < 4 or world_size % 2)):
+            print(f"skipping {mode}: needs more processes under torchrun (usp: an even number, at least 4)")
             continue
         undo = accelerate_mode(pipe, mode, world_size) if mode != "single" else (lambda: None)
         try:
@@ -207,6 +213,7 @@ def main() -> None:
 
 
 def score(mode: str, seconds: float, images, latents, baseline, world_size: int) -> dict[str, Any]:
+    """Time and quality of one mode against the single-device baseline."""
     base_images, base_latents, base_seconds = baseline
     latent_range = float(base_latents.max() - base_latents.min())
     return {
