@@ -81,6 +81,7 @@ def generate(
 
 
 def measure(name, library, pipe, counter, cases, steps, true_cfg, batch, baseline, base_blocks) -> Result:
+    print(f"running {library}: {name}", flush=True)
     counter.count = 0
     images, seconds = generate(pipe, cases, steps, true_cfg, batch)
     p = [psnr(a, b) for a, b in zip(images, baseline, strict=True)]
@@ -194,7 +195,11 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=2, help="seeds per digit (10 digits each)")
     parser.add_argument("--steps", type=int, default=REFERENCE_DEFAULTS["num_inference_steps"])
     parser.add_argument("--true-cfg", type=float, default=1.0, help=">1 runs cond+uncond forwards per step")
-    parser.add_argument("--with", dest="others", default="", help="comma list: cache-dit, diffusers")
+    parser.add_argument(
+        "--libraries",
+        default="fastdit",
+        help="comma list of fastdit, cache-dit, diffusers (run each in its own process)",
+    )
     parser.add_argument("--batch", type=int, default=20, help="images per pipeline call (cache decisions are per call)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
@@ -215,31 +220,42 @@ def main() -> None:
             name, library, pipe, counter, cases, args.steps, args.true_cfg, args.batch, baseline, base_blocks
         )
 
-    results = [run("no cache (baseline again)", "—")]
-    results += run_fastdit(pipe, run, args.steps, num_blocks)
-    others = {o.strip() for o in args.others.split(",") if o.strip()}
-    if "cache-dit" in others:
+    libraries = {name.strip() for name in args.libraries.split(",") if name.strip()}
+    results = [run("no cache (baseline again)", "—")] if "fastdit" in libraries else []
+    if "fastdit" in libraries:
+        results += run_fastdit(pipe, run, args.steps, num_blocks)
+    if "cache-dit" in libraries:
         results += run_cache_dit(pipe, run)
-    if "diffusers" in others:
+    if "diffusers" in libraries:
         results += run_diffusers(pipe, run)
     print(f"baseline: {base_seconds:.2f} s for {len(cases)} images, {args.steps} steps, true_cfg {args.true_cfg}")
     print(table(results, base_seconds))
     if args.out:
-        payload = {
+        write_results(args, len(cases), base_seconds, results)
+
+
+def write_results(args: argparse.Namespace, num_cases: int, base_seconds: float, results: list[Result]) -> None:
+    """Merge ``results`` into the JSON at ``args.out`` (rows keyed by library and configuration), atomically."""
+    payload = json.loads(args.out.read_text()) if args.out.exists() else {"results": []}
+    fresh = {(r.library, r.name) for r in results}
+    kept = [r for r in payload["results"] if (r["library"], r["name"]) not in fresh]
+    payload.update(
+        {
             "date": date.today().isoformat(),
             "device": f"CPU {platform.machine()}, {os.cpu_count()} cores, {args.threads} threads",
             "torch": torch.__version__,
-            "cases": len(cases),
+            "cases": num_cases,
             "steps": args.steps,
             "true_cfg": args.true_cfg,
             "batch": args.batch,
             "baseline_seconds": round(base_seconds, 3),
-            "results": [r.__dict__ for r in results],
+            "results": kept + [r.__dict__ for r in results],
         }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(payload, indent=1))
-        tmp.replace(args.out)
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, indent=1))
+    tmp.replace(args.out)
 
 
 if __name__ == "__main__":
