@@ -16,6 +16,7 @@ markdown table and writes JSON (to ``--out``, else ``$OUT/cp_flux.json`` when ``
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -51,6 +52,9 @@ FLUX_DEV = {
 }
 TINY = {**FLUX_DEV, "num_layers": 1, "num_single_layers": 2, "attention_head_dim": 16, "num_attention_heads": 4,
         "joint_attention_dim": 64, "pooled_projection_dim": 32, "axes_dims_rope": (4, 6, 6)}  # fmt: skip
+FASTDIT_MODES = ("single", "single_compile", "ulysses", "ulysses_compile", "ring", "ring_compile", "ulysses_fp8", "usp")
+ANCHOR_MODES = ("diffusers_ulysses", "cachedit_ulysses")
+MODES = FASTDIT_MODES + ANCHOR_MODES
 VAE_FLUX = {"block_out_channels": (128, 256, 512, 512), "layers_per_block": 2}
 VAE_TINY = {"block_out_channels": (8, 8, 8, 8), "layers_per_block": 1, "norm_num_groups": 8}
 
@@ -61,13 +65,25 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="denoising steps (default 28; 4 with --tiny)")
     parser.add_argument("--size", type=int, default=None, help="image height and width (default 1024; 64 with --tiny)")
     parser.add_argument(
-        "--modes", default="single,ulysses,ring,ulysses_fp8,usp", help="comma-separated modes (usp needs 4+ processes)"
+        "--modes",
+        default="single,ulysses,ring,ulysses_fp8,usp",
+        help=f"comma-separated, from {', '.join(MODES)} (usp needs 4+ processes; an anchor mode must come last)",
     )
+    parser.add_argument("--profile", default="", help="comma-separated modes to profile for one extra call each")
     parser.add_argument("--warmup", type=int, default=1, help="untimed calls per mode")
     parser.add_argument("--repeat", type=int, default=2, help="timed calls per mode (median reported)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default $OUT/cp_flux.json if OUT is set)")
-    return parser.parse_args()
+    args = parser.parse_args()
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        parser.error(f"--modes: unknown {unknown}; choose from {list(MODES)}")
+    anchors = [m for m in modes if m in ANCHOR_MODES]
+    if len(anchors) > 1 or (anchors and modes[-1] != anchors[0]):
+        # diffusers' and cache-dit's parallelism cannot be undone in-process: one anchor per run, last.
+        parser.error(f"--modes {args.modes}: at most one of {ANCHOR_MODES}, and it must be the last mode")
+    return args
 
 
 def setup() -> tuple[int, int, torch.device]:
@@ -164,6 +180,10 @@ def timed(run: Callable[[], Any], args: argparse.Namespace, device: torch.device
 
 def accelerate_mode(pipe: Any, mode: str, world_size: int) -> Callable[[], None]:
     """Apply ``mode`` to ``pipe``; return its undo."""
+    if mode in ANCHOR_MODES:
+        return accelerate_anchor(pipe, mode, world_size)
+    base, _, suffix = mode.partition("_")
+    compile_config = fastdit.Compile() if suffix == "compile" else None
     if mode == "ulysses_fp8":  # FP8 all-to-all is an engine option below the public API
         from diffusers import FluxTransformer2DModel  # noqa: F401 - registry lookup needs the class loaded
 
@@ -176,12 +196,70 @@ def accelerate_mode(pipe: Any, mode: str, world_size: int) -> Callable[[], None]
         adapter = adapter_for(pipe.transformer)
         return apply_context_parallel(pipe.transformer, adapter, parallel, runtime, fp8=True)
     degrees = {
+        "single": None,
         "ulysses": {"ulysses": world_size},
         "ring": {"ring": world_size},
         "usp": {"ulysses": 2, "ring": world_size // 2},  # 4+ processes: Ulysses pairs, ring across them
-    }[mode]
-    fastdit.accelerate(pipe, parallel=fastdit.Parallel(**degrees))
+    }[base]
+    if degrees is None and compile_config is None:
+        return lambda: None
+    parallel = fastdit.Parallel(**degrees) if degrees else None
+    fastdit.accelerate(pipe, parallel=parallel, compile=compile_config)
     return lambda: fastdit.disable(pipe)
+
+
+def accelerate_anchor(pipe: Any, mode: str, world_size: int) -> Callable[[], None]:
+    """diffusers' or cache-dit's own Ulysses (no undo: these run last, one per process)."""
+    if mode == "diffusers_ulysses":
+        from diffusers import ContextParallelConfig
+
+        pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world_size))
+    else:
+        import cache_dit
+
+        parallelism = cache_dit.ParallelismConfig(ulysses_size=world_size)
+        cache_dit.enable_cache(pipe, cache_config=None, parallelism_config=parallelism)
+    return lambda: None
+
+
+def library(mode: str) -> str:
+    if mode == "diffusers_ulysses":
+        import diffusers
+
+        return f"diffusers {diffusers.__version__}"
+    if mode == "cachedit_ulysses":
+        from importlib.metadata import version
+
+        return f"cache-dit {version('cache-dit')}"
+    return "fastdit"
+
+
+def profile_call(run: Callable[[], Any], mode: str, rank: int, device: torch.device) -> dict[str, Any]:
+    """One call under ``torch.profiler``: wall time, GPU kernel time, NCCL kernel time and count, top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    synchronize(device)
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        run()
+        synchronize(device)
+        wall = time.perf_counter() - start
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    nccl = [e for e in kernels if "nccl" in e.name.lower()]
+    summary = {
+        "mode": mode,
+        "rank": rank,
+        "wall_s": round(wall, 4),
+        "kernel_s": round(sum(e.device_time for e in kernels) / 1e6, 4),
+        "nccl_kernel_s": round(sum(e.device_time for e in nccl) / 1e6, 4),
+        "nccl_calls": len(nccl),
+        "nccl_mean_us": round(sum(e.device_time for e in nccl) / max(len(nccl), 1), 1),
+        "kernels": len(kernels),
+    }
+    sort = "device_time_total" if device.type == "cuda" else "cpu_time_total"
+    summary["top"] = prof.key_averages().table(sort_by=sort, row_limit=15)
+    return summary
 
 
 def main() -> None:
@@ -193,21 +271,26 @@ def main() -> None:
     pipe = build_pipeline(args.tiny, device, dtype, args.seed)
     kwargs = {**embeddings(args.tiny, device, dtype, args.seed), "height": size, "width": size,
               "num_inference_steps": steps, "guidance_scale": 3.5}  # fmt: skip
-    rows, baseline = [], None
+    rows, baseline, profiles = [], None, []
     for mode in args.modes.split(","):
-        if (mode != "single" and world_size == 1) or (mode == "usp" and (world_size < 4 or world_size % 2)):
+        if (not mode.startswith("single") and world_size == 1) or (
+            mode == "usp" and (world_size < 4 or world_size % 2)
+        ):
             print(f"skipping {mode}: needs more processes under torchrun (usp: an even number, at least 4)")
             continue
-        undo = accelerate_mode(pipe, mode, world_size) if mode != "single" else (lambda: None)
+        undo = accelerate_mode(pipe, mode, world_size)
         try:
-            (images, latents), seconds = timed(lambda: generate(pipe, kwargs, args.seed, device), args, device)
+            call = functools.partial(generate, pipe, kwargs, args.seed, device)
+            (images, latents), seconds = timed(call, args, device)
+            if mode in args.profile.split(","):
+                profiles.append(profile_call(call, mode, rank, device))
         finally:
             undo()
         if baseline is None:
             baseline = (images, latents, seconds)
         rows.append(score(mode, seconds, images, latents, baseline, world_size))
     if rank == 0:
-        report(rows, args, world_size, device, steps, size)
+        report(rows, profiles, args, world_size, device, steps, size)
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -218,7 +301,8 @@ def score(mode: str, seconds: float, images, latents, baseline, world_size: int)
     latent_range = float(base_latents.max() - base_latents.min())
     return {
         "mode": mode,
-        "degree": 1 if mode == "single" else world_size,
+        "library": library(mode),
+        "degree": 1 if mode.startswith("single") else world_size,
         "seconds": round(seconds, 4),
         "speedup": round(base_seconds / seconds, 3),
         "psnr": psnr(base_images, images, data_range=1.0),
@@ -228,15 +312,21 @@ def score(mode: str, seconds: float, images, latents, baseline, world_size: int)
     }
 
 
-def report(rows: list[dict[str, Any]], args, world_size: int, device: torch.device, steps: int, size: int) -> None:
+def report(rows: list[dict[str, Any]], profiles: list[dict[str, Any]], args, world_size: int, device, steps, size):
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     print(f"\nFLUX.1-dev-sized transformer ({'tiny' if args.tiny else 'full'}), {size}x{size}, {steps} steps, "
           f"{world_size} x {name}\n")  # fmt: skip
-    print("| mode | degree | seconds | speed-up | PSNR (dB) | SSIM | latent PSNR | latent max err |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| mode | library | degree | seconds | speed-up | PSNR (dB) | SSIM | latent PSNR | latent max err |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['mode']} | {r['degree']} | {r['seconds']:.3f} | {r['speedup']:.2f}x | {r['psnr']:.2f} | "
-              f"{r['ssim']:.4f} | {r['latent_psnr']:.2f} | {r['latent_max_abs_err']:.2e} |")  # fmt: skip
+        cells = [r["mode"], r["library"], r["degree"], f"{r['seconds']:.3f}", f"{r['speedup']:.2f}x", f"{r['psnr']:.2f}",
+                 f"{r['ssim']:.4f}", f"{r['latent_psnr']:.2f}", f"{r['latent_max_abs_err']:.2e}"]  # fmt: skip
+        print("| " + " | ".join(map(str, cells)) + " |")
+    for p in profiles:
+        print(f"\nprofile {p['mode']} (rank {p['rank']}): wall {p['wall_s']} s, kernels {p['kernel_s']} s "
+              f"({p['kernels']}), NCCL {p['nccl_kernel_s']} s in {p['nccl_calls']} calls "
+              f"(mean {p['nccl_mean_us']} us)")  # fmt: skip
+        print(p["top"])
     out = args.out or (Path(os.environ["OUT"]) / "cp_flux.json" if "OUT" in os.environ else None)
     if out is None:
         return
@@ -248,9 +338,12 @@ def report(rows: list[dict[str, Any]], args, world_size: int, device: torch.devi
         "torch": torch.__version__,
         "config": {"tiny": args.tiny, "steps": steps, "size": size, "warmup": args.warmup, "repeat": args.repeat},
         "results": [{k: (v if v != float("inf") else "inf") for k, v in r.items()} for r in rows],
+        "profiles": [{k: v for k, v in p.items() if k != "top"} for p in profiles],
     }
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(payload, indent=2) + "\n")
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    tmp.replace(out)
     print(f"\nwrote {out}")
 
 
