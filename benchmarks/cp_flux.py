@@ -319,8 +319,17 @@ def report(rows: list[dict[str, Any]], profiles: list[dict[str, Any]], args, wor
     print("| mode | library | degree | seconds | speed-up | PSNR (dB) | SSIM | latent PSNR | latent max err |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        cells = [r["mode"], r["library"], r["degree"], f"{r['seconds']:.3f}", f"{r['speedup']:.2f}x",
-                 f"{r['psnr']:.2f}", f"{r['ssim']:.4f}", f"{r['latent_psnr']:.2f}", f"{r['latent_max_abs_err']:.2e}"]  # fmt: skip
+        cells = [
+            r["mode"],
+            r["library"],
+            r["degree"],
+            f"{r['seconds']:.3f}",
+            f"{r['speedup']:.2f}x",
+            f"{r['psnr']:.2f}",
+            f"{r['ssim']:.4f}",
+            f"{r['latent_psnr']:.2f}",
+            f"{r['latent_max_abs_err']:.2e}",
+        ]
         print("| " + " | ".join(map(str, cells)) + " |")
     for p in profiles:
         print(f"\nprofile {p['mode']} (rank {p['rank']}): wall {p['wall_s']} s, kernels {p['kernel_s']} s "
