@@ -52,9 +52,10 @@ FLUX_DEV = {
 }
 TINY = {**FLUX_DEV, "num_layers": 1, "num_single_layers": 2, "attention_head_dim": 16, "num_attention_heads": 4,
         "joint_attention_dim": 64, "pooled_projection_dim": 32, "axes_dims_rope": (4, 6, 6)}  # fmt: skip
-FASTDIT_MODES = ("single", "single_compile", "ulysses", "ulysses_compile", "ring", "ring_compile", "ulysses_fp8", "usp")
+# A fastdit mode is a layout plus options joined by "+", e.g. "ulysses+compile+chunks2".
+LAYOUTS = ("single", "ulysses", "ring", "usp")
+OPTIONS = ("compile", "cudagraphs", "fp8", "chunks2", "chunks4")
 ANCHOR_MODES = ("diffusers_ulysses", "cachedit_ulysses")
-MODES = FASTDIT_MODES + ANCHOR_MODES
 VAE_FLUX = {"block_out_channels": (128, 256, 512, 512), "layers_per_block": 2}
 VAE_TINY = {"block_out_channels": (8, 8, 8, 8), "layers_per_block": 1, "norm_num_groups": 8}
 
@@ -66,8 +67,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--size", type=int, default=None, help="image height and width (default 1024; 64 with --tiny)")
     parser.add_argument(
         "--modes",
-        default="single,ulysses,ring,ulysses_fp8,usp",
-        help=f"comma-separated, from {', '.join(MODES)} (usp needs 4+ processes; an anchor mode must come last)",
+        default="single,ulysses,ring,ulysses+fp8,usp",
+        help=f"comma-separated: a layout ({', '.join(LAYOUTS)}) with options (+{', +'.join(OPTIONS)}), or an anchor "
+        f"({', '.join(ANCHOR_MODES)}; last). usp needs 4+ processes",
     )
     parser.add_argument("--profile", default="", help="comma-separated modes to profile for one extra call each")
     parser.add_argument("--warmup", type=int, default=1, help="untimed calls per mode")
@@ -76,14 +78,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default $OUT/cp_flux.json if OUT is set)")
     args = parser.parse_args()
     modes = args.modes.split(",")
-    unknown = [m for m in modes if m not in MODES]
+    unknown = [m for m in modes if m not in ANCHOR_MODES and not _valid_mode(m)]
     if unknown:
-        parser.error(f"--modes: unknown {unknown}; choose from {list(MODES)}")
+        parser.error(f"--modes: unknown {unknown}; layouts {LAYOUTS}, options {OPTIONS}, anchors {ANCHOR_MODES}")
     anchors = [m for m in modes if m in ANCHOR_MODES]
     if len(anchors) > 1 or (anchors and modes[-1] != anchors[0]):
         # diffusers' and cache-dit's parallelism cannot be undone in-process: one anchor per run, last.
         parser.error(f"--modes {args.modes}: at most one of {ANCHOR_MODES}, and it must be the last mode")
     return args
+
+
+def _valid_mode(mode: str) -> bool:
+    layout, *options = mode.split("+")
+    return layout in LAYOUTS and all(o in OPTIONS for o in options)
 
 
 def setup() -> tuple[int, int, torch.device]:
@@ -182,30 +189,28 @@ def accelerate_mode(pipe: Any, mode: str, world_size: int) -> Callable[[], None]
     """Apply ``mode`` to ``pipe``; return its undo."""
     if mode in ANCHOR_MODES:
         return accelerate_anchor(pipe, mode, world_size)
-    base, _, suffix = mode.partition("_")
-    compile_config = fastdit.Compile() if suffix == "compile" else None
-    if mode == "ulysses_fp8":  # FP8 all-to-all is an engine option below the public API
-        from diffusers import FluxTransformer2DModel  # noqa: F401 - registry lookup needs the class loaded
-
-        from fastdit.models.registry import adapter_for
-        from fastdit.parallel.context_parallel import apply_context_parallel
-        from fastdit.parallel.runtime import ParallelRuntime
-
-        parallel = fastdit.Parallel(ulysses=world_size)
-        runtime = ParallelRuntime.from_config(parallel, device=pipe.transformer.device)
-        adapter = adapter_for(pipe.transformer)
-        return apply_context_parallel(pipe.transformer, adapter, parallel, runtime, fp8=True)
+    layout, *options = mode.split("+")
+    compile_config = None
+    if "compile" in options or "cudagraphs" in options:
+        compile_config = fastdit.Compile(mode="reduce-overhead" if "cudagraphs" in options else None)
+    chunks = next((int(o.removeprefix("chunks")) for o in options if o.startswith("chunks")), 1)
     degrees = {
         "single": None,
         "ulysses": {"ulysses": world_size},
         "ring": {"ring": world_size},
         "usp": {"ulysses": 2, "ring": world_size // 2},  # 4+ processes: Ulysses pairs, ring across them
-    }[base]
-    if degrees is None and compile_config is None:
+    }[layout]
+    parallel = fastdit.Parallel(**degrees, ulysses_chunks=chunks, comm_fp8="fp8" in options) if degrees else None
+    if parallel is None and compile_config is None:
         return lambda: None
-    parallel = fastdit.Parallel(**degrees) if degrees else None
     fastdit.accelerate(pipe, parallel=parallel, compile=compile_config)
-    return lambda: fastdit.disable(pipe)
+
+    def undo() -> None:
+        fastdit.disable(pipe)
+        if compile_config is not None:
+            torch._dynamo.reset()  # the next mode compiles afresh instead of piling guards onto the same code
+
+    return undo
 
 
 def accelerate_anchor(pipe: Any, mode: str, world_size: int) -> Callable[[], None]:
@@ -273,8 +278,8 @@ def main() -> None:
               "num_inference_steps": steps, "guidance_scale": 3.5}  # fmt: skip
     rows, baseline, profiles = [], None, []
     for mode in args.modes.split(","):
-        if (not mode.startswith("single") and world_size == 1) or (
-            mode == "usp" and (world_size < 4 or world_size % 2)
+        if (mode.split("+")[0] != "single" and world_size == 1) or (
+            mode.split("+")[0] == "usp" and (world_size < 4 or world_size % 2)
         ):
             print(f"skipping {mode}: needs more processes under torchrun (usp: an even number, at least 4)")
             continue
@@ -302,7 +307,7 @@ def score(mode: str, seconds: float, images, latents, baseline, world_size: int)
     return {
         "mode": mode,
         "library": library(mode),
-        "degree": 1 if mode.startswith("single") else world_size,
+        "degree": 1 if mode.split("+")[0] == "single" else world_size,
         "seconds": round(seconds, 4),
         "speedup": round(base_seconds / seconds, 3),
         "psnr": psnr(base_images, images, data_range=1.0),

@@ -13,7 +13,7 @@ run() {  # name, then cp_flux.py arguments
   echo "$name: exit $?"
   grep -E "^\||^profile" "$OUT/cp_flux_$name.log"
 }
-run fastdit --modes single,ulysses,ring,ulysses_fp8 --profile single,ulysses
+run fastdit --modes single,ulysses,ring,ulysses+fp8 --profile single,ulysses
 run diffusers --modes single,diffusers_ulysses --profile diffusers_ulysses
 run cachedit --modes single,cachedit_ulysses
-run compile --modes single,single_compile,ulysses_compile --profile ulysses_compile
+run compile --modes single,single+compile,ulysses+compile --profile ulysses+compile

@@ -223,9 +223,17 @@ class Parallel:
     cfg: int = _doc("CFG-parallel degree (1 or 2): cond and uncond branches on different ranks.", 1)
     text_encoder: bool = _doc("Shard the text encoders with tensor parallelism over the TP ranks.", False)
     vae: bool = _doc("Decode the latent in parallel over all ranks.", False)
+    ulysses_chunks: int = _doc(
+        "Pipeline Ulysses attention over this many head chunks, so one chunk's all-to-all overlaps another's "
+        "attention (1: one exchange each way; used only when the heads split evenly).",
+        1,
+    )
+    comm_fp8: bool = _doc(
+        "Send Ulysses all-to-alls as float8 with per-tensor scales (lossy; half the bf16 bytes).", False
+    )
 
     def __post_init__(self) -> None:
-        for name in ("ulysses", "ring", "tp"):
+        for name in ("ulysses", "ring", "tp", "ulysses_chunks"):
             _check_int("Parallel", name, getattr(self, name), 1)
         _check(self.cfg in (1, 2), "Parallel", "cfg", self.cfg, "must be 1 or 2")
 

@@ -236,7 +236,6 @@ def apply_context_parallel(
     runtime: ParallelRuntime,
     *,
     attention: Attention | None = None,
-    fp8: bool = False,
 ) -> Callable[[], None]:
     """Split ``transformer``'s sequence over the ring × Ulysses ranks of ``runtime`` per ``adapter.cp_plan``.
 
@@ -246,7 +245,6 @@ def apply_context_parallel(
         parallel: The parallel layout (``ulysses`` and/or ``ring`` > 1).
         runtime: Process groups of this run.
         attention: Local attention backend (default SDPA).
-        fp8: Exchange Ulysses all-to-alls in float8.
 
     Returns:
         A function that removes every hook and routing again.
@@ -268,7 +266,8 @@ def apply_context_parallel(
         ring_degree=parallel.ring,
         local=local,
         mask_segments=plan.attention.mask_segments,
-        fp8=fp8,
+        fp8=parallel.comm_fp8,
+        chunks=parallel.ulysses_chunks,
     )
     splitter = _Splitter(group, marker.forward, log=runtime.is_main)
     undo: list[Callable[[], None]] = []

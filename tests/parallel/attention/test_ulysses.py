@@ -36,7 +36,9 @@ def _text_padding_mask(txt: int, img: int, num_padding: int) -> torch.Tensor:
 # --- worker functions ---
 
 
-def _compare(rank: int, world_size: int, txt: int, img: int, heads: int, kv_heads: int, mode: str) -> float:
+def _compare(
+    rank: int, world_size: int, txt: int, img: int, heads: int, kv_heads: int, mode: str, chunks: int = 1
+) -> float:
     """Max |ulysses - full| for this rank's tokens; the sequence is [text, image], each split over the ranks."""
     q, k, v = _qkv(txt + img, heads, kv_heads)
     layout = SeqLayout.split([txt, img], world_size)
@@ -63,6 +65,7 @@ def _compare(rank: int, world_size: int, txt: int, img: int, heads: int, kv_head
         q_lens=layout.rank_lens if mode != "exchange" else None,
         kv_lens=layout.rank_lens if mode != "exchange" else None,
         fp8=fp8,
+        chunks=chunks,
     )
     assert out.shape == expected.shape
     return (out - expected).abs().max().item()
@@ -138,6 +141,33 @@ def test_per_head_mask_with_padded_heads(dist3: WorkerPool) -> None:
 def test_fp8_exchange_is_close(dist2: WorkerPool) -> None:
     for err in dist2.run(_compare, 8, 24, 4, 4, "fp8_mask"):
         assert 0 < err < 0.25
+
+
+@pytest.mark.parametrize(
+    ("world", "txt", "img", "heads", "kv_heads", "mode", "chunks"),
+    [
+        (2, 8, 24, 8, 8, "plain", 2),  # 8 heads: 2 chunks of 4, 2 heads per rank each
+        (2, 8, 24, 8, 8, "global_mask", 4),  # 4 chunks; the reordered text-padding mask reaches every chunk
+        (3, 4, 11, 5, 5, "head_mask", 2),  # 5 heads padded to 6: 2 chunks of 3, per-head mask rows per chunk
+        (2, 8, 24, 8, 4, "plain", 2),  # GQA: 8 query heads on 4 K/V heads, chunked alike
+        (2, 8, 24, 8, 2, "plain", 2),  # 2 K/V heads do not split into 2 x 2: one chunk
+        (2, 8, 24, 4, 4, "fp8_mask", 2),
+    ],
+)
+def test_head_chunks_pipeline_matches_full_attention(
+    dist2: WorkerPool,
+    dist3: WorkerPool,
+    world: int,
+    txt: int,
+    img: int,
+    heads: int,
+    kv_heads: int,
+    mode: str,
+    chunks: int,
+) -> None:
+    pool = dist2 if world == 2 else dist3
+    for err in pool.run(_compare, txt, img, heads, kv_heads, mode, chunks):
+        assert err < (0.25 if mode == "fp8_mask" else 1e-5)
 
 
 def test_mask_of_wrong_length_raises(dist2: WorkerPool) -> None:

@@ -170,6 +170,7 @@ class ContextParallelAttention:
         mask_segments: Split tensor names whose concatenation, in this order, is the joint sequence a mask built by
             the model indexes (e.g. ``("encoder_hidden_states", "hidden_states")``).
         fp8: Ulysses exchanges in float8.
+        chunks: Head chunks pipelined through Ulysses (see :func:`ulysses_attention`).
         forward: What the split hooks recorded for the current forward.
     """
 
@@ -181,6 +182,7 @@ class ContextParallelAttention:
     local: LocalAttention = field(default_factory=local_attention)
     mask_segments: tuple[str, ...] = ()
     fp8: bool = False
+    chunks: int = 1
     forward: ForwardLayout = field(default_factory=ForwardLayout)
 
     def __call__(
@@ -220,6 +222,7 @@ class ContextParallelAttention:
             kv_lens=kv_lens,
             layout=layout,
             fp8=self.fp8,
+            chunks=self.chunks,
         )
 
     def _lengths(self, query: torch.Tensor, key: torch.Tensor) -> tuple[list[int], list[int]]:

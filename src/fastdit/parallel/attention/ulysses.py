@@ -24,7 +24,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fastdit.parallel.attention.comm import gather_lengths, head_to_seq, pad_heads, seq_to_head_async, shard_sizes
+from fastdit.parallel.attention.comm import (
+    gather_lengths,
+    head_to_seq_async,
+    pad_heads,
+    seq_to_head_async,
+    shard_sizes,
+)
 
 __all__ = ["LocalAttention", "SeqLayout", "mask_in_shard_order", "sdpa_bshd", "ulysses_attention"]
 
@@ -123,6 +129,7 @@ def ulysses_attention(
     kv_lens: Sequence[int] | None = None,
     layout: SeqLayout | None = None,
     fp8: bool = False,
+    chunks: int = 1,
 ) -> torch.Tensor:
     """Attention over a sequence sharded across ``group``, by head-sharding all-to-alls.
 
@@ -141,6 +148,9 @@ def ulysses_attention(
         layout: How the global sequence is split into per-rank pieces (needed to reorder a global mask when the
             sequence concatenates separately split segments); ``None`` means one contiguous split.
         fp8: Send q/k/v and the output as float8 (lossy; halves bf16 traffic).
+        chunks: Pipeline the heads in this many chunks: chunk ``i + 1``'s exchange is in flight while chunk ``i``'s
+            attention runs, and chunk ``i``'s output travels back during chunk ``i + 1``'s attention. Used when the
+            query and key/value heads split into ``chunks * degree`` equal groups; otherwise one chunk.
 
     Returns:
         This rank's output shard ``(B, S_q_local, H, D)``.
@@ -154,26 +164,31 @@ def ulysses_attention(
         exchanged = gather_lengths([q_BSHD.shape[1], k_BSHD.shape[1]], group, q_BSHD.device)
         q_lens, kv_lens = [e[0] for e in exchanged], [e[1] for e in exchanged]
     qkv = [pad_heads(t, degree) for t in (q_BSHD, k_BSHD, v_BSHD)]
-    pending = seq_to_head_async(qkv, group, seq_lens=[q_lens, kv_lens, kv_lens], fp8=fp8)
+    chunks = chunks if all(t.shape[2] % (chunks * degree) == 0 for t in qkv) else 1
+    pieces = [t.chunk(chunks, dim=2) for t in qkv]  # head chunks, each divisible by the degree
+    pending = [
+        seq_to_head_async(list(chunk), group, seq_lens=[q_lens, kv_lens, kv_lens], fp8=fp8)
+        for chunk in zip(*pieces, strict=True)
+    ]
     # Runs while q/k/v are in flight.
-    mask = _prepare_mask(attn_mask, group, q_lens=q_lens, kv_lens=kv_lens, layout=layout, num_heads=num_heads)
-    q_g, k_g, v_g = pending.wait()
-    out_g = local(q_g, k_g, v_g, mask, scale)
-    out = head_to_seq(out_g, group, seq_lens=q_lens, fp8=fp8)  # packs from the strided view: no extra copy
+    mask = mask_in_shard_order(attn_mask, group, q_lens=q_lens, kv_lens=kv_lens, layout=layout)
+    chunk_heads = qkv[0].shape[2] // chunks
+    returning = []
+    for c, exchange in enumerate(pending):
+        q_g, k_g, v_g = exchange.wait()
+        chunk_mask = _heads_of_rank(mask, group, num_heads=num_heads, first=c * chunk_heads, count=chunk_heads)
+        out_g = local(q_g, k_g, v_g, chunk_mask, scale)
+        # Packs from the strided view (no extra copy); travels while the next chunk's attention runs.
+        returning.append(head_to_seq_async(out_g, group, seq_lens=q_lens, fp8=fp8))
+    outs = [r.wait() for r in returning]
+    out = outs[0] if chunks == 1 else torch.cat(outs, dim=2)
     return out[:, :, :num_heads]
 
 
-def _prepare_mask(
-    mask: torch.Tensor | None,
-    group: dist.ProcessGroup | None,
-    *,
-    q_lens: Sequence[int],
-    kv_lens: Sequence[int],
-    layout: SeqLayout | None,
-    num_heads: int,
+def _heads_of_rank(
+    mask: torch.Tensor | None, group: dist.ProcessGroup | None, *, num_heads: int, first: int, count: int
 ) -> torch.Tensor | None:
-    """Turn a caller's mask into one for the post-exchange order and this rank's heads."""
-    mask = mask_in_shard_order(mask, group, q_lens=q_lens, kv_lens=kv_lens, layout=layout)
+    """Rows of a shard-ordered mask for this rank's heads among padded heads ``[first, first + count)``."""
     if mask is None or mask.shape[1] == 1:
         return mask
     if mask.shape[1] != num_heads:
@@ -182,8 +197,8 @@ def _prepare_mask(
     padded = -num_heads % degree
     if padded:  # padded heads attend to zeros; any mask row works for them
         mask = torch.cat([mask, mask[:, :1].expand(-1, padded, -1, -1)], dim=1)
-    per_rank = mask.shape[1] // degree
-    return mask[:, rank * per_rank : (rank + 1) * per_rank]
+    per_rank = count // degree
+    return mask[:, first + rank * per_rank : first + (rank + 1) * per_rank]
 
 
 def mask_in_shard_order(
