@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 from fastdit.testing.components.autoencoder_kl_wan import autoencoder_kl_wan
 from fastdit.testing.components.clip_vision import clip_vision_model
 from fastdit.testing.components.encoders import build, umt5_encoder
@@ -63,11 +64,30 @@ def tiny_chronoedit(seed: int = 0):
     )
 
 
+# Context parallelism, as for Wan: the sequence only exists after patch_embedding + flatten inside forward, so the image
+# tokens are split at the first block (called positionally). `rope` returns (cos, sin) tables (1, S, 1, D) for the
+# full latent grid (its two-frame temporal skip included): both are split on dim 1 like the tokens. A per-token
+# timestep (B, S), which this forward accepts like Wan 2.2's, is split at the root so its modulation matches the split
+# tokens; the pipeline's per-sample timestep is 1-D and passes whole. The [CLIP image | text] context is not split:
+# self-attention is context-parallel, and both cross-attention calls (the processor passes parallel_config=None for
+# them) attend from local image tokens to the whole context on every rank.
+CP_PLAN = ContextParallelPlan(
+    inputs={
+        "": {"timestep": SplitInput(dim=1, expected_dims=2)},
+        "blocks.0": {"hidden_states": SplitInput(dim=1, expected_dims=3)},
+    },
+    outputs={"rope": (SplitOutput(dim=1, expected_dims=4, index=0), SplitOutput(dim=1, expected_dims=4, index=1))},
+    gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
+    attention=AttentionRouting(modules=("diffusers.models.transformers.transformer_chronoedit",)),
+    notes="RoPE tables from `rope` split on dim 1; tokens split at blocks.0; the encoder context is replicated.",
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="chronoedit",
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="blocks", pattern=ForwardPattern.P2),),
+        cp_plan=CP_PLAN,
         tiny_pipelines=(
             TinyPipeline(
                 name="edit",
