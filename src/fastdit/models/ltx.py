@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 from fastdit.testing.components.autoencoder_kl_ltx import autoencoder_kl_ltx_video
 from fastdit.testing.components.encoders import build, t5_encoder
 from fastdit.testing.components.images import random_image
@@ -73,6 +74,28 @@ def tiny_ltx_condition(seed: int = 0):
     return LTXConditionPipeline(**_components(seed))
 
 
+# Context parallelism: latents arrive packed (B, S, C) and forward is "project in, blocks, project out", so the root
+# inputs are split. `rope` builds its (cos, sin) tables (B, S, D) from num_frames/height/width or the condition
+# pipeline's video_coords, i.e. for the full sequence: both are split on dim 1 like the tokens. The I2V / condition
+# per-token timestep (B, S) is split with the tokens (temb and the output modulation are per token; a per-sample
+# timestep is 1-D and passes whole). Every attention processor is routed, cross-attention included, so the text and
+# its padding mask are split too: the cross-attention exchange then reassembles the whole text once per call instead
+# of every rank attending to duplicated keys; the processor's key mask over the local text is all-gathered.
+CP_PLAN = ContextParallelPlan(
+    inputs={
+        "": {
+            "hidden_states": SplitInput(dim=1, expected_dims=3),
+            "encoder_hidden_states": SplitInput(dim=1, expected_dims=3),
+            "encoder_attention_mask": SplitInput(dim=1, expected_dims=2),
+            "timestep": SplitInput(dim=1, expected_dims=2),
+        }
+    },
+    outputs={"rope": (SplitOutput(dim=1, expected_dims=3, index=0), SplitOutput(dim=1, expected_dims=3, index=1))},
+    gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
+    attention=AttentionRouting(modules=("diffusers.models.transformers.transformer_ltx",)),
+    notes="Root split of tokens, per-token timestep, text and text mask; RoPE tables from `rope` split on dim 1.",
+)
+
 _CALL = {
     "prompt": "a cat holding a sign",
     "negative_prompt": "blue",
@@ -89,6 +112,7 @@ ADAPTER = register(
         family="ltx",
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P2),),
+        cp_plan=CP_PLAN,
         tiny_pipelines=(
             TinyPipeline(name="t2v", build=tiny_ltx, call_kwargs=_CALL),
             # Per-token timesteps with conditioning tokens at 0: the cache follows the largest entry.
