@@ -123,7 +123,10 @@ ADAPTER = register(
             "step), but skip-layer guidance (`skip_guidance_layers`, SD3.5 Medium) adds a second forward per step "
             "with batch 1 (not 2) and `skip_layers` that leaves out blocks, and no cache_context: a cache must give "
             "it its own state. ControlNet residuals are added between blocks. Positions are a learned table "
-            "cropped to the latent size, no RoPE and no attention mask."
+            "cropped to the latent size, no RoPE and no attention mask. "
+            "No context-parallel plan: its joint attention (JointAttnProcessor2_0, also used by the SD3.5 dual "
+            "attention) calls F.scaled_dot_product_attention directly instead of dispatch_attention_fn, so it cannot "
+            "be routed to Ulysses/ring attention."
         ),
     )
 )
