@@ -90,7 +90,10 @@ ADAPTER = register(
             "The model prepends 8 learned register tokens to the text stream before the joint blocks and "
             "concatenates [text, image] before the single blocks, whose hidden stream is therefore text+image. "
             "Positions are a learned table cropped around the centre of the latent grid (no RoPE); padded prompt "
-            "tokens are zeroed by the pipeline, no attention mask reaches the blocks. CFG is batched."
+            "tokens are zeroed by the pipeline, no attention mask reaches the blocks. CFG is batched. "
+            "No context-parallel plan: AuraFlowAttnProcessor2_0 (joint and single blocks) calls "
+            "F.scaled_dot_product_attention directly instead of dispatch_attention_fn, so its attention cannot be "
+            "routed to Ulysses/ring attention."
         ),
     )
 )
