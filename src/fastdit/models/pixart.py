@@ -109,7 +109,10 @@ ADAPTER = register(
             "Cross-attention only reads the prompt, so the encoder stream is constant over the blocks and the "
             "image sequence can be split alone (keys/values of the cross-attention stay whole); the prompt mask "
             "arrives as `encoder_attention_mask` (a bias). Sin-cos positions are added before the blocks (no "
-            "RoPE). CFG is batched. The pipelines snap the size to ~1 MP bins unless `use_resolution_binning=False`."
+            "RoPE). CFG is batched. The pipelines snap the size to ~1 MP bins unless `use_resolution_binning=False`. "
+            "No context-parallel plan: self- and cross-attention use AttnProcessor2_0, which calls "
+            "F.scaled_dot_product_attention directly instead of dispatch_attention_fn, so the self-attention cannot be "
+            "routed to Ulysses/ring attention."
         ),
     )
 )
