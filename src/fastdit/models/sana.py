@@ -135,7 +135,10 @@ ADAPTER = register(
             "it; the Mix-FFN reshapes the tokens to the (height, width) grid passed to every block and runs a 3x3 "
             "depthwise convolution, so a sequence split needs whole rows plus a one-row halo. Cross-attention reads "
             "the prompt with `encoder_attention_mask`. CFG is batched (Sprint embeds guidance and runs one branch); "
-            "the pipelines snap sizes to ~1 MP bins unless `use_resolution_binning=False`."
+            "the pipelines snap sizes to ~1 MP bins unless `use_resolution_binning=False`. "
+            "No context-parallel plan: the self-attention is linear (SanaLinearAttnProcessor2_0, matmuls, no "
+            "dispatch_attention_fn), the cross-attention processor calls F.scaled_dot_product_attention directly, and "
+            "the Mix-FFN's 3x3 convolution mixes neighbouring rows of the token grid."
         ),
     )
 )
