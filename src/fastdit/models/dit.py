@@ -81,7 +81,9 @@ ADAPTER = register(
         notes=(
             "Class-conditional, no text: every block embeds `timestep` and `class_labels` itself (AdaLN-zero inside "
             "the block). CFG is batched (label 1000 is the null class). The image size is fixed by the config "
-            "(`sample_size` latent pixels); sin-cos positions are added before the blocks, no RoPE, no mask."
+            "(`sample_size` latent pixels); sin-cos positions are added before the blocks, no RoPE, no mask. "
+            "No context-parallel plan: the blocks' AttnProcessor2_0 calls F.scaled_dot_product_attention directly "
+            "instead of dispatch_attention_fn, so its attention cannot be routed to Ulysses/ring attention."
         ),
     )
 )
