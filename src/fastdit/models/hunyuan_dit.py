@@ -123,7 +123,10 @@ ADAPTER = register(
             "blocks must still feed the back blocks a skip for every front block it did not run. The RoPE table "
             "is built by the pipeline from the image size and passed in (`image_rotary_emb`); the prompt mask is "
             "applied by swapping padded tokens for a learned padding, no attention mask reaches the blocks. CFG is "
-            "batched; the pipeline snaps sizes to ~1 MP bins unless `use_resolution_binning=False`."
+            "batched; the pipeline snaps sizes to ~1 MP bins unless `use_resolution_binning=False`. "
+            "No context-parallel plan: HunyuanAttnProcessor2_0 (self- and cross-attention) calls "
+            "F.scaled_dot_product_attention directly instead of dispatch_attention_fn, so its attention cannot be "
+            "routed to Ulysses/ring attention (the long skips are token-wise and would not prevent a split)."
         ),
     )
 )
