@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 from fastdit.testing.components.autoencoder_kl_ltx import autoencoder_kl_ltx2_video
 from fastdit.testing.components.encoders import build
 from fastdit.testing.components.gemma3 import gemma3_model
@@ -147,6 +148,52 @@ def tiny_ltx2_i2v(seed: int = 0):
     return LTX2ImageToVideoPipeline(**_components(seed))
 
 
+# The rotary tables of the LTX-2 RoPE modules are (B, S, D) with rope_type "interleaved" and (B, H, S, D / H) with
+# "split": the sequence dim depends on the type, and each spec only applies to tensors of its rank.
+_ROPE_SPLIT = tuple(
+    SplitOutput(dim=dim, expected_dims=ndim, index=index) for index in (0, 1) for dim, ndim in ((1, 3), (2, 4))
+)
+
+# Context parallelism: forward is "project in, blocks, project out" for both streams, so the root inputs are split:
+# the video and the audio tokens each over all ranks (dim 1). Every attention is routed through context-parallel
+# attention (the processors carry the parallel config), and each one's keys and values are one split stream: video
+# and audio self-attention, video->text and audio->text cross-attention, and the audio<->video cross-attentions.
+# So the two text streams and their padding masks are split as well (the processors build a key mask over the local
+# text, which attention all-gathers). The four RoPE modules compute tables for the whole video / audio sequence
+# (from the coordinates the pipeline passes, or from num_frames/height/width): all are split like their stream. The
+# video timestep may be per token (B, S_video) in I2V, as may the audio timestep; per-sample ones are 1-D and pass
+# whole, as do sigma and the perturbation mask. Both output projections are gathered.
+CP_PLAN = ContextParallelPlan(
+    inputs={
+        "": {
+            "hidden_states": SplitInput(dim=1, expected_dims=3),
+            "audio_hidden_states": SplitInput(dim=1, expected_dims=3),
+            "encoder_hidden_states": SplitInput(dim=1, expected_dims=3),
+            "audio_encoder_hidden_states": SplitInput(dim=1, expected_dims=3),
+            "encoder_attention_mask": SplitInput(dim=1, expected_dims=2),
+            "audio_encoder_attention_mask": SplitInput(dim=1, expected_dims=2),
+            "timestep": SplitInput(dim=1, expected_dims=2),
+            "audio_timestep": SplitInput(dim=1, expected_dims=2),
+            "video_keyframes_mask": SplitInput(dim=1, expected_dims=3),
+        }
+    },
+    outputs={
+        "rope": _ROPE_SPLIT,
+        "audio_rope": _ROPE_SPLIT,
+        "cross_attn_rope": _ROPE_SPLIT,
+        "cross_attn_audio_rope": _ROPE_SPLIT,
+    },
+    gather={
+        "proj_out": GatherOutput(dim=1, expected_dims=3),
+        "audio_proj_out": GatherOutput(dim=1, expected_dims=3),
+    },
+    attention=AttentionRouting(modules=("diffusers.models.transformers.transformer_ltx2",)),
+    notes=(
+        "Root split of video, audio, both texts and text masks, per-token timesteps; the four RoPE modules' tables "
+        "split like their stream; video_self_attention_mask (a global (B, S, S) mask) is not supported."
+    ),
+)
+
 _CALL = {
     "prompt": "a cat holding a sign",
     "negative_prompt": "blue",
@@ -169,6 +216,7 @@ ADAPTER = register(
         block_groups=(
             BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P0, encoder_arg="audio_hidden_states"),
         ),
+        cp_plan=CP_PLAN,
         tiny_pipelines=(
             TinyPipeline(name="t2v", build=tiny_ltx2, call_kwargs=_CALL),
             # Per-token timesteps with conditioning tokens at 0: the cache follows the largest entry.
