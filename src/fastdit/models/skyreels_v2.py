@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 from fastdit.testing.components.autoencoder_kl_wan import WAN_LATENT_CHANNELS, autoencoder_kl_wan
 from fastdit.testing.components.clip_vision import clip_vision_model
 from fastdit.testing.components.encoders import build, umt5_encoder
@@ -102,11 +103,36 @@ _CALL = {
     "max_sequence_length": 16,
 }
 
+# Context parallelism, as for Wan: the sequence only exists after patch_embedding + flatten inside forward, so the image
+# tokens are split at the first block (called positionally); `rope`'s (cos, sin) tables (1, S, 1, D) cover the full
+# latent grid and are split on dim 1 like the tokens. Diffusion forcing expands its per-frame timesteps inside forward
+# to a per-token modulation (B, 6, S, D) that every block receives: it is split on dim 2 at each block (the per-sample
+# one is 3-D and passes whole). Its block-causal mask (1, 1, S, S) stays global: context-parallel attention indexes it
+# with every rank's shard. The same per-token timestep also shifts and scales `norm_out`'s output, so the sequence is
+# gathered there, before that modulation, rather than at proj_out. The text is replicated. Unlike Wan's, this
+# processor passes its parallel_config to the cross-attention calls too, so they run context-parallel over replicated
+# keys: every rank's copy of the text is exchanged, each key appears once per rank, and softmax over identical copies
+# equals softmax over one (correct, at the cost of a rank-times larger cross-attention).
+CP_PLAN = ContextParallelPlan(
+    inputs={
+        "blocks.0": {"hidden_states": SplitInput(dim=1, expected_dims=3)},
+        "blocks.*": {"temb": SplitInput(dim=2, expected_dims=4)},
+    },
+    outputs={"rope": (SplitOutput(dim=1, expected_dims=4, index=0), SplitOutput(dim=1, expected_dims=4, index=1))},
+    gather={"norm_out": GatherOutput(dim=1, expected_dims=3)},
+    attention=AttentionRouting(modules=("diffusers.models.transformers.transformer_skyreels_v2",)),
+    notes=(
+        "RoPE tables from `rope` split on dim 1; tokens split at blocks.0, per-token modulation (diffusion forcing) at "
+        "every block; gathered at norm_out; text replicated (cross-attention runs over every rank's copy)."
+    ),
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="skyreels_v2",
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="blocks", pattern=ForwardPattern.P2),),
+        cp_plan=CP_PLAN,
         tiny_pipelines=(
             TinyPipeline(name="t2v", build=tiny_skyreels_t2v, call_kwargs=_CALL),
             TinyPipeline(name="i2v", build=tiny_skyreels_i2v, call_kwargs={**_CALL, "image": random_image()}),
