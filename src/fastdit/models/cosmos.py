@@ -281,7 +281,9 @@ ADAPTER = register(
             "positions are added inside every block (both full-length: slice per rank under a sequence split). CFG "
             "runs as two calls per step without cache_context. Predict2 Video2World passes per-frame timesteps "
             "(B, 1, T, 1, 1) with the conditioning frames at a small fixed value: read the step from the largest. "
-            "The pipelines need a safety checker; real checkpoints also need torchvision (padding-mask resize)."
+            "The pipelines need a safety checker; real checkpoints also need torchvision (padding-mask resize). "
+            "No context-parallel plan: the Cosmos attention processors (CosmosAttnProcessor2_0, 2_5) call "
+            "dispatch_attention_fn without a parallel_config, so their attention cannot be routed."
         ),
     )
 )
