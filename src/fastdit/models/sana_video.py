@@ -91,10 +91,12 @@ ADAPTER = register(
             ),
         ),
         notes=(
-            "Blocks need the latent grid (frames, height, width: the Mix-FFN's temporal convolution reshapes tokens "
-            "to it), so a sequence split for context parallelism must also split that grid; 3-D RoPE is computed from "
-            "hidden_states.shape inside forward. Cross-attention takes a text padding mask. CFG is batched in one call "
-            "and the pipeline opens no cache contexts."
+            "Blocks need the latent grid (frames, height, width: the Mix-FFN's convolutions reshape tokens to it); "
+            "3-D RoPE is computed from hidden_states.shape inside forward. Cross-attention takes a text padding mask. "
+            "CFG is batched in one call and the pipeline opens no cache contexts. No context-parallel plan: "
+            "self-attention is ReLU linear attention computed inside SanaLinearAttnProcessor3_0 (no "
+            "dispatch_attention_fn call to route), and the Mix-FFN's depthwise 3x3 and temporal convolutions mix "
+            "neighbouring tokens across any split of the sequence."
         ),
     )
 )
