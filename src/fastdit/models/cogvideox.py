@@ -220,7 +220,9 @@ ADAPTER = register(
         notes=(
             "Text and video tokens are concatenated by the patch embedding and split again before the blocks; "
             "sin-cos or learned positions are added there and 3-D RoPE is computed by the pipeline and passed in "
-            "(image_rotary_emb covers video tokens only). CFG is batched (one call per step, batch 2)."
+            "(image_rotary_emb covers video tokens only). CFG is batched (one call per step, batch 2). "
+            "No context-parallel plan: its CogVideoXAttnProcessor2_0 calls F.scaled_dot_product_attention directly "
+            "instead of dispatch_attention_fn with a parallel config, so its joint attention cannot be routed."
         ),
     )
 )
