@@ -94,7 +94,9 @@ ADAPTER = register(
         notes=(
             "Absolute 2-D sin-cos position embeddings (no RoPE) are added to the image tokens before the blocks; no "
             "attention mask. CFG is batched in one call and the transformer has no CacheMixin, so the pipeline opens "
-            "no cache contexts."
+            "no cache contexts. No context-parallel plan: its processor (CogVideoXAttnProcessor2_0) calls "
+            "F.scaled_dot_product_attention directly instead of dispatch_attention_fn with a parallel config, so its "
+            "joint attention cannot be routed."
         ),
     )
 )
