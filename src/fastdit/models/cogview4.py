@@ -100,7 +100,9 @@ ADAPTER = register(
         notes=(
             "RoPE is computed from hidden_states.shape inside forward (interpolated onto a fixed rope_axes_dim grid) "
             "and covers image tokens only; text tokens are left-padded to a multiple of 16 with no attention mask. "
-            "CFG runs two transformer calls per step (cond/uncond)."
+            "CFG runs two transformer calls per step (cond/uncond). No context-parallel plan: its "
+            "CogView4AttnProcessor calls F.scaled_dot_product_attention directly instead of dispatch_attention_fn "
+            "with a parallel config, so its joint attention cannot be routed."
         ),
     )
 )
