@@ -110,7 +110,9 @@ ADAPTER = register(
         ),
         notes=(
             "3-D RoPE is computed from hidden_states.shape inside forward. Text is padded to 256 tokens with no mask "
-            "reaching the transformer. CFG is batched in one call and the pipeline opens no cache contexts."
+            "reaching the transformer. CFG is batched in one call and the pipeline opens no cache contexts. "
+            "No context-parallel plan: its EasyAnimateAttnProcessor2_0 calls F.scaled_dot_product_attention directly "
+            "instead of dispatch_attention_fn with a parallel config, so its joint attention cannot be routed."
         ),
     )
 )
