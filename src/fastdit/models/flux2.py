@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.testing.components.encoders import build
 from fastdit.testing.components.images import random_image
 from fastdit.testing.components.mistral3 import mistral3_model
@@ -101,6 +102,28 @@ def tiny_flux2_klein(seed: int = 0):
     )
 
 
+# Context parallelism: the forward is "embed, double blocks, concatenate [text, image], single blocks, drop the text,
+# project out", all token-wise outside attention, so the root inputs are split. RoPE is computed inside forward from
+# txt_ids and img_ids (the pipelines pass (B, S, 4), forward also takes (S, 4)): splitting them on their sequence dim
+# (-2 in both layouts) like the streams gives every rank the rotary embedding of exactly its tokens. The text length
+# forward drops before proj_out is read from the (local) text stream, so each rank keeps its own image shard.
+CP_PLAN = ContextParallelPlan(
+    inputs={
+        "": {
+            "hidden_states": SplitInput(dim=1, expected_dims=3),
+            "encoder_hidden_states": SplitInput(dim=1, expected_dims=3),
+            "img_ids": SplitInput(dim=-2),
+            "txt_ids": SplitInput(dim=-2),
+        }
+    },
+    gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
+    attention=AttentionRouting(
+        modules=("diffusers.models.transformers.transformer_flux2",),
+        mask_segments=("encoder_hidden_states", "hidden_states"),
+    ),
+    notes="RoPE from img_ids/txt_ids, split on their sequence dim with the streams: no RoPE patch needed.",
+)
+
 _CALL = {
     "prompt": "a cat holding a sign",
     "height": 32,
@@ -118,6 +141,7 @@ ADAPTER = register(
             BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P1),
             BlockGroup(path="single_transformer_blocks", pattern=ForwardPattern.P3),
         ),
+        cp_plan=CP_PLAN,
         tiny_pipelines=(
             TinyPipeline(name="dev", build=tiny_flux2_dev, call_kwargs={**_CALL, "guidance_scale": 4.0}),
             TinyPipeline(name="klein", build=tiny_flux2_klein, call_kwargs={**_CALL, "guidance_scale": 4.0}),
