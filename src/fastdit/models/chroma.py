@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.testing.components.autoencoder_kl import autoencoder_kl
 from fastdit.testing.components.encoders import build, t5_encoder
 from fastdit.testing.components.images import random_image
@@ -68,6 +69,29 @@ def tiny_chroma_img2img(seed: int = 0):
     return ChromaImg2ImgPipeline(**_components(seed))
 
 
+# Context parallelism: as for Flux, the forward is "embed, double blocks, concatenate [text, image], single blocks,
+# drop the text, project out", token-wise outside attention, so the root inputs are split; RoPE is computed inside
+# forward from txt_ids/img_ids, split on their sequence dim (-2 for the 2-D ids and the deprecated 3-D ones) like the
+# streams. The pipeline's attention_mask covers the global [text, image] sequence and every block expands it to a
+# (B, 1, S, S) mask over it, so it stays whole: attention reorders it into shard order by mask_segments.
+CP_PLAN = ContextParallelPlan(
+    inputs={
+        "": {
+            "hidden_states": SplitInput(dim=1, expected_dims=3),
+            "encoder_hidden_states": SplitInput(dim=1, expected_dims=3),
+            "img_ids": SplitInput(dim=-2),
+            "txt_ids": SplitInput(dim=-2),
+        }
+    },
+    gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
+    attention=AttentionRouting(
+        # The blocks use Flux's attention processor.
+        modules=("diffusers.models.transformers.transformer_flux",),
+        mask_segments=("encoder_hidden_states", "hidden_states"),
+    ),
+    notes="RoPE from img_ids/txt_ids split with the streams; the global [text, image] mask is reordered in attention.",
+)
+
 _CALL = {
     "prompt": "a cat holding a sign",
     "negative_prompt": "a dog",
@@ -86,6 +110,7 @@ ADAPTER = register(
             BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P1),
             BlockGroup(path="single_transformer_blocks", pattern=ForwardPattern.P3),
         ),
+        cp_plan=CP_PLAN,
         tiny_pipelines=(
             TinyPipeline(name="chroma", build=tiny_chroma, call_kwargs=_CALL),
             TinyPipeline(
