@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.testing.components.autoencoder_kl import autoencoder_kl
 from fastdit.testing.components.encoders import build
 from fastdit.testing.components.images import random_image
@@ -70,6 +71,35 @@ def tiny_z_image_img2img(seed: int = 0):
     return ZImageImg2ImgPipeline(**_components(seed))
 
 
+# Context parallelism: forward patchifies lists of per-sample tensors, pads them and builds RoPE tables inside
+# forward, so the sequence is split at the blocks. Every block is called positionally with the stream `x`, a key
+# padding mask, RoPE `freqs_cis` (B, S, D/2) and (omni mode) a per-token `noise_mask`, the last three being the same
+# full-length tensors for every block of a list: `x` is split at the first main layer, RoPE and the noise mask at every
+# layer; the padding mask stays whole (a global key mask is used as is by attention). The noise and context refiners
+# run before the unified sequence exists and their output is sliced per sample with global lengths, so each refiner
+# layer splits its input and gathers its output. The omni SigLIP refiner exists only in checkpoints with SigLIP, so
+# the plan cannot name it: it runs whole on every rank, and its routed attention then sees each key once per rank,
+# which leaves the softmax unchanged (exact, at the cost of redundant attention in that refiner). The final layer
+# gathers the unified sequence before unpatchify.
+_SEQ = SplitInput(dim=1, expected_dims=3)
+_PER_TOKEN = SplitInput(dim=1, expected_dims=2)
+CP_PLAN = ContextParallelPlan(
+    inputs={
+        "noise_refiner.*": {"x": _SEQ, "freqs_cis": _SEQ, "noise_mask": _PER_TOKEN},
+        "context_refiner.*": {"x": _SEQ, "freqs_cis": _SEQ},
+        "layers.0": {"x": _SEQ},
+        "layers.*": {"freqs_cis": _SEQ, "noise_mask": _PER_TOKEN},
+        "all_final_layer.*": {"noise_mask": _PER_TOKEN},
+    },
+    gather={
+        "noise_refiner.*": GatherOutput(dim=1, expected_dims=3),
+        "context_refiner.*": GatherOutput(dim=1, expected_dims=3),
+        "all_final_layer.*": GatherOutput(dim=1, expected_dims=3),
+    },
+    attention=AttentionRouting(modules=("diffusers.models.transformers.transformer_z_image",)),
+    notes="RoPE tables and noise mask split at every block; refiners split and gather per layer; padding mask whole.",
+)
+
 # CFG here is batched: cond and uncond go through one transformer call per step.
 _CALL = {
     "prompt": "a cat holding a sign",
@@ -88,6 +118,7 @@ ADAPTER = register(
         block_groups=(BlockGroup(path="layers", pattern=ForwardPattern.P3, hidden_arg="x"),),
         # Z-Image pipelines pass (1000 - t) / 1000: the timestep rises during a run.
         timestep_arg="t",
+        cp_plan=CP_PLAN,
         tiny_pipelines=(
             TinyPipeline(name="z-image", build=tiny_z_image, call_kwargs=_CALL),
             TinyPipeline(
