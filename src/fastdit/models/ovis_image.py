@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.testing.components.autoencoder_kl import autoencoder_kl
 from fastdit.testing.components.encoders import build
 from fastdit.testing.components.qwen3 import qwen3_model
@@ -52,6 +53,27 @@ def tiny_ovis_image(seed: int = 0):
     )
 
 
+# Context parallelism: as for Flux, the forward is "embed, loop over blocks, project out" (the single blocks concatenate
+# and split [text, image] themselves, by the local text length), so the root inputs are split. RoPE is computed inside
+# forward from cat(txt_ids, img_ids); splitting the ids on their sequence dim (-2 for the 2-D ids and the deprecated
+# 3-D ones) like the streams gives every rank the rotary embedding of exactly its tokens.
+CP_PLAN = ContextParallelPlan(
+    inputs={
+        "": {
+            "hidden_states": SplitInput(dim=1, expected_dims=3),
+            "encoder_hidden_states": SplitInput(dim=1, expected_dims=3),
+            "img_ids": SplitInput(dim=-2),
+            "txt_ids": SplitInput(dim=-2),
+        }
+    },
+    gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
+    attention=AttentionRouting(
+        modules=("diffusers.models.transformers.transformer_ovis_image",),
+        mask_segments=("encoder_hidden_states", "hidden_states"),
+    ),
+    notes="RoPE from img_ids/txt_ids, split on their sequence dim with the streams: no RoPE patch needed.",
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="ovis_image",
@@ -60,6 +82,7 @@ ADAPTER = register(
             BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P1),
             BlockGroup(path="single_transformer_blocks", pattern=ForwardPattern.P1),
         ),
+        cp_plan=CP_PLAN,
         tiny_pipelines=(
             TinyPipeline(
                 name="ovis-image",
