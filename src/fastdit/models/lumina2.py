@@ -93,7 +93,9 @@ ADAPTER = register(
             "different prompt lengths are right-padded and get an attention mask. Attention is GQA (num_kv_heads). "
             "The timestep rises during a run (0 = noise, 1 = image). True CFG: a second forward per step for the "
             "negative prompt, same timestep, no cache_context, dropped after `cfg_trunc_ratio`. The refiner lists "
-            "(context_refiner, noise_refiner) run before `layers`."
+            "(context_refiner, noise_refiner) run before `layers`. "
+            "No context-parallel plan: Lumina2AttnProcessor2_0 calls F.scaled_dot_product_attention directly "
+            "instead of dispatch_attention_fn, so its attention cannot be routed to Ulysses/ring attention."
         ),
     )
 )
