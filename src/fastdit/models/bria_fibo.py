@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 from fastdit.testing.components.autoencoder_kl_wan import autoencoder_kl_wan
 from fastdit.testing.components.encoders import build
 from fastdit.testing.components.images import random_image
@@ -86,6 +87,34 @@ _CALL = {
     "max_sequence_length": 64,
 }
 
+# Context parallelism: the forward is "embed, loop over blocks, project out", and what it does between blocks is
+# token-wise (channel concatenations; [text | image] concatenated and cut by the local text length), so the root
+# inputs are split. RoPE is computed inside forward from cat(txt_ids, img_ids), split on their sequence dim (-2 for
+# 2-D and 3-D ids) like the streams. The per-block text-encoder layers arrive as a list, which a root split does not
+# reach: each `caption_projection` output (B, S_text, D/2) is split instead, like the text stream it is concatenated
+# to. The pipeline's padding mask (in joint_attention_kwargs) covers the global [text, image] sequence and stays whole:
+# attention reorders it into shard order by mask_segments. Single blocks use Bria's processor, hence two modules.
+CP_PLAN = ContextParallelPlan(
+    inputs={
+        "": {
+            "hidden_states": SplitInput(dim=1, expected_dims=3),
+            "encoder_hidden_states": SplitInput(dim=1, expected_dims=3),
+            "img_ids": SplitInput(dim=-2),
+            "txt_ids": SplitInput(dim=-2),
+        }
+    },
+    outputs={"caption_projection.*": SplitOutput(dim=1, expected_dims=3)},
+    gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
+    attention=AttentionRouting(
+        modules=(
+            "diffusers.models.transformers.transformer_bria_fibo",
+            "diffusers.models.transformers.transformer_bria",
+        ),
+        mask_segments=("encoder_hidden_states", "hidden_states"),
+    ),
+    notes="RoPE from img_ids/txt_ids and the per-block text layers split with the streams; global mask reordered.",
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="bria_fibo",
@@ -94,6 +123,7 @@ ADAPTER = register(
             BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P1),
             BlockGroup(path="single_transformer_blocks", pattern=ForwardPattern.P3),
         ),
+        cp_plan=CP_PLAN,
         tiny_pipelines=(
             TinyPipeline(
                 name="fibo",
