@@ -112,7 +112,10 @@ ADAPTER = register(
         notes=(
             "Text is padded to max_sequence_length; blocks take encoder_attention_mask and the attention processor "
             "drops padded text tokens per sample before joint attention. RoPE is computed from the latent shape "
-            "in forward. CFG is batched (one call per step, batch 2)."
+            "in forward. CFG is batched (one call per step, batch 2). "
+            "No context-parallel plan: MochiAttnProcessor2_0 drops each sample's padded text tokens and calls "
+            "F.scaled_dot_product_attention directly instead of dispatch_attention_fn, so its attention cannot be "
+            "routed."
         ),
     )
 )
