@@ -136,7 +136,10 @@ ADAPTER = register(
             "Blocks take a joint attention mask ([image | text] with text padding: Qwen text is padded to 1000 "
             "tokens, ByT5 glyph text to 128, valid tokens moved first); under context parallelism it must be "
             "reordered with the tokens. RoPE is computed from hidden_states.shape inside forward (image tokens only). "
-            "CFG runs through a diffusers guider: two calls per step, contexts pred_cond/pred_uncond."
+            "CFG runs through a diffusers guider: two calls per step, contexts pred_cond/pred_uncond. "
+            "No context-parallel plan: the text token refiner (context_embedder) runs diffusers' AttnProcessor2_0, "
+            "which calls F.scaled_dot_product_attention directly, so plan validation refuses the model although the "
+            "refiner only sees replicated text (the blocks split cleanly at transformer_blocks.0)."
         ),
     )
 )
