@@ -171,7 +171,11 @@ ADAPTER = register(
         notes=(
             "The encoder stream (image, glyph and text tokens, valid ones packed first) carries a key-padding mask "
             "passed to every block; RoPE comes from the latent shape. CFG runs through a diffusers guider: one "
-            "transformer call per branch inside cache_context. T2V feeds all-zero image tokens, masked out."
+            "transformer call per branch inside cache_context. T2V feeds all-zero image tokens, masked out. "
+            "No context-parallel plan: the text token refiner runs AttnProcessor2_0 (direct "
+            "F.scaled_dot_product_attention), and the block processor builds a square (B, 1, S, S) mask from the "
+            "padding vector over the rank's local tokens, which context-parallel attention cannot map to the global "
+            "sequence."
         ),
     )
 )
