@@ -266,7 +266,11 @@ ADAPTER = register(
             "token_replace I2V modulates the first frame's tokens differently (first_frame_num_tokens is a "
             "position count: adjust it per rank under a sequence split). The I2V and SkyReels pipelines run true CFG "
             "as two calls without cache_context. FramePack prepends clean history tokens (compressed 1x/2x/4x) to the "
-            "noisy window and keeps only the window's tokens at the end; each section changes the sequence length."
+            "noisy window and keeps only the window's tokens at the end; each section changes the sequence length. "
+            "No context-parallel plan: the text token refiner runs AttnProcessor2_0 (direct "
+            "F.scaled_dot_product_attention), token_replace I2V passes first_frame_num_tokens as a global position "
+            "count that a split cannot adjust per rank, and FramePack keeps the last original_context_length tokens "
+            "between the last block and norm_out."
         ),
     )
 )
