@@ -178,7 +178,10 @@ ADAPTER = register(
             "Only visual_transformer_blocks are declared: text_transformer_blocks (pattern 3, hidden_arg 'x') run "
             "first on the text alone and always compute. Visual tokens are flattened from the (T, H, W) grid, in "
             "block ('fractal') order when sparse attention is on (Pro models), and 3-D RoPE follows that order. "
-            "CFG runs as two calls per step without cache_context."
+            "CFG runs as two calls per step without cache_context. "
+            "No context-parallel plan: forward reshapes the visual tokens to the (T, H, W) grid between the last "
+            "visual block and out_layer, so the sequence must be gathered at the last entry of "
+            "visual_transformer_blocks, which a plan path cannot name independently of the block count."
         ),
     )
 )
