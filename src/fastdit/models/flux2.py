@@ -107,6 +107,8 @@ def tiny_flux2_klein(seed: int = 0):
 # txt_ids and img_ids (the pipelines pass (B, S, 4), forward also takes (S, 4)): splitting them on their sequence dim
 # (-2 in both layouts) like the streams gives every rank the rotary embedding of exactly its tokens. The text length
 # forward drops before proj_out is read from the (local) text stream, so each rank keeps its own image shard.
+# Not covered: the klein KV pipeline's kv_cache_mode calls, whose reference-token attention bypasses parallel_config
+# and whose modulation blend uses global token counts.
 CP_PLAN = ContextParallelPlan(
     inputs={
         "": {
