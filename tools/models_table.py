@@ -52,21 +52,36 @@ def transformer_classes() -> list[type]:
     return sorted(out, key=lambda c: c.__name__)
 
 
+NO_PLAN = "No context-parallel plan:"
+
+
+def cp_status(adapter) -> str:
+    """The context-parallel cell: the plan's one-line summary, or the reason recorded in the adapter's notes."""
+    if adapter.cp_plan is not None:
+        return "✅ " + (adapter.cp_plan.notes or "plan")
+    notes = " ".join(adapter.notes.split())
+    if NO_PLAN in notes:
+        return "❌ " + notes[notes.index(NO_PLAN) + len(NO_PLAN) :].strip()
+    return "❌ not planned yet"
+
+
 def render() -> str:
     by_class = {name: adapter for adapter in all_adapters() for name in adapter.transformer_classes}
     rows = []
-    supported = 0
+    supported = with_cp = 0
     for cls in transformer_classes():
         adapter = by_class.get(qualified_name(cls))
         if adapter is not None:
             supported += 1
+            with_cp += adapter.cp_plan is not None
             groups = ", ".join(f"`{g.path}` (P{g.pattern.value})" for g in adapter.block_groups)
             tiny = ", ".join(t.name for t in adapter.tiny_pipelines)
             presets = ", ".join(f"`{p.name}`" for p in adapter.presets) or "—"
-            rows.append(f"| `{cls.__name__}` | `{adapter.family}` | ✅ cache | {groups} | {tiny} | {presets} |")
+            cp = cp_status(adapter).replace("|", "\\|")
+            rows.append(f"| `{cls.__name__}` | `{adapter.family}` | ✅ cache | {cp} | {groups} | {tiny} | {presets} |")
         else:
             reason = REASONS.get(cls.__name__, "DiT not integrated yet")
-            rows.append(f"| `{cls.__name__}` | — | ❌ {reason} | | | |")
+            rows.append(f"| `{cls.__name__}` | — | ❌ {reason} | | | | |")
     header = [
         "# Model families",
         "",
@@ -80,10 +95,14 @@ def render() -> str:
         "schedule caching exactly the expected steps. Per-family notes (masks, RoPE, loop-body work, GQA) are in",
         "each family file's `notes` and in [models/](models/).",
         "",
-        f"**{supported} transformer classes supported.** Context/tensor parallel support will be added per family.",
+        "The context-parallel column gives the family's plan (where the sequence is split, see",
+        "[parallel.md](parallel.md)) — every plan is tested on 2 and 3 gloo ranks against one process — or why there",
+        "is none. Tensor, text-encoder and VAE parallelism are not available yet.",
         "",
-        "| diffusers class | family | status | block lists (pattern) | tiny pipelines | CLI names |",
-        "|---|---|---|---|---|---|",
+        f"**{supported} transformer classes supported; {with_cp} with context parallelism.**",
+        "",
+        "| diffusers class | family | cache | context parallel | block lists (pattern) | tiny pipelines | CLI names |",
+        "|---|---|---|---|---|---|---|",
     ]
     return "\n".join(header + rows) + "\n"
 
