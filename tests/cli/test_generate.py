@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from fastdit.cache.presets import DEFAULT_CACHE_PRESET, cache_config
 from fastdit.cli import build_parser, main
@@ -231,6 +232,17 @@ def test_field_flags_override_the_preset(tiny_flux_dir: Path) -> None:
     assert plan.acceleration["cache"].step_mask == StepMask(compute_steps=(0, 2), policy="static")
 
 
+def test_threads(tiny_flux_dir: Path) -> None:
+    before = torch.get_num_threads()
+    try:
+        _plan("--model-path", str(tiny_flux_dir), "--prompt", "a", "--threads", "2", "--device", "cpu")
+        assert torch.get_num_threads() == 2
+        _plan("--prompt", "a handwritten digit 1", "--device", "cpu")  # the reference pipeline: one thread
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 BAD_BEFORE_LOADING = [
     (["nosuchmodel", "--prompt", "a"], "MODEL 'nosuchmodel'"),
     (["flux", "--prompt", "a"], "FLUX_DIR"),
@@ -238,6 +250,7 @@ BAD_BEFORE_LOADING = [
     (["--model-path", "{tiny}", "--prompt", "a", "--steps", "-1"], "--steps -1"),
     (["--model-path", "{tiny}", "--prompt", "a", "--height", "0"], "--height 0"),
     (["--model-path", "{tiny}", "--prompt", "a", "--repeat", "0"], "--repeat 0"),
+    (["--model-path", "{tiny}", "--prompt", "a", "--threads", "0"], "--threads 0"),
     (["--model-path", "{tiny}", "--prompt", "a", "--parallel", "ulysses=3"], "--parallel ulysses=3"),
     (["--model-path", "{tiny}", "--prompt", "a", "--parallel", "ulysses:2"], "--parallel"),
     (["--model-path", "{tiny}", "--prompt", "a", "--parallel", "heads=2"], "--parallel"),

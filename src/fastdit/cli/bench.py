@@ -35,6 +35,7 @@ from fastdit.cli.options import (
     check_call_numbers,
     check_positive,
     check_size,
+    configure_threads,
     resolve_device,
     resolve_dtype,
     resolve_source,
@@ -188,6 +189,7 @@ def _plan(args: argparse.Namespace) -> _Plan:
     num_steps = default_steps(pipeline_class, kwargs)
     cases = [Case(prompt, seed) for prompt in _prompts(args, source, pipeline_class) for seed in seeds]
     device = resolve_device(args.device)
+    configure_threads(args.threads, reference=source.reference, device=device)
     return _Plan(
         source=source,
         pipeline_class=pipeline_class,

@@ -33,6 +33,7 @@ from fastdit.cli.options import (
     check_call_numbers,
     check_positive,
     check_size,
+    configure_threads,
     parse_parallel,
     resolve_device,
     resolve_dtype,
@@ -243,6 +244,7 @@ def plan_from_args(args: argparse.Namespace) -> GeneratePlan:
     if compare and not acceleration:
         raise CLIError("argument --compare: nothing to compare, ask for an acceleration (--cache, --compile, ...)")
     device = resolve_device(args.device)
+    configure_threads(args.threads, reference=source.reference, device=device)
     video = is_video_pipeline(pipeline_class)
     default_warmup = 1 if compare or args.compile else 0
     return GeneratePlan(

@@ -44,6 +44,7 @@ __all__ = [
     "check_call_numbers",
     "check_positive",
     "check_size",
+    "configure_threads",
     "parse_parallel",
     "parse_value",
     "resolve_device",
@@ -411,6 +412,17 @@ def resolve_device(text: str | None, environ: Mapping[str, str] | None = None) -
     return device
 
 
+def configure_threads(threads: int | None, *, reference: bool, device: torch.device) -> None:
+    """``--threads``: set torch's intra-op threads (see the flag's help for the default)."""
+    if threads is not None:
+        check_positive("--threads", threads)
+        torch.set_num_threads(threads)
+    elif reference and device.type == "cpu":
+        # The reference model's kernels are tiny: extra threads only add synchronisation, and on a busy machine
+        # two threads measured 5-10x slower than one.
+        torch.set_num_threads(1)
+
+
 def resolve_dtype(text: str, device: torch.device) -> torch.dtype:
     """``--dtype``: ``auto`` is bfloat16 on CUDA and float32 elsewhere."""
     if text == "auto":
@@ -433,6 +445,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "e.g. FLUX_DIR for flux",
     )
     parser.add_argument("--device", help="device to run on (default: cuda if available, else cpu)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="CPU threads for torch (default: 1 for the reference pipeline on CPU, whose small kernels run fastest "
+        "on one thread; otherwise torch's default)",
+    )
     parser.add_argument(
         "--dtype",
         choices=("auto", *DTYPES),
