@@ -153,3 +153,98 @@ def test_every_plan_validates_against_the_default_config_on_meta(family: str) ->
             transformer = cls()
         for degree in (2, 3, 4, 8):
             validate_plan(transformer, adapter.cp_plan, degree)
+
+
+# --- attention modules kept local ---
+
+
+def test_local_attention_is_not_validated_as_routed(flux_dev: torch.nn.Module) -> None:
+    from diffusers.models.attention_processor import Attention, AttnProcessor2_0
+    from diffusers.models.transformers.transformer_flux import FluxAttention
+
+    class Model(torch.nn.Module):
+        """A routable attention and one that calls SDPA itself (like a text refiner)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.refiner = torch.nn.ModuleList([Attention(8, heads=2, dim_head=4, processor=AttnProcessor2_0())])
+            self.attn = FluxAttention(8, heads=2, dim_head=4)
+            self.proj_out = torch.nn.Linear(8, 8)
+
+        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            return self.proj_out(self.attn(self.refiner[0](hidden_states)))
+
+    with pytest.raises(ValueError, match=r"'refiner\.0' does not pass a parallel_config"):
+        validate_plan(Model(), _plan(), 2)
+    validate_plan(Model(), _plan(attention=AttentionRouting(modules=(FLUX_MODULE,), local=("refiner.*",))), 2)
+    everything = AttentionRouting(modules=(FLUX_MODULE,), local=("refiner.*", "attn"))
+    with pytest.raises(ValueError, match="no attention processors to route"):
+        validate_plan(Model(), _plan(attention=everything), 2)
+    validate_plan(
+        flux_dev, _plan(attention=AttentionRouting(modules=(FLUX_MODULE,), local=("transformer_blocks.*",))), 2
+    )
+
+
+@pytest.mark.parametrize("pattern", ["refiner.*", "proj_out", "transformer_blocks.*.ff"])
+def test_local_pattern_covering_no_attention_is_named(flux_dev: torch.nn.Module, pattern: str) -> None:
+    routing = AttentionRouting(modules=(FLUX_MODULE,), local=("single_transformer_blocks.*.attn", pattern))
+    with pytest.raises(ValueError, match=rf"local path '{pattern}' covers no attention module"):
+        validate_plan(flux_dev, _plan(attention=routing), 2)
+
+
+def test_local_pattern_covers_the_subtree(flux_dev: torch.nn.Module) -> None:
+    from fastdit.parallel.plan import local_attention_paths
+
+    routing = AttentionRouting(modules=(FLUX_MODULE,), local=("transformer_blocks.-1",))
+    assert local_attention_paths(flux_dev, routing) == {"transformer_blocks.18.attn"}
+
+
+def test_local_must_be_a_tuple_of_paths() -> None:
+    with pytest.raises(ValueError, match="not a string"):
+        AttentionRouting(modules=(FLUX_MODULE,), local="refiner.*")  # type: ignore[arg-type]
+    assert AttentionRouting(modules=(FLUX_MODULE,), local=["a.*"]).local == ("a.*",)  # type: ignore[arg-type]
+
+
+def test_mark_processors_skips_local_modules() -> None:
+    from fastdit.models.flux import tiny_transformer
+    from fastdit.parallel.attention.dispatch import attention_processors, mark_processors
+
+    transformer = tiny_transformer(0)
+    marker = object()
+    local = {name for name in attention_processors(transformer) if name.startswith("single_transformer_blocks.")}
+    assert local
+    undo = mark_processors(transformer, marker, local)  # type: ignore[arg-type]
+    marked = {name for name, p in attention_processors(transformer).items() if "_parallel_config" in vars(p)}
+    assert marked == set(attention_processors(transformer)) - local
+    assert all(p._parallel_config is marker for name, p in attention_processors(transformer).items() if name in marked)
+    undo()
+    assert not any("_parallel_config" in vars(p) for p in attention_processors(transformer).values())
+
+
+def test_processor_shared_by_local_and_parallel_module_is_refused() -> None:
+    from fastdit.models.flux import tiny_transformer
+    from fastdit.parallel.attention.dispatch import attention_processors, mark_processors
+
+    transformer = tiny_transformer(0)
+    transformer.single_transformer_blocks[0].attn.processor = transformer.transformer_blocks[0].attn.processor
+    local = {"transformer_blocks.0.attn"}
+    with pytest.raises(ValueError, match=r"shared by 'transformer_blocks\.0\.attn'.*'single_transformer_blocks\.0"):
+        mark_processors(transformer, object(), local)  # type: ignore[arg-type]
+    assert not any("_parallel_config" in vars(p) for p in attention_processors(transformer).values())
+    mark_processors(transformer, object(), local | {"single_transformer_blocks.0.attn"})()  # type: ignore[arg-type]
+
+
+# --- the last entry of a module list ---
+
+
+def test_last_entry_of_a_module_list(flux_dev: torch.nn.Module) -> None:
+    assert [n for n, _ in match_modules(flux_dev, "single_transformer_blocks.-1")] == ["single_transformer_blocks.37"]
+    assert [n for n, _ in match_modules(flux_dev, "transformer_blocks.-1.attn")] == ["transformer_blocks.18.attn"]
+    assert match_modules(flux_dev, "nothing.-1") == []
+    with pytest.raises(ValueError, match="ModuleList or Sequential"):
+        match_modules(flux_dev, "proj_out.-1")
+    with pytest.raises(ValueError, match=r"cannot follow a '\*'"):
+        match_modules(flux_dev, "transformer_blocks.*.-1")
+    validate_plan(flux_dev, _plan(gather={"single_transformer_blocks.-1": GatherOutput(1, 3)}), 2)
+    with pytest.raises(ValueError, match=r"'nothing\.-1' matches no module"):
+        validate_plan(flux_dev, _plan(gather={"nothing.-1": GatherOutput(1, 3)}), 2)

@@ -8,7 +8,8 @@
   runs *before* every diffusers hook on that module: a cache hook installed later on ``blocks.0`` then sees the
   split tensors, exactly as if the model's own loop had passed them;
 * on modules whose output is split or gathered, a ``HookRegistry`` hook (``fastdit_cp_output``);
-* the attention routing (:mod:`fastdit.parallel.attention.dispatch`).
+* the attention routing (:mod:`fastdit.parallel.attention.dispatch`); the processors of the attention modules the
+  plan lists as ``local`` stay unmarked and run ordinary attention.
 
 Sizes that do not divide the degree are split unevenly (the first ``size % degree`` ranks get one more; one log
 line says so). Every decision that leads to a collective depends only on global sizes, never on a rank's own share.
@@ -40,6 +41,7 @@ from fastdit.parallel.plan import (
     GatherOutput,
     SplitInput,
     SplitOutput,
+    local_attention_paths,
     match_modules,
     validate_plan,
 )
@@ -273,7 +275,7 @@ def apply_context_parallel(
     undo: list[Callable[[], None]] = []
     try:
         undo.append(route_modules(plan.attention.modules))
-        undo.append(mark_processors(transformer, marker))
+        undo.append(mark_processors(transformer, marker, local_attention_paths(transformer, plan.attention)))
         undo.append(_install_hooks(transformer, plan, splitter))
     except BaseException:
         for fn in reversed(undo):

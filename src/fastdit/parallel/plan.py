@@ -35,6 +35,7 @@ __all__ = [
     "GatherOutput",
     "SplitInput",
     "SplitOutput",
+    "local_attention_paths",
     "match_modules",
     "validate_plan",
 ]
@@ -107,14 +108,23 @@ class AttentionRouting:
         mask_segments: Names of split inputs whose concatenation, in this order, is the joint sequence that an
             attention mask built by the model indexes (a mask over the global sequence is reordered to match the
             ranks' shards; see :class:`fastdit.parallel.attention.ulysses.SeqLayout`). Empty: one contiguous split.
+        local: Module path patterns (plan path syntax) of attention modules left out of context parallelism: their
+            processors are not marked, so they run ordinary local attention on whatever tensors they receive (a
+            text refiner that only sees the whole, replicated text; cross-attention from local tokens to replicated
+            text). A pattern covers the modules it matches and everything below them; each must cover at least one
+            attention module. Processors there need not route through ``dispatch_attention_fn``.
     """
 
     modules: tuple[str, ...]
     mask_segments: tuple[str, ...] = ()
+    local: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if isinstance(self.local, str):
+            raise ValueError(f"AttentionRouting.local={self.local!r}: expected a tuple of paths, not a string")
         object.__setattr__(self, "modules", tuple(self.modules))
         object.__setattr__(self, "mask_segments", tuple(self.mask_segments))
+        object.__setattr__(self, "local", tuple(self.local))
         if not self.modules:
             raise ValueError("AttentionRouting.modules=(): name at least one module")
 
@@ -164,12 +174,74 @@ class ContextParallelPlan:
                 raise ValueError(f"AttentionRouting.mask_segments: {name!r} is not a split input of the plan")
 
 
+_LAST = "-1"
+
+
+def _resolve_last(root: torch.nn.Module, path: str) -> str | None:
+    """``path`` with each ``-1`` component replaced by the index of the last entry of that list (``None``: none).
+
+    Components before a ``-1`` must be concrete (no ``*``): "the last entry" of several lists is not one path.
+    """
+    parts = path.split(".")
+    resolved: list[str] = []
+    for part in parts:
+        if part != _LAST:
+            resolved.append(part)
+            continue
+        prefix = ".".join(resolved)
+        if "*" in resolved:
+            raise ValueError(f"context-parallel plan path {path!r}: '-1' cannot follow a '*' component")
+        try:
+            container = root.get_submodule(prefix)
+        except AttributeError:
+            return None
+        if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)) or len(container) == 0:
+            raise ValueError(
+                f"context-parallel plan path {path!r}: '-1' needs a non-empty ModuleList or Sequential at "
+                f"{prefix!r}, found {type(container).__name__}"
+            )
+        resolved.append(str(len(container) - 1))
+    return ".".join(resolved)
+
+
 def match_modules(root: torch.nn.Module, path: str) -> list[tuple[str, torch.nn.Module]]:
-    """Modules under ``root`` matching ``path`` (``""``: root; ``*`` matches one path component)."""
+    """Modules under ``root`` matching ``path``.
+
+    ``""`` is the root; a ``*`` component matches any one path component; a ``-1`` component names the last entry
+    of the ``ModuleList`` / ``Sequential`` before it (``"blocks.-1"``: the last block).
+    """
     if path == "":
         return [("", root)]
+    if _LAST in path.split("."):
+        resolved = _resolve_last(root, path)
+        if resolved is None:
+            return []
+        path = resolved
     pattern = re.compile("^" + r"\.".join("[^.]+" if p == "*" else re.escape(p) for p in path.split(".")) + "$")
     return [(name, module) for name, module in root.named_modules() if name and pattern.match(name)]
+
+
+def local_attention_paths(transformer: torch.nn.Module, routing: AttentionRouting) -> set[str]:
+    """Paths of the attention modules (those with a ``processor``) that ``routing.local`` keeps local.
+
+    A pattern covers the attention modules it matches and those below them (``"context_embedder"``: every attention
+    inside the text embedder).
+
+    Raises:
+        ValueError: a ``local`` pattern covers no attention module.
+    """
+    attention = [name for name, m in transformer.named_modules() if getattr(m, "processor", None) is not None]
+    paths: set[str] = set()
+    for pattern in routing.local:
+        roots = [name for name, _ in match_modules(transformer, pattern)]
+        found = [a for a in attention if any(a == r or a.startswith(f"{r}.") or r == "" for r in roots)]
+        if not found:
+            raise ValueError(
+                f"context-parallel plan: AttentionRouting.local path {pattern!r} covers no attention module of "
+                f"{type(transformer).__name__}"
+            )
+        paths.update(found)
+    return paths
 
 
 def _forward_params(module: torch.nn.Module) -> list[str]:
@@ -213,7 +285,10 @@ def validate_plan(
 def _validate_attention(
     transformer: torch.nn.Module, routing: AttentionRouting, degree: int, uneven_heads: bool
 ) -> None:
-    attention = [(n, m) for n, m in transformer.named_modules() if getattr(m, "processor", None) is not None]
+    local = local_attention_paths(transformer, routing)
+    attention = [
+        (n, m) for n, m in transformer.named_modules() if getattr(m, "processor", None) is not None and n not in local
+    ]
     if not attention:
         raise ValueError(f"context-parallel plan: {type(transformer).__name__} has no attention processors to route")
     for path, module in attention:

@@ -11,7 +11,7 @@ keyed by a closed ``Enum`` and cannot take a new backend, so routing works in tw
    Rebinding is reference-counted per module and guarded by a lock, so several transformers may be routed at once.
 2. :func:`mark_processors` sets ``_parallel_config`` of one transformer's attention processors to its
    :class:`ContextParallelAttention`. Processors that deliberately pass ``parallel_config=None`` (Wan's
-   cross-attention to replicated text) keep running locally.
+   cross-attention to replicated text) and those of the modules the plan lists as local keep running locally.
 
 :class:`ContextParallelAttention` then runs Ulysses (``ulysses > 1``), ring (``ring > 1``) or USP (both), with the
 local attention backend chosen by :func:`local_attention` (SDPA flash / cuDNN / efficient / math, flash-attn,
@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -312,13 +312,34 @@ def attention_processors(transformer: torch.nn.Module) -> dict[str, Any]:
     return {name: m.processor for name, m in transformer.named_modules() if getattr(m, "processor", None) is not None}
 
 
-def mark_processors(transformer: torch.nn.Module, marker: ContextParallelAttention) -> Callable[[], None]:
-    """Point every attention processor of ``transformer`` at ``marker``; return the undo.
+def mark_processors(
+    transformer: torch.nn.Module, marker: ContextParallelAttention, local: Collection[str] = ()
+) -> Callable[[], None]:
+    """Point the attention processors of ``transformer`` at ``marker``, except those of the modules in ``local``.
+
+    Args:
+        transformer: The denoiser.
+        marker: The context-parallel attention its processors dispatch to.
+        local: Module paths whose processors stay unmarked (ordinary local attention on what they receive).
+
+    Returns:
+        The undo.
 
     Raises:
-        ValueError: a processor already has a parallel config (diffusers' own context parallelism is enabled).
+        ValueError: a processor already has a parallel config (diffusers' own context parallelism is enabled), or
+            one processor object serves both a local and a context-parallel module (it can only be one of them).
     """
-    processors = {id(p): p for p in attention_processors(transformer).values()}.values()
+    by_path = attention_processors(transformer)
+    local = set(local)
+    local_ids = {id(p): path for path, p in by_path.items() if path in local}
+    for path, processor in by_path.items():
+        if path not in local and id(processor) in local_ids:
+            raise ValueError(
+                f"{type(processor).__name__} is one object shared by {local_ids[id(processor)]!r} (local in the "
+                f"context-parallel plan) and {path!r} (context-parallel): give the modules separate processors "
+                "or list both as local"
+            )
+    processors = {id(p): p for path, p in by_path.items() if path not in local}.values()
     for processor in processors:
         current = getattr(processor, "_parallel_config", None)
         if current is not None and not isinstance(current, ContextParallelAttention):
