@@ -3,10 +3,16 @@
 Runs fastdit's configurations and, when installed beside it, cache-dit's DBCache (+ TaylorSeer) and diffusers'
 FirstBlockCache / TaylorSeerCache on the same pipeline, prompts and seeds, then prints a markdown table and writes
 JSON. Blocks are counted the same way for every library: a forward pre-hook on each block's first sub-module fires
-only when the block really computes.
+only when the block really computes. Each configuration's wall time is paired with an uncached run timed just
+before it, so the wall speed-up compares runs made under the same machine load.
 
-    python benchmarks/cache_reference.py --out benchmarks/results/cache_reference_cpu.json
-    PYTHONPATH=<dir with cache_dit> python benchmarks/cache_reference.py --with cache-dit,diffusers
+Run each library in its own process (cache-dit and diffusers leave hooks that do not always come off cleanly); the
+rows merge into one JSON file:
+
+    for lib in fastdit cache-dit diffusers; do
+        PYTHONPATH=<dir with cache_dit> python benchmarks/cache_reference.py --threads 1 --libraries $lib \
+            --out benchmarks/results/cache_reference_cpu.json
+    done
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ class Result:
     name: str
     library: str
     seconds: float
+    baseline_seconds: float  # the uncached run timed just before this configuration (paired against load drift)
     blocks_fraction: float
     psnr_mean: float
     psnr_min: float
@@ -80,7 +87,7 @@ def generate(
     return images, time.perf_counter() - start
 
 
-def measure(name, library, pipe, counter, cases, steps, true_cfg, batch, baseline, base_blocks) -> Result:
+def measure(name, library, pipe, counter, cases, steps, true_cfg, batch, baseline, base_blocks, paired) -> Result:
     print(f"running {library}: {name}", flush=True)
     counter.count = 0
     images, seconds = generate(pipe, cases, steps, true_cfg, batch)
@@ -91,6 +98,7 @@ def measure(name, library, pipe, counter, cases, steps, true_cfg, batch, baselin
         name=name,
         library=library,
         seconds=round(seconds, 3),
+        baseline_seconds=round(paired, 3),
         blocks_fraction=round(counter.count / base_blocks, 4),
         psnr_mean=round(statistics.fmean(finite), 2) if len(finite) == len(p) else float("inf"),
         psnr_min=round(min(p), 2),
@@ -120,71 +128,72 @@ def fastdit_configs(steps: int) -> dict[str, fastdit.DBCache]:
     return configs
 
 
-def run_fastdit(pipe, run: Callable[[str, str], Result], steps: int, num_blocks: int) -> list[Result]:
-    results = []
+# A configuration to measure: (name, library, install, remove).
+Config = tuple[str, str, Callable[[], None], Callable[[], None]]
+
+
+def fastdit_runs(pipe, steps: int, num_blocks: int) -> list[Config]:
+    runs = []
     for name, kwargs in fastdit_configs(steps).items():
         if kwargs["fn"] + kwargs.get("bn", 0) >= num_blocks:
             continue  # leaves no middle block on this model
-        fastdit.accelerate(pipe, cache=fastdit.DBCache(**kwargs))
-        try:
-            results.append(run(name, "fastdit"))
-        finally:
-            fastdit.disable(pipe)
-    return results
+        config = fastdit.DBCache(**kwargs)
+        runs.append(
+            (name, "fastdit", lambda c=config: fastdit.accelerate(pipe, cache=c), lambda: fastdit.disable(pipe))
+        )
+    return runs
 
 
-def run_cache_dit(pipe, run: Callable[[str, str], Result]) -> list[Result]:
+def cache_dit_runs(pipe) -> list[Config]:
     import cache_dit
     from cache_dit import DBCacheConfig, TaylorSeerCalibratorConfig
 
-    results = []
+    runs = []
     for threshold, order in ((0.12, None), (0.2, None), (0.3, None), (0.3, 1), (0.5, 1)):
         config = DBCacheConfig(
             Fn_compute_blocks=1, Bn_compute_blocks=0, residual_diff_threshold=threshold, max_warmup_steps=2
         )
         calibrator = TaylorSeerCalibratorConfig(taylorseer_order=order) if order else None
-        cache_dit.enable_cache(pipe, cache_config=config, calibrator_config=calibrator)
-        try:
-            results.append(run(f"F1B0 τ{threshold} w2" + (f" +TS{order}" if order else ""), "cache-dit 1.5.3"))
-        finally:
-            cache_dit.disable_cache(pipe)
-    return results
+        name = f"F1B0 τ{threshold} w2" + (f" +TS{order}" if order else "")
+
+        def install(config=config, calibrator=calibrator) -> None:
+            cache_dit.enable_cache(pipe, cache_config=config, calibrator_config=calibrator)
+
+        runs.append((name, "cache-dit 1.5.3", install, lambda: cache_dit.disable_cache(pipe)))
+    return runs
 
 
-def run_diffusers(pipe, run: Callable[[str, str], Result]) -> list[Result]:
+def diffusers_runs(pipe) -> list[Config]:
     import diffusers
     from diffusers.hooks import FirstBlockCacheConfig
 
-    results = []
-    for threshold in (0.12, 0.2, 0.3):
-        pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=threshold))
-        try:
-            results.append(run(f"FirstBlockCache τ{threshold}", f"diffusers {diffusers.__version__}"))
-        finally:
-            pipe.transformer.disable_cache()
+    library = f"diffusers {diffusers.__version__}"
+    configs = [(f"FirstBlockCache τ{t}", FirstBlockCacheConfig(threshold=t)) for t in (0.12, 0.2, 0.3)]
     try:
         from diffusers.hooks import TaylorSeerCacheConfig
     except ImportError:
-        return results
-    for interval in (2, 3):
-        pipe.transformer.enable_cache(TaylorSeerCacheConfig(cache_interval=interval, disable_cache_before_step=2))
-        try:
-            results.append(run(f"TaylorSeerCache interval {interval}", f"diffusers {diffusers.__version__}"))
-        finally:
-            pipe.transformer.disable_cache()
-    return results
+        TaylorSeerCacheConfig = None  # noqa: N806 - older diffusers
+    if TaylorSeerCacheConfig is not None:
+        configs += [
+            (f"TaylorSeerCache interval {i}", TaylorSeerCacheConfig(cache_interval=i, disable_cache_before_step=2))
+            for i in (2, 3)
+        ]
+    return [
+        (name, library, lambda c=config: pipe.transformer.enable_cache(c), pipe.transformer.disable_cache)
+        for name, config in configs
+    ]
 
 
-def table(results: list[Result], base_seconds: float) -> str:
+def table(results: list[Result]) -> str:
     lines = [
-        "| library | configuration | blocks computed | speed-up (blocks) | wall s | speed-up (wall) "
+        "| library | configuration | blocks computed | speed-up (blocks) | wall s | speed-up (wall, paired) "
         "| PSNR mean / min | SSIM mean / min |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
             f"| {r.library} | {r.name} | {r.blocks_fraction:.1%} | {1 / r.blocks_fraction:.2f}× | {r.seconds:.2f} | "
-            f"{base_seconds / r.seconds:.2f}× | {r.psnr_mean:.1f} / {r.psnr_min:.1f} "
+            f"{r.baseline_seconds / r.seconds:.2f}× | {r.psnr_mean:.1f} / {r.psnr_min:.1f} "
             f"| {r.ssim_mean:.3f} / {r.ssim_min:.3f} |"
         )
     return "\n".join(lines)
@@ -215,21 +224,41 @@ def main() -> None:
     baseline, base_seconds = generate(pipe, cases, args.steps, args.true_cfg, args.batch)
     base_blocks = counter.count
 
-    def run(name: str, library: str) -> Result:
-        return measure(
-            name, library, pipe, counter, cases, args.steps, args.true_cfg, args.batch, baseline, base_blocks
-        )
-
     libraries = {name.strip() for name in args.libraries.split(",") if name.strip()}
-    results = [run("no cache (baseline again)", "—")] if "fastdit" in libraries else []
+    runs: list[Config] = []
     if "fastdit" in libraries:
-        results += run_fastdit(pipe, run, args.steps, num_blocks)
+        runs.append(("no cache (baseline again)", "—", lambda: None, lambda: None))
+        runs += fastdit_runs(pipe, args.steps, num_blocks)
     if "cache-dit" in libraries:
-        results += run_cache_dit(pipe, run)
+        runs += cache_dit_runs(pipe)
     if "diffusers" in libraries:
-        results += run_diffusers(pipe, run)
+        runs += diffusers_runs(pipe)
+    results = []
+    for name, library, install, remove in runs:
+        # Time the uncached pipeline right before each configuration: on a shared machine the load drifts, and the
+        # wall speed-up is only meaningful against a baseline measured under the same load.
+        _, paired = generate(pipe, cases, args.steps, args.true_cfg, args.batch)
+        install()
+        try:
+            results.append(
+                measure(
+                    name,
+                    library,
+                    pipe,
+                    counter,
+                    cases,
+                    args.steps,
+                    args.true_cfg,
+                    args.batch,
+                    baseline,
+                    base_blocks,
+                    paired,
+                )
+            )
+        finally:
+            remove()
     print(f"baseline: {base_seconds:.2f} s for {len(cases)} images, {args.steps} steps, true_cfg {args.true_cfg}")
-    print(table(results, base_seconds))
+    print(table(results))
     if args.out:
         write_results(args, len(cases), base_seconds, results)
 
