@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 from fastdit.testing.components.byt5 import byt5_encoder
 from fastdit.testing.components.encoders import build, qwen2_5_vl_model
 
@@ -102,6 +103,33 @@ _CALL = {
     "num_inference_steps": 2,
 }
 
+# Context parallelism: forward builds the joint sequence itself (patch embedding, the text refiner, reordering valid
+# text tokens first), so the image and text tokens are split at the first block; every block returns both streams,
+# so the shards flow through all dual- and single-stream blocks. `rope`'s (cos, sin) tables (S_img, D) cover the whole
+# image and are split on dim 0 like the image tokens. The attention mask (B, 1, 1, S_img + S_txt) is built over the
+# global [image | text] sequence, hence mask_segments. The token refiner inside context_embedder runs before the split
+# on the whole, replicated text with diffusers' AttnProcessor2_0, so it stays local. Gathered at proj_out (before
+# unpatchify); the text stream is dropped after the blocks.
+CP_PLAN = ContextParallelPlan(
+    inputs={
+        "transformer_blocks.0": {
+            "hidden_states": SplitInput(dim=1, expected_dims=3),
+            "encoder_hidden_states": SplitInput(dim=1, expected_dims=3),
+        },
+    },
+    outputs={"rope": (SplitOutput(dim=0, expected_dims=2, index=0), SplitOutput(dim=0, expected_dims=2, index=1))},
+    gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
+    attention=AttentionRouting(
+        modules=("diffusers.models.transformers.transformer_hunyuanimage",),
+        mask_segments=("hidden_states", "encoder_hidden_states"),
+        local=("context_embedder",),
+    ),
+    notes=(
+        "Image and text tokens split at transformer_blocks.0 (joint mask reordered by segments); RoPE tables from "
+        "`rope` split on dim 0; the text token refiner in context_embedder runs locally on the replicated text."
+    ),
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="hunyuan_image",
@@ -110,6 +138,7 @@ ADAPTER = register(
             BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P0),
             BlockGroup(path="single_transformer_blocks", pattern=ForwardPattern.P0),
         ),
+        cp_plan=CP_PLAN,
         tiny_pipelines=(
             TinyPipeline(name="hunyuan-image", build=tiny_hunyuan_image, call_kwargs=_CALL),
             TinyPipeline(
@@ -136,10 +165,7 @@ ADAPTER = register(
             "Blocks take a joint attention mask ([image | text] with text padding: Qwen text is padded to 1000 "
             "tokens, ByT5 glyph text to 128, valid tokens moved first); under context parallelism it must be "
             "reordered with the tokens. RoPE is computed from hidden_states.shape inside forward (image tokens only). "
-            "CFG runs through a diffusers guider: two calls per step, contexts pred_cond/pred_uncond. "
-            "No context-parallel plan: the text token refiner (context_embedder) runs diffusers' AttnProcessor2_0, "
-            "which calls F.scaled_dot_product_attention directly, so plan validation refuses the model although the "
-            "refiner only sees replicated text (the blocks split cleanly at transformer_blocks.0)."
+            "CFG runs through a diffusers guider: two calls per step, contexts pred_cond/pred_uncond."
         ),
     )
 )
