@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
-from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
+from fastdit.parallel.plan import SplitOutput
+from fastdit.parallel.plan_shapes import mmdit_root_plan
 from fastdit.testing.components.autoencoder_kl_wan import autoencoder_kl_wan
 from fastdit.testing.components.encoders import build
 from fastdit.testing.components.images import random_image
@@ -94,24 +95,10 @@ _CALL = {
 # reach: each `caption_projection` output (B, S_text, D/2) is split instead, like the text stream it is concatenated
 # to. The pipeline's padding mask (in joint_attention_kwargs) covers the global [text, image] sequence and stays whole:
 # attention reorders it into shard order by mask_segments. Single blocks use Bria's processor, hence two modules.
-CP_PLAN = ContextParallelPlan(
-    inputs={
-        "": {
-            "hidden_states": SplitInput(dim=1, expected_dims=3),
-            "encoder_hidden_states": SplitInput(dim=1, expected_dims=3),
-            "img_ids": SplitInput(dim=-2),
-            "txt_ids": SplitInput(dim=-2),
-        }
-    },
+CP_PLAN = mmdit_root_plan(
+    "diffusers.models.transformers.transformer_bria_fibo",
+    "diffusers.models.transformers.transformer_bria",
     outputs={"caption_projection.*": SplitOutput(dim=1, expected_dims=3)},
-    gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
-    attention=AttentionRouting(
-        modules=(
-            "diffusers.models.transformers.transformer_bria_fibo",
-            "diffusers.models.transformers.transformer_bria",
-        ),
-        mask_segments=("encoder_hidden_states", "hidden_states"),
-    ),
     notes="RoPE from img_ids/txt_ids and the per-block text layers split with the streams; global mask reordered.",
 )
 

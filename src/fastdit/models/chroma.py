@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
-from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
+from fastdit.parallel.plan_shapes import mmdit_root_plan
 from fastdit.testing.components.autoencoder_kl import autoencoder_kl
 from fastdit.testing.components.encoders import build, t5_encoder
 from fastdit.testing.components.images import random_image
@@ -74,21 +74,8 @@ def tiny_chroma_img2img(seed: int = 0):
 # forward from txt_ids/img_ids, split on their sequence dim (-2 for the 2-D ids and the deprecated 3-D ones) like the
 # streams. The pipeline's attention_mask covers the global [text, image] sequence and every block expands it to a
 # (B, 1, S, S) mask over it, so it stays whole: attention reorders it into shard order by mask_segments.
-CP_PLAN = ContextParallelPlan(
-    inputs={
-        "": {
-            "hidden_states": SplitInput(dim=1, expected_dims=3),
-            "encoder_hidden_states": SplitInput(dim=1, expected_dims=3),
-            "img_ids": SplitInput(dim=-2),
-            "txt_ids": SplitInput(dim=-2),
-        }
-    },
-    gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
-    attention=AttentionRouting(
-        # The blocks use Flux's attention processor.
-        modules=("diffusers.models.transformers.transformer_flux",),
-        mask_segments=("encoder_hidden_states", "hidden_states"),
-    ),
+CP_PLAN = mmdit_root_plan(
+    "diffusers.models.transformers.transformer_flux",
     notes="RoPE from img_ids/txt_ids split with the streams; the global [text, image] mask is reordered in attention.",
 )
 

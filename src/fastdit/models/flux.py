@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
-from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
+from fastdit.parallel.plan_shapes import mmdit_root_plan
 from fastdit.testing.components.encoders import build, clip_text_model, t5_encoder
 
 TRANSFORMER = "diffusers.models.transformers.transformer_flux.FluxTransformer2DModel"
@@ -98,23 +98,12 @@ def _kontext_image():
 
 
 # Context parallelism: the forward is "embed, loop over blocks, project out", so the root inputs are split. RoPE is
-# computed inside forward from cat(txt_ids, img_ids); splitting the ids on dim 0 like the hidden states (dim 1) gives
-# every rank the rotary embedding of exactly its own tokens. Each rank's attention sequence is [text_r, image_r].
-CP_PLAN = ContextParallelPlan(
-    inputs={
-        "": {
-            "hidden_states": SplitInput(dim=1, expected_dims=3),
-            "encoder_hidden_states": SplitInput(dim=1, expected_dims=3),
-            "img_ids": SplitInput(dim=0, expected_dims=2),
-            "txt_ids": SplitInput(dim=0, expected_dims=2),
-        }
-    },
-    gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
-    attention=AttentionRouting(
-        modules=("diffusers.models.transformers.transformer_flux",),
-        mask_segments=("encoder_hidden_states", "hidden_states"),
-    ),
-    notes="RoPE from img_ids/txt_ids, split on dim 0 with the hidden states: no RoPE patch needed.",
+# computed inside forward from cat(txt_ids, img_ids); splitting the ids on their sequence dim (-2, for 2-D and 3-D ids)
+# like the hidden states (dim 1) gives every rank the rotary embedding of exactly its own tokens. Each rank's attention
+# sequence is [text_r, image_r].
+CP_PLAN = mmdit_root_plan(
+    "diffusers.models.transformers.transformer_flux",
+    notes="RoPE from img_ids/txt_ids, split on their sequence dim with the streams: no RoPE patch needed.",
 )
 
 _CALL = {

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
-from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
+from fastdit.parallel.plan_shapes import mmdit_root_plan
 from fastdit.testing.components.encoders import build
 from fastdit.testing.components.images import random_image
 from fastdit.testing.components.mistral3 import mistral3_model
@@ -109,20 +109,8 @@ def tiny_flux2_klein(seed: int = 0):
 # forward drops before proj_out is read from the (local) text stream, so each rank keeps its own image shard.
 # Not covered: the klein KV pipeline's kv_cache_mode calls, whose reference-token attention bypasses parallel_config
 # and whose modulation blend uses global token counts.
-CP_PLAN = ContextParallelPlan(
-    inputs={
-        "": {
-            "hidden_states": SplitInput(dim=1, expected_dims=3),
-            "encoder_hidden_states": SplitInput(dim=1, expected_dims=3),
-            "img_ids": SplitInput(dim=-2),
-            "txt_ids": SplitInput(dim=-2),
-        }
-    },
-    gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
-    attention=AttentionRouting(
-        modules=("diffusers.models.transformers.transformer_flux2",),
-        mask_segments=("encoder_hidden_states", "hidden_states"),
-    ),
+CP_PLAN = mmdit_root_plan(
+    "diffusers.models.transformers.transformer_flux2",
     notes="RoPE from img_ids/txt_ids, split on their sequence dim with the streams: no RoPE patch needed.",
 )
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
-from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
+from fastdit.parallel.plan_shapes import mmdit_root_plan
 from fastdit.testing.components.autoencoder_kl import autoencoder_kl
 from fastdit.testing.components.encoders import build, qwen2_5_vl_model
 from fastdit.testing.components.images import random_image
@@ -99,23 +99,11 @@ _CALL = {
 
 # Context parallelism: as for Flux, the forward is "embed, loop over blocks, project out" (the single blocks concatenate
 # and split [text, image] themselves, by the local text length), so the root inputs are split. RoPE is computed inside
-# forward from cat(txt_ids, img_ids) (2-D ids); splitting the ids on dim 0 like the streams gives every rank the
-# rotary embedding of exactly its tokens. Edit's input-image tokens are part of hidden_states and img_ids already.
-CP_PLAN = ContextParallelPlan(
-    inputs={
-        "": {
-            "hidden_states": SplitInput(dim=1, expected_dims=3),
-            "encoder_hidden_states": SplitInput(dim=1, expected_dims=3),
-            "img_ids": SplitInput(dim=0, expected_dims=2),
-            "txt_ids": SplitInput(dim=0, expected_dims=2),
-        }
-    },
-    gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
-    attention=AttentionRouting(
-        modules=("diffusers.models.transformers.transformer_longcat_image",),
-        mask_segments=("encoder_hidden_states", "hidden_states"),
-    ),
-    notes="RoPE from img_ids/txt_ids, split on dim 0 with the streams: no RoPE patch needed.",
+# forward from cat(txt_ids, img_ids) (2-D ids); splitting the ids on their sequence dim like the streams gives every
+# rank the rotary embedding of exactly its tokens. Edit's input-image tokens are in hidden_states and img_ids already.
+CP_PLAN = mmdit_root_plan(
+    "diffusers.models.transformers.transformer_longcat_image",
+    notes="RoPE from img_ids/txt_ids, split on their sequence dim with the streams: no RoPE patch needed.",
 )
 
 ADAPTER = register(

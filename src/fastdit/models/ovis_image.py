@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
-from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
+from fastdit.parallel.plan_shapes import mmdit_root_plan
 from fastdit.testing.components.autoencoder_kl import autoencoder_kl
 from fastdit.testing.components.encoders import build
 from fastdit.testing.components.qwen3 import qwen3_model
@@ -57,20 +57,8 @@ def tiny_ovis_image(seed: int = 0):
 # and split [text, image] themselves, by the local text length), so the root inputs are split. RoPE is computed inside
 # forward from cat(txt_ids, img_ids); splitting the ids on their sequence dim (-2 for the 2-D ids and the deprecated
 # 3-D ones) like the streams gives every rank the rotary embedding of exactly its tokens.
-CP_PLAN = ContextParallelPlan(
-    inputs={
-        "": {
-            "hidden_states": SplitInput(dim=1, expected_dims=3),
-            "encoder_hidden_states": SplitInput(dim=1, expected_dims=3),
-            "img_ids": SplitInput(dim=-2),
-            "txt_ids": SplitInput(dim=-2),
-        }
-    },
-    gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
-    attention=AttentionRouting(
-        modules=("diffusers.models.transformers.transformer_ovis_image",),
-        mask_segments=("encoder_hidden_states", "hidden_states"),
-    ),
+CP_PLAN = mmdit_root_plan(
+    "diffusers.models.transformers.transformer_ovis_image",
     notes="RoPE from img_ids/txt_ids, split on their sequence dim with the streams: no RoPE patch needed.",
 )
 

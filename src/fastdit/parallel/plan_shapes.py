@@ -1,0 +1,47 @@
+"""Plan shapes that several families share, built from the plan vocabulary (still data, still one call per family).
+
+:func:`mmdit_root_plan` is the plan of a two-stream MMDiT whose forward is "embed, blocks over [text, image], project
+out" with every operation outside attention token-wise (FLUX.1, FLUX.2, Chroma, Ovis-Image, LongCat-Image, Bria
+FIBO): the root's ``hidden_states`` and ``encoder_hidden_states`` are split on the token dim, and the position ids
+``img_ids`` / ``txt_ids`` on theirs (``-2``: the 2-D ``(S, 3)`` ids and the deprecated 3-D ``(B, S, 3)`` ones), so
+the RoPE that forward computes from them is exactly that of each rank's tokens. A mask built over the global
+``[text, image]`` sequence is reordered into shard order in attention; the output projection is gathered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
+
+__all__ = ["mmdit_root_plan"]
+
+
+def mmdit_root_plan(
+    *modules: str,
+    notes: str,
+    outputs: Mapping[str, SplitOutput | tuple[SplitOutput, ...]] | None = None,
+    gather_at: str = "proj_out",
+) -> ContextParallelPlan:
+    """The root-split plan of a two-stream MMDiT with ``img_ids`` / ``txt_ids`` position ids.
+
+    Args:
+        *modules: The Python modules whose ``dispatch_attention_fn`` the blocks' processors call.
+        notes: One line for ``docs/models.md``.
+        outputs: Extra sub-module outputs to split (e.g. per-block text projections that bypass the root).
+        gather_at: The module whose output holds the image tokens before unpatchify.
+    """
+    return ContextParallelPlan(
+        inputs={
+            "": {
+                "hidden_states": SplitInput(dim=1, expected_dims=3),
+                "encoder_hidden_states": SplitInput(dim=1, expected_dims=3),
+                "img_ids": SplitInput(dim=-2),
+                "txt_ids": SplitInput(dim=-2),
+            }
+        },
+        outputs=dict(outputs or {}),
+        gather={gather_at: GatherOutput(dim=1, expected_dims=3)},
+        attention=AttentionRouting(modules=modules, mask_segments=("encoder_hidden_states", "hidden_states")),
+        notes=notes,
+    )
