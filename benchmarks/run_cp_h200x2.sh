@@ -1,19 +1,38 @@
 #!/usr/bin/env bash
-# Context-parallel benchmark on two GPUs: fastdit eager modes, diffusers' and cache-dit's Ulysses (each in its own
-# process, since neither can be undone), then fastdit with compiled blocks. Logs and JSON land in $OUT.
+# Context-parallel benchmark passes on two GPUs. Each stage is one torchrun process pair (diffusers' and cache-dit's
+# parallelism cannot be undone in-process, so each anchor gets its own); logs and JSON land in $OUT.
 # Expects diffusers (and cache-dit for its row) importable, e.g. wheels installed into PYTHONPATH.
+#
+#   bash benchmarks/run_cp_h200x2.sh [main|overlap|scaling|fresh]
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-benchmarks/results}
-run() {  # name, then cp_flux.py arguments
-  local name=$1
-  shift
-  timeout "${STAGE_TIMEOUT:-300}" torchrun --nproc_per_node 2 benchmarks/cp_flux.py --out "$OUT/cp_flux_$name.json" \
-    "$@" >"$OUT/cp_flux_$name.log" 2>&1
+run() {  # name, timeout in seconds, then cp_flux.py arguments
+  local name=$1 limit=$2
+  shift 2
+  timeout "$limit" torchrun --nproc_per_node 2 benchmarks/cp_flux.py --out "$OUT/cp_flux_$name.json" "$@" \
+    >"$OUT/cp_flux_$name.log" 2>&1
   echo "$name: exit $?"
   grep -E "^\||^profile" "$OUT/cp_flux_$name.log"
 }
-run fastdit --modes single,ulysses,ring,ulysses+fp8 --profile single,ulysses
-run diffusers --modes single,diffusers_ulysses --profile diffusers_ulysses
-run cachedit --modes single,cachedit_ulysses
-run compile --modes single,single+compile,ulysses+compile --profile ulysses+compile
+case "${1:-main}" in
+  main)  # fastdit eager, the two anchors, compiled blocks
+    run fastdit 250 --modes single,ulysses,ring,ulysses+fp8 --profile single,ulysses
+    run diffusers 250 --modes single,diffusers_ulysses --profile diffusers_ulysses
+    run cachedit 250 --modes single,cachedit_ulysses
+    run compile 250 --modes single,single+compile,ulysses+compile --profile ulysses+compile
+    ;;
+  overlap)  # head-chunk pipelining, eager and compiled
+    run chunks_eager 150 --modes single,ulysses+chunks2 --profile ulysses+chunks2
+    run compile_chunks 230 --modes single,single+compile,ulysses+compile+chunks2 --profile ulysses+compile+chunks2
+    ;;
+  scaling)  # ring with compiled blocks, and 2048x2048
+    run compile_ring 240 --modes single,single+compile,ring+compile,ulysses+compile --profile single+compile
+    run size2048 170 --size 2048 --steps 10 --repeat 1 --modes single,ulysses,ring
+    ;;
+  fresh)  # compiled modes, one per process
+    run fresh_ulysses_compile 200 --modes single,ulysses+compile
+    run fresh_ring_compile 200 --modes single,ring+compile
+    ;;
+  *) echo "unknown pass $1 (main, overlap, scaling, fresh)" >&2; exit 2 ;;
+esac
