@@ -348,21 +348,30 @@ def test_python_m_fastdit_generate(tiny_flux_dir: Path, tmp_path: Path) -> None:
     assert not Path(str(out) + "2").exists()
 
 
-@pytest.mark.slow
-def test_torchrun_context_parallel_writes_once(tiny_flux_dir: Path, tmp_path: Path) -> None:
-    out = tmp_path / "cp.png"
+def _torchrun_generate(argv: list[str], out: Path) -> dict[str, Any]:
+    """``torchrun --nproc-per-node 2 -m fastdit generate ... --compare --json``; the one JSON line rank 0 prints."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(name, None)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "fastdit", "generate"]
-    argv = ["--model-path", str(tiny_flux_dir), "--prompt", "a cat", *TINY, "--parallel", "ulysses=2", "--compare"]
     done = subprocess.run(
-        [*command, *argv, "--out", str(out), "--json"], capture_output=True, text=True, env=env, timeout=300
+        [*command, *argv, "--compare", "--out", str(out), "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr
     json_lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(json_lines) == 1  # only rank 0 reports
-    payload = json.loads(json_lines[0])
+    return json.loads(json_lines[0])
+
+
+@pytest.mark.slow
+def test_torchrun_context_parallel_writes_once(tiny_flux_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cp.png"
+    argv = ["--model-path", str(tiny_flux_dir), "--prompt", "a cat", *TINY, "--parallel", "ulysses=2"]
+    payload = _torchrun_generate(argv, out)
     assert payload["world_size"] == 2 and payload["acceleration"]["parallel"]["ulysses"] == 2
     assert payload["psnr_min"] == "inf" or payload["psnr_min"] > 35  # context parallel is exact up to float order
     assert [p.name for p in tmp_path.iterdir()] == ["cp.png"]
@@ -376,6 +385,17 @@ def _reference_available() -> bool:
     except (ImportError, FileNotFoundError):
         return False
     return True
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _reference_available(), reason="the reference pipeline's weights are not installed")
+@pytest.mark.parametrize("parallel", ["ulysses=2", "ring=2"])
+def test_torchrun_reference_pipeline_matches_one_process(parallel: str, tmp_path: Path) -> None:
+    """28 steps of the trained reference pipeline on 2 processes equal the same process's unsplit run."""
+    payload = _torchrun_generate(["--prompt", "a handwritten digit 5", "--parallel", parallel], tmp_path / "five.png")
+    assert payload["world_size"] == 2 and payload["steps"] == 28
+    assert payload["psnr_min"] == "inf" or payload["psnr_min"] > 60
+    assert payload["ssim_min"] > 0.999
 
 
 @pytest.mark.skipif(not _reference_available(), reason="the reference pipeline's weights are not installed")
