@@ -14,6 +14,7 @@ import copy
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.testing.components.autoencoder_kl import autoencoder_kl
 from fastdit.testing.components.autoencoder_kl_hunyuan_video import autoencoder_kl_hunyuan_video
 from fastdit.testing.components.encoders import build, clip_text_model, qwen2_5_vl_model
@@ -120,6 +121,30 @@ _CALL = {
 # The T2I pipeline makes one frame; it takes no num_frames.
 _T2I_CALL = {k: v for k, v in _CALL.items() if k != "num_frames"}
 
+# Context parallelism: the visual sequence only exists after patch embedding and flattening inside forward, so it is
+# split at the first visual block; forward passes the same flattened 3-D RoPE table (B, S, 1, D/2, 2, 2) to every
+# block, so it is split on dim 1 at each of them (the blocks take both positionally). Forward reshapes the tokens to
+# the (T, H, W) grid between the last visual block and out_layer, so the sequence is gathered at the last visual
+# block's output. The text is replicated: its encoder blocks run on the whole text before the split, and the visual
+# blocks' cross-attention attends from local visual tokens to the whole text, so both stay ordinary local attention.
+CP_PLAN = ContextParallelPlan(
+    inputs={
+        "visual_transformer_blocks.0": {"visual_embed": SplitInput(dim=1, expected_dims=3)},
+        "visual_transformer_blocks.*": {"rope": SplitInput(dim=1, expected_dims=6)},
+    },
+    gather={"visual_transformer_blocks.-1": GatherOutput(dim=1, expected_dims=3)},
+    attention=AttentionRouting(
+        modules=("diffusers.models.transformers.transformer_kandinsky",),
+        local=("text_transformer_blocks", "visual_transformer_blocks.*.cross_attention"),
+    ),
+    notes=(
+        "Visual tokens split at visual_transformer_blocks.0, their RoPE table at every visual block; gathered at the "
+        "last visual block (before the (T, H, W) reshape); text replicated, its self-attention and the "
+        "cross-attention local. The sparse (NABLA) attention of the Pro models builds its block mask from the "
+        "local shard: not supported."
+    ),
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="kandinsky5",
@@ -132,6 +157,7 @@ ADAPTER = register(
                 encoder_arg="text_embed",
             ),
         ),
+        cp_plan=CP_PLAN,
         tiny_pipelines=(
             TinyPipeline(name="t2v", build=tiny_kandinsky5_t2v, call_kwargs=_CALL),
             # I2V renormalises the first 4 latent frames against the next ones: it needs 5 latent frames (17 frames).
@@ -178,10 +204,7 @@ ADAPTER = register(
             "Only visual_transformer_blocks are declared: text_transformer_blocks (pattern 3, hidden_arg 'x') run "
             "first on the text alone and always compute. Visual tokens are flattened from the (T, H, W) grid, in "
             "block ('fractal') order when sparse attention is on (Pro models), and 3-D RoPE follows that order. "
-            "CFG runs as two calls per step without cache_context. "
-            "No context-parallel plan: forward reshapes the visual tokens to the (T, H, W) grid between the last "
-            "visual block and out_layer, so the sequence must be gathered at the last entry of "
-            "visual_transformer_blocks, which a plan path cannot name independently of the block count."
+            "CFG runs as two calls per step without cache_context."
         ),
     )
 )
