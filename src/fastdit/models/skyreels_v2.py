@@ -110,9 +110,9 @@ _CALL = {
 # one is 3-D and passes whole). Its block-causal mask (1, 1, S, S) stays global: context-parallel attention indexes it
 # with every rank's shard. The same per-token timestep also shifts and scales `norm_out`'s output, so the sequence is
 # gathered there, before that modulation, rather than at proj_out. The text is replicated. Unlike Wan's, this
-# processor passes its parallel_config to the cross-attention calls too, so they run context-parallel over replicated
-# keys: every rank's copy of the text is exchanged, each key appears once per rank, and softmax over identical copies
-# equals softmax over one (correct, at the cost of a rank-times larger cross-attention).
+# processor passes its parallel_config to the cross-attention calls too; the plan lists the cross-attention modules
+# (`blocks.*.attn2`, no mask, no RoPE) as local, so they attend from the rank's image tokens to its own whole copy of
+# the text instead of exchanging replicated keys.
 CP_PLAN = ContextParallelPlan(
     inputs={
         "blocks.0": {"hidden_states": SplitInput(dim=1, expected_dims=3)},
@@ -120,10 +120,12 @@ CP_PLAN = ContextParallelPlan(
     },
     outputs={"rope": (SplitOutput(dim=1, expected_dims=4, index=0), SplitOutput(dim=1, expected_dims=4, index=1))},
     gather={"norm_out": GatherOutput(dim=1, expected_dims=3)},
-    attention=AttentionRouting(modules=("diffusers.models.transformers.transformer_skyreels_v2",)),
+    attention=AttentionRouting(
+        modules=("diffusers.models.transformers.transformer_skyreels_v2",), local=("blocks.*.attn2",)
+    ),
     notes=(
         "RoPE tables from `rope` split on dim 1; tokens split at blocks.0, per-token modulation (diffusion forcing) at "
-        "every block; gathered at norm_out; text replicated (cross-attention runs over every rank's copy)."
+        "every block; gathered at norm_out; text replicated (cross-attention local)."
     ),
 )
 
