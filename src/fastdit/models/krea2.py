@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 from fastdit.testing.components.autoencoder_kl_qwenimage import autoencoder_kl_qwenimage
 from fastdit.testing.components.encoders import build
 from fastdit.testing.components.qwen3_vl import qwen3_vl_model
@@ -79,11 +80,30 @@ _CALL = {
     "max_sequence_length": 16,
 }
 
+# Context parallelism: forward concatenates [text | image] itself, so the joint sequence is split (one contiguous split)
+# at the first block, and `rotary_emb`'s (cos, sin) tables over the same joint sequence (S, D) are split on dim 0. The
+# key-padding mask (B, 1, 1, S) indexes the global joint sequence in that order. Forward drops the text tokens by a
+# global slice right after the last block, so the sequence is gathered at that block's output. The text-fusion
+# blocks (across encoder layers, then across the whole text) run before the split on replicated text: local.
+CP_PLAN = ContextParallelPlan(
+    inputs={"transformer_blocks.0": {"hidden_states": SplitInput(dim=1, expected_dims=3)}},
+    outputs={
+        "rotary_emb": (SplitOutput(dim=0, expected_dims=2, index=0), SplitOutput(dim=0, expected_dims=2, index=1))
+    },
+    gather={"transformer_blocks.-1": GatherOutput(dim=1, expected_dims=3)},
+    attention=AttentionRouting(modules=("diffusers.models.transformers.transformer_krea2",), local=("text_fusion",)),
+    notes=(
+        "Joint [text | image] sequence split at transformer_blocks.0, RoPE tables from `rotary_emb` on dim 0, "
+        "gathered at the last block (before the text slice); text-fusion attention local."
+    ),
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="krea2",
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P3),),
+        cp_plan=CP_PLAN,
         tiny_pipelines=(
             # guidance_scale > 0 turns on CFG: a cond then an uncond call per step, without cache contexts.
             TinyPipeline(
