@@ -156,19 +156,9 @@ def _transformer_inputs() -> dict[str, torch.Tensor]:
     }
 
 
-def _fp8_tiny(rank: int, world_size: int) -> np.ndarray:
-    from fastdit.config import Parallel
-    from fastdit.models.flux import ADAPTER
-    from fastdit.parallel.context_parallel import apply_context_parallel
-    from fastdit.parallel.runtime import ParallelRuntime
-
-    pipe = _tiny_pipeline()
-    parallel = Parallel(ulysses=world_size)
-    undo = apply_context_parallel(pipe.transformer, ADAPTER, parallel, ParallelRuntime.from_config(parallel), fp8=True)
-    try:
-        return _call(pipe, {**TINY_CALL, "height": 32, "width": 32})
-    finally:
-        undo()
+def _fp8_tiny(rank: int, world_size: int, chunks: int) -> np.ndarray:
+    parallel = fastdit.Parallel(ulysses=world_size, comm_fp8=True, ulysses_chunks=chunks)
+    return _accelerated(_tiny_pipeline(), {**TINY_CALL, "height": 32, "width": 32}, parallel=parallel)[0]
 
 
 @functools.lru_cache(maxsize=1)
@@ -285,11 +275,13 @@ def test_local_backend_under_context_parallel(dist2: WorkerPool) -> None:
 
 
 @pytest.mark.distributed
-def test_fp8_all_to_all_is_close(dist2: WorkerPool) -> None:
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_fp8_all_to_all_is_close(dist2: WorkerPool, chunks: int) -> None:
+    """``Parallel(comm_fp8=True)`` (alone and with head chunks) is lossy but close to one process."""
     from fastdit.metrics import psnr
 
     expected = _single_tiny(32)
-    for images in dist2.run(_fp8_tiny, timeout=120):
+    for images in dist2.run(_fp8_tiny, chunks, timeout=120):
         assert 30 < psnr(expected, images) < float("inf")
 
 
