@@ -127,7 +127,8 @@ ADAPTER = register(
             ),
         ),
         notes=(
-            "GQA: 48 query / 12 KV heads (Ulysses and TP degrees must divide 12, or K/V need repeating). Blocks see "
+            "GQA: 48 query / 12 KV heads (the processor repeats K/V to 48 heads before attention, so Ulysses splits "
+            "the 48 query heads, padded when uneven). Blocks see "
             "[text | image] with a key-padding mask over the fixed-length text (max_sequence_length) and RoPE from "
             "position_ids built by the pipeline; the output keeps only the image tokens. The pipeline opens no "
             "cache contexts: CFG is two calls per step with the same timestep."
