@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 import fastdit
-
 from fastdit.models.registry import get_family
 from fastdit.models.validate import check_adapter, probe_patterns
 from fastdit.testing.pipelines import build_tiny, run_tiny
@@ -52,7 +51,6 @@ class FamilySuite:
         adapter = get_family(self.family)
         for transformer in _transformers(pipe, adapter):
             probe_patterns(transformer, adapter, lambda: run_tiny(pipe, tiny)).raise_if_failed()
-
 
     def test_cache_threshold_zero_is_bit_identical(self, built: dict, variant: str) -> None:
         pipe, tiny = self._pipe(built, variant)
