@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
-from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
+from fastdit.parallel.plan_shapes import wan_blocks_plan
 from fastdit.testing.components.autoencoder_kl_wan import autoencoder_kl_wan
 from fastdit.testing.components.clip_vision import clip_vision_model
 from fastdit.testing.components.encoders import build, umt5_encoder
@@ -71,14 +71,8 @@ def tiny_chronoedit(seed: int = 0):
 # tokens; the pipeline's per-sample timestep is 1-D and passes whole. The [CLIP image | text] context is not split:
 # self-attention is context-parallel, and both cross-attention calls (the processor passes parallel_config=None for
 # them) attend from local image tokens to the whole context on every rank.
-CP_PLAN = ContextParallelPlan(
-    inputs={
-        "": {"timestep": SplitInput(dim=1, expected_dims=2)},
-        "blocks.0": {"hidden_states": SplitInput(dim=1, expected_dims=3)},
-    },
-    outputs={"rope": (SplitOutput(dim=1, expected_dims=4, index=0), SplitOutput(dim=1, expected_dims=4, index=1))},
-    gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
-    attention=AttentionRouting(modules=("diffusers.models.transformers.transformer_chronoedit",)),
+CP_PLAN = wan_blocks_plan(
+    "diffusers.models.transformers.transformer_chronoedit",
     notes="RoPE tables from `rope` split on dim 1; tokens split at blocks.0; the encoder context is replicated.",
 )
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
-from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
+from fastdit.parallel.plan_shapes import wan_blocks_plan
 from fastdit.testing.components.encoders import build, umt5_encoder
 
 TRANSFORMER = "diffusers.models.transformers.transformer_wan.WanTransformer3DModel"
@@ -190,14 +190,8 @@ def _preset(
 # is split at the root, so the per-token modulation it becomes matches the split tokens (a per-sample timestep is 1-D
 # and passes whole). The text is not split: self-attention is context-parallel; cross-attention (the processor passes
 # parallel_config=None on purpose) attends from local image tokens to the whole text on every rank.
-CP_PLAN = ContextParallelPlan(
-    inputs={
-        "": {"timestep": SplitInput(dim=1, expected_dims=2)},
-        "blocks.0": {"hidden_states": SplitInput(dim=1, expected_dims=3)},
-    },
-    outputs={"rope": (SplitOutput(dim=1, expected_dims=4, index=0), SplitOutput(dim=1, expected_dims=4, index=1))},
-    gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
-    attention=AttentionRouting(modules=("diffusers.models.transformers.transformer_wan",)),
+CP_PLAN = wan_blocks_plan(
+    "diffusers.models.transformers.transformer_wan",
     notes="RoPE tables from `rope` split on dim 1; tokens split at blocks.0; text replicated (cross-attention local).",
 )
 

@@ -6,6 +6,12 @@ FIBO): the root's ``hidden_states`` and ``encoder_hidden_states`` are split on t
 ``img_ids`` / ``txt_ids`` on theirs (``-2``: the 2-D ``(S, 3)`` ids and the deprecated 3-D ``(B, S, 3)`` ones), so
 the RoPE that forward computes from them is exactly that of each rank's tokens. A mask built over the global
 ``[text, image]`` sequence is reordered into shard order in attention; the output projection is gathered.
+
+:func:`wan_blocks_plan` is the plan of a Wan-style video DiT (Wan 2.x, ChronoEdit): forward patchifies and computes
+RoPE from the full latent grid, then loops over blocks that take the tokens positionally, so the tokens are split at
+``blocks.0`` and the ``rope`` module's (cos, sin) tables on their token dim; a per-token timestep ``(B, S)`` (Wan 2.2
+TI2V) is split at the root so its modulation matches the tokens, a per-sample one passes whole. The text is
+replicated: its processors pass ``parallel_config=None`` to cross-attention, which runs locally.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from collections.abc import Mapping
 
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 
-__all__ = ["mmdit_root_plan"]
+__all__ = ["mmdit_root_plan", "wan_blocks_plan"]
 
 
 def mmdit_root_plan(
@@ -43,5 +49,19 @@ def mmdit_root_plan(
         outputs=dict(outputs or {}),
         gather={gather_at: GatherOutput(dim=1, expected_dims=3)},
         attention=AttentionRouting(modules=modules, mask_segments=("encoder_hidden_states", "hidden_states")),
+        notes=notes,
+    )
+
+
+def wan_blocks_plan(module: str, *, notes: str) -> ContextParallelPlan:
+    """The plan of a Wan-style video DiT whose attention processors live in ``module``."""
+    return ContextParallelPlan(
+        inputs={
+            "": {"timestep": SplitInput(dim=1, expected_dims=2)},
+            "blocks.0": {"hidden_states": SplitInput(dim=1, expected_dims=3)},
+        },
+        outputs={"rope": (SplitOutput(dim=1, expected_dims=4, index=0), SplitOutput(dim=1, expected_dims=4, index=1))},
+        gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
+        attention=AttentionRouting(modules=(module,)),
         notes=notes,
     )
