@@ -10,7 +10,9 @@ from __future__ import annotations
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan_shapes import mmdit_root_plan
+from fastdit.testing.components.autoencoder_kl import autoencoder_kl
 from fastdit.testing.components.encoders import build, clip_text_model, t5_encoder
+from fastdit.testing.components.images import random_image
 
 TRANSFORMER = "diffusers.models.transformers.transformer_flux.FluxTransformer2DModel"
 
@@ -36,29 +38,6 @@ def tiny_transformer(seed: int = 0, *, num_layers: int = 1, num_single_layers: i
     )
 
 
-def tiny_vae(seed: int = 0):
-    """A two-level ``AutoencoderKL`` with 4 latent channels (scale factor 2)."""
-    from diffusers import AutoencoderKL
-
-    return build(
-        AutoencoderKL,
-        seed=seed,
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-        block_out_channels=(8, 16),
-        layers_per_block=1,
-        latent_channels=4,
-        norm_num_groups=8,
-        sample_size=32,
-        shift_factor=0.0609,
-        scaling_factor=1.5035,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    )
-
-
 def _components(seed: int, guidance: bool) -> dict:
     from diffusers import FlowMatchEulerDiscreteScheduler
 
@@ -66,7 +45,9 @@ def _components(seed: int, guidance: bool) -> dict:
     text_encoder_2, tokenizer_2 = t5_encoder(seed=seed + 1)
     return {
         "transformer": tiny_transformer(seed, guidance=guidance),
-        "vae": tiny_vae(seed),
+        "vae": autoencoder_kl(
+            latent_channels=4, scaling_factor=1.5035, shift_factor=0.0609, use_quant_conv=False, seed=seed
+        ),
         "text_encoder": text_encoder,
         "tokenizer": tokenizer,
         "text_encoder_2": text_encoder_2,
@@ -87,14 +68,6 @@ def tiny_flux_kontext(seed: int = 0):
     from diffusers import FluxKontextPipeline
 
     return FluxKontextPipeline(**_components(seed, guidance=True))
-
-
-def _kontext_image():
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    return Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8))
 
 
 # Context parallelism: the forward is "embed, loop over blocks, project out", so the root inputs are split. RoPE is
@@ -132,7 +105,7 @@ ADAPTER = register(
                 call_kwargs={
                     **_CALL,
                     "guidance_scale": 2.5,
-                    "image": _kontext_image(),
+                    "image": random_image(),
                     "_auto_resize": False,
                     "max_area": 32 * 32,
                 },

@@ -14,6 +14,7 @@ from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 from fastdit.testing.components.autoencoder_kl_qwenimage import autoencoder_kl_qwenimage
 from fastdit.testing.components.encoders import build, qwen2_5_vl_model
+from fastdit.testing.components.images import random_image
 from fastdit.testing.components.qwen2_5_vl import qwen2_vl_processor
 
 TRANSFORMER = "diffusers.models.transformers.transformer_qwenimage.QwenImageTransformer2DModel"
@@ -74,14 +75,6 @@ def tiny_qwen_image_edit(seed: int = 0):
     )
 
 
-def _edit_image():
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    return Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8))
-
-
 # Context parallelism: the root forward derives RoPE from the full text length and img_shapes, so the sequence is split
 # at the first block instead (the blocks see the split streams; the loop between blocks is token-wise). ``pos_embed``
 # returns (image, text) rotary tables for the full sequence: both are split like their streams. Every block gets the
@@ -126,7 +119,7 @@ ADAPTER = register(
                 name="edit",
                 build=tiny_qwen_image_edit,
                 # Output size is free (multiple of 64 here); the input image is resized to ~1 MP regardless.
-                call_kwargs={**_CALL, "image": _edit_image(), "height": 128, "width": 128},
+                call_kwargs={**_CALL, "image": random_image(), "height": 128, "width": 128},
             ),
         ),
         presets=(

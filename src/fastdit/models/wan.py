@@ -11,7 +11,10 @@ from __future__ import annotations
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan_shapes import wan_blocks_plan
+from fastdit.testing.components.autoencoder_kl_wan import autoencoder_kl_wan
+from fastdit.testing.components.clip_vision import clip_vision_model
 from fastdit.testing.components.encoders import build, umt5_encoder
+from fastdit.testing.components.images import random_image
 
 TRANSFORMER = "diffusers.models.transformers.transformer_wan.WanTransformer3DModel"
 
@@ -43,63 +46,12 @@ def tiny_transformer(seed: int = 0, *, in_channels: int = _Z_DIM, image_dim: int
     )
 
 
-def tiny_vae(seed: int = 0):
-    """An ``AutoencoderKLWan`` with 3 base channels (spatial factor 8, temporal factor 4, as the real one)."""
-    from diffusers import AutoencoderKLWan
-
-    return build(
-        AutoencoderKLWan,
-        seed=seed,
-        base_dim=3,
-        z_dim=_Z_DIM,
-        dim_mult=[1, 1, 1, 1],
-        num_res_blocks=1,
-        temperal_downsample=[False, True, True],
-    )
-
-
-def tiny_vae22(seed: int = 0):
-    """A Wan 2.2 style ``AutoencoderKLWan`` (residual blocks, 2x2 pixel patchify: spatial factor 16)."""
-    from diffusers import AutoencoderKLWan
-
-    return build(
-        AutoencoderKLWan,
-        seed=seed,
-        base_dim=4,
-        z_dim=_Z_DIM,
-        dim_mult=[1, 1, 1, 1],
-        num_res_blocks=1,
-        temperal_downsample=[False, True, True],
-        is_residual=True,
-        in_channels=12,
-        out_channels=12,
-        patch_size=2,
-        scale_factor_spatial=16,
-    )
-
-
-def tiny_image_encoder(seed: int = 0):
-    """``(CLIPVisionModel, CLIPImageProcessorPil)`` for 32x32 images (Wan 2.1 I2V conditions on CLIP features)."""
-    from transformers import CLIPImageProcessorPil, CLIPVisionConfig, CLIPVisionModel
-
-    config = CLIPVisionConfig(
-        hidden_size=8,
-        intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=32,
-        patch_size=8,
-    )
-    processor = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    return build(CLIPVisionModel, config, seed=seed), processor
-
-
 def _common(seed: int) -> dict:
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     text_encoder, tokenizer = umt5_encoder(d_model=_TEXT_DIM, seed=seed)
     return {
-        "vae": tiny_vae(seed),
+        "vae": autoencoder_kl_wan(seed=seed),
         "text_encoder": text_encoder,
         "tokenizer": tokenizer,
         "scheduler": FlowMatchEulerDiscreteScheduler(shift=5.0),
@@ -130,7 +82,7 @@ def tiny_wan_i2v(seed: int = 0):
     """A complete tiny Wan 2.1 ``WanImageToVideoPipeline`` (CLIP image features + first-frame latents)."""
     from diffusers import WanImageToVideoPipeline
 
-    image_encoder, image_processor = tiny_image_encoder(seed)
+    image_encoder, image_processor = clip_vision_model(hidden_size=8, seed=seed)
     return WanImageToVideoPipeline(
         # 16 noise + 4 mask + 16 first-frame latent channels.
         transformer=tiny_transformer(seed, in_channels=2 * _Z_DIM + 4, image_dim=8),
@@ -158,17 +110,9 @@ def tiny_wan22_ti2v(seed: int = 0):
     from diffusers import WanPipeline
 
     components = _common(seed)
-    components["vae"] = tiny_vae22(seed)
+    components["vae"] = autoencoder_kl_wan(wan22=True, seed=seed)
     # expand_timesteps: the transformer receives one timestep per latent token, shape (batch, tokens).
     return WanPipeline(transformer=tiny_transformer(seed), expand_timesteps=True, **components)
-
-
-def _image():
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    return Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8))
 
 
 def _preset(
@@ -214,13 +158,13 @@ ADAPTER = register(
         cp_plan=CP_PLAN,
         tiny_pipelines=(
             TinyPipeline(name="t2v", build=tiny_wan_t2v, call_kwargs=_CALL),
-            TinyPipeline(name="i2v", build=tiny_wan_i2v, call_kwargs={**_CALL, "image": _image()}),
+            TinyPipeline(name="i2v", build=tiny_wan_i2v, call_kwargs={**_CALL, "image": random_image()}),
             # Two experts: 4 steps so that each runs two of them (cache tests need a step to reuse).
             TinyPipeline(name="wan2.2-t2v", build=tiny_wan22_t2v, call_kwargs={**_CALL, "num_inference_steps": 4}),
             TinyPipeline(
                 name="wan2.2-i2v",
                 build=tiny_wan22_i2v,
-                call_kwargs={**_CALL, "num_inference_steps": 4, "image": _image()},
+                call_kwargs={**_CALL, "num_inference_steps": 4, "image": random_image()},
             ),
             TinyPipeline(name="wan2.2-ti2v", build=tiny_wan22_ti2v, call_kwargs=_CALL),
         ),
