@@ -8,7 +8,8 @@
   runs *before* every diffusers hook on that module: a cache hook installed later on ``blocks.0`` then sees the
   split tensors, exactly as if the model's own loop had passed them;
 * on modules whose output is split or gathered, a ``HookRegistry`` hook (``fastdit_cp_output``);
-* the attention routing (:mod:`fastdit.parallel.attention.dispatch`); the processors of the attention modules the
+* the attention routing (:mod:`fastdit.parallel.attention.dispatch`: ``dispatch_attention_fn`` and/or the ``F``
+  of processors that call SDPA themselves); the processors of the attention modules the
   plan lists as ``local`` stay unmarked and run ordinary attention.
 
 Sizes that do not divide the degree are split unevenly (the first ``size % degree`` ranks get one more; one log
@@ -33,8 +34,10 @@ from fastdit.parallel.attention.dispatch import (
     ContextParallelAttention,
     ForwardLayout,
     local_attention,
+    mark_attention_modules,
     mark_processors,
     route_modules,
+    route_sdpa_modules,
 )
 from fastdit.parallel.plan import (
     ContextParallelPlan,
@@ -274,8 +277,13 @@ def apply_context_parallel(
     splitter = _Splitter(group, marker.forward, log=runtime.is_main)
     undo: list[Callable[[], None]] = []
     try:
-        undo.append(route_modules(plan.attention.modules))
-        undo.append(mark_processors(transformer, marker, local_attention_paths(transformer, plan.attention)))
+        local_paths = local_attention_paths(transformer, plan.attention)
+        if plan.attention.modules:
+            undo.append(route_modules(plan.attention.modules))
+            undo.append(mark_processors(transformer, marker, local_paths))
+        if plan.attention.sdpa_modules:
+            undo.append(route_sdpa_modules(plan.attention.sdpa_modules))
+            undo.append(mark_attention_modules(transformer, marker, local_paths))
         undo.append(_install_hooks(transformer, plan, splitter))
     except BaseException:
         for fn in reversed(undo):

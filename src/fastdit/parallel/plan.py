@@ -10,8 +10,9 @@ A plan names module paths (``""`` is the transformer itself; ``"transformer_bloc
   full-length tensors inside forward).
 * :class:`GatherOutput` — all-gather a module's output along a dim (the output projection), so the transformer
   returns the full sequence on every rank.
-* :class:`AttentionRouting` — which Python modules' ``dispatch_attention_fn`` is routed to context-parallel attention,
-  and which split tensors, concatenated, form the joint sequence a model-built attention mask indexes.
+* :class:`AttentionRouting` — which Python modules' ``dispatch_attention_fn`` (or, for processors that call
+  ``F.scaled_dot_product_attention`` themselves, ``F``) is routed to context-parallel attention, and which split
+  tensors, concatenated, form the joint sequence a model-built attention mask indexes.
 
 :func:`validate_plan` checks a plan against a module tree (on any device, ``meta`` included) before anything is
 installed. :func:`fastdit.parallel.context_parallel.apply_context_parallel` applies it.
@@ -103,8 +104,19 @@ class GatherOutput:
 class AttentionRouting:
     """Which attention calls become context-parallel.
 
+    A processor is routed one of two ways, chosen by the Python module that defines its class:
+
+    * ``modules``: processors that call ``dispatch_attention_fn(..., parallel_config=self._parallel_config)``; the
+      module's ``dispatch_attention_fn`` global is rebound and the processors are marked.
+    * ``sdpa_modules``: processors that call ``F.scaled_dot_product_attention`` directly on ``(B, H, S, D)``
+      tensors; the module's ``F`` global (``torch.nn.functional``) is rebound to a proxy whose SDPA is
+      context-parallel only while a non-local attention module of this transformer runs (see
+      :func:`fastdit.parallel.attention.dispatch.mark_attention_modules`).
+
     Attributes:
         modules: Python modules whose ``dispatch_attention_fn`` global is routed (those defining the processors).
+        sdpa_modules: Python modules whose ``F`` global is routed (those defining processors that call
+            ``F.scaled_dot_product_attention``). At least one of ``modules`` and ``sdpa_modules`` is non-empty.
         mask_segments: Names of split inputs whose concatenation, in this order, is the joint sequence that an
             attention mask built by the model indexes (a mask over the global sequence is reordered to match the
             ranks' shards; see :class:`fastdit.parallel.attention.ulysses.SeqLayout`). Empty: one contiguous split.
@@ -115,18 +127,23 @@ class AttentionRouting:
             attention module. Processors there need not route through ``dispatch_attention_fn``.
     """
 
-    modules: tuple[str, ...]
+    modules: tuple[str, ...] = ()
+    sdpa_modules: tuple[str, ...] = ()
     mask_segments: tuple[str, ...] = ()
     local: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.local, str):
             raise ValueError(f"AttentionRouting.local={self.local!r}: expected a tuple of paths, not a string")
+        for name in ("modules", "sdpa_modules"):
+            if isinstance(getattr(self, name), str):
+                raise ValueError(f"AttentionRouting.{name}={getattr(self, name)!r}: expected a tuple of module names")
         object.__setattr__(self, "modules", tuple(self.modules))
+        object.__setattr__(self, "sdpa_modules", tuple(self.sdpa_modules))
         object.__setattr__(self, "mask_segments", tuple(self.mask_segments))
         object.__setattr__(self, "local", tuple(self.local))
-        if not self.modules:
-            raise ValueError("AttentionRouting.modules=(): name at least one module")
+        if not self.modules and not self.sdpa_modules:
+            raise ValueError("AttentionRouting.modules=() and sdpa_modules=(): name at least one module")
 
 
 def _frozen(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -293,25 +310,35 @@ def _validate_attention(
         raise ValueError(f"context-parallel plan: {type(transformer).__name__} has no attention processors to route")
     for path, module in attention:
         processor = module.processor
-        if not hasattr(processor, "_parallel_config"):
-            raise ValueError(
-                f"context-parallel plan: processor {type(processor).__name__} of {path!r} does not pass a "
-                "parallel_config to dispatch_attention_fn, so its attention cannot be routed"
-            )
-        if type(processor).__module__ not in routing.modules:
-            raise ValueError(
-                f"context-parallel plan: processor {type(processor).__name__} of {path!r} is defined in "
-                f"{type(processor).__module__!r}, which AttentionRouting.modules does not route"
-            )
+        defined_in = type(processor).__module__
+        if defined_in not in routing.sdpa_modules:
+            if not hasattr(processor, "_parallel_config"):
+                raise ValueError(
+                    f"context-parallel plan: processor {type(processor).__name__} of {path!r} does not pass a "
+                    "parallel_config to dispatch_attention_fn and its module "
+                    f"{defined_in!r} is not in AttentionRouting.sdpa_modules, so its attention cannot be routed"
+                )
+            if defined_in not in routing.modules:
+                raise ValueError(
+                    f"context-parallel plan: processor {type(processor).__name__} of {path!r} is defined in "
+                    f"{defined_in!r}, which AttentionRouting.modules does not route"
+                )
         heads = getattr(module, "heads", None)
         if isinstance(heads, int) and heads % degree and not uneven_heads:
             raise ValueError(
                 f"context-parallel plan: {path!r} has {heads} heads, which do not divide the Ulysses degree {degree}"
             )
-    for name in routing.modules:
+    for name, attr in [
+        *((n, "dispatch_attention_fn") for n in routing.modules),
+        *((n, "F") for n in routing.sdpa_modules),
+    ]:
         try:
             py_module = importlib.import_module(name)
         except ImportError as exc:
             raise ValueError(f"context-parallel plan: attention module {name!r} cannot be imported") from exc
-        if not callable(getattr(py_module, "dispatch_attention_fn", None)):
+        if attr == "F":
+            # The real torch.nn.functional, or the proxy another routed transformer installed.
+            if not hasattr(getattr(py_module, "F", None), "scaled_dot_product_attention"):
+                raise ValueError(f"context-parallel plan: module {name!r} has no F (torch.nn.functional) to route")
+        elif not callable(getattr(py_module, attr, None)):
             raise ValueError(f"context-parallel plan: module {name!r} has no dispatch_attention_fn to route")

@@ -13,6 +13,12 @@ keyed by a closed ``Enum`` and cannot take a new backend, so routing works in tw
    :class:`ContextParallelAttention`. Processors that deliberately pass ``parallel_config=None`` (Wan's
    cross-attention to replicated text) and those of the modules the plan lists as local keep running locally.
 
+Processors that call ``F.scaled_dot_product_attention`` themselves (``(B, H, S, D)`` tensors) are routed the same
+two-step way: :func:`route_sdpa_modules` rebinds the module-global ``F`` of the named modules to a
+:class:`FunctionalProxy` (reference-counted like step 1), and :func:`mark_attention_modules` hooks one transformer's
+non-local attention modules so that, only while one of them runs in this thread, the proxy's SDPA goes to its
+:class:`ContextParallelAttention`. Every other call (other models, local modules, other threads) is the real SDPA.
+
 :class:`ContextParallelAttention` then runs Ulysses (``ulysses > 1``), ring (``ring > 1``) or USP (both), with the
 local attention backend chosen by :func:`local_attention` (SDPA flash / cuDNN / efficient / math, flash-attn,
 SageAttention).
@@ -21,6 +27,7 @@ SageAttention).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import importlib
 import threading
 from collections.abc import Callable, Collection, Iterable
@@ -38,10 +45,13 @@ from fastdit.parallel.attention.ulysses import LocalAttention, SeqLayout, mask_i
 __all__ = [
     "ContextParallelAttention",
     "ForwardLayout",
+    "FunctionalProxy",
     "attention_processors",
     "local_attention",
+    "mark_attention_modules",
     "mark_processors",
     "route_modules",
+    "route_sdpa_modules",
 ]
 
 ENTRY_POINT = "dispatch_attention_fn"
@@ -261,7 +271,8 @@ class ContextParallelAttention:
 # --- routing: rebinding the entry point in processor modules ---
 
 _LOCK = threading.Lock()
-_ROUTED: dict[str, tuple[Callable[..., Any], int]] = {}  # module name -> (original function, reference count)
+# (module name, global name) -> (original object, reference count)
+_ROUTED: dict[tuple[str, str], tuple[Any, int]] = {}
 
 
 def _router(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -276,6 +287,28 @@ def _router(original: Callable[..., Any]) -> Callable[..., Any]:
     return dispatch_attention_fn
 
 
+def _rebind(names: list[str], modules: list[Any], attr: str, wrap: Callable[[Any], Any]) -> Callable[[], None]:
+    """Set global ``attr`` of each module to ``wrap(original)`` (reference-counted); return the undo."""
+    with _LOCK:
+        for name, module in zip(names, modules, strict=True):
+            original, count = _ROUTED.get((name, attr), (getattr(module, attr), 0))
+            if count == 0:
+                setattr(module, attr, wrap(original))
+            _ROUTED[name, attr] = (original, count + 1)
+
+    def undo() -> None:
+        with _LOCK:
+            for name, module in zip(names, modules, strict=True):
+                original, count = _ROUTED[name, attr]
+                if count == 1:
+                    setattr(module, attr, original)
+                    del _ROUTED[name, attr]
+                else:
+                    _ROUTED[name, attr] = (original, count - 1)
+
+    return undo
+
+
 def route_modules(module_names: Iterable[str]) -> Callable[[], None]:
     """Rebind ``dispatch_attention_fn`` in each named module to the router; return the undo.
 
@@ -287,22 +320,115 @@ def route_modules(module_names: Iterable[str]) -> Callable[[], None]:
     for name, module in zip(names, modules, strict=True):
         if not callable(getattr(module, ENTRY_POINT, None)):
             raise ValueError(f"module {name!r} has no {ENTRY_POINT}: its attention cannot be routed")
-    with _LOCK:
-        for name, module in zip(names, modules, strict=True):
-            original, count = _ROUTED.get(name, (getattr(module, ENTRY_POINT), 0))
-            if count == 0:
-                setattr(module, ENTRY_POINT, _router(original))
-            _ROUTED[name] = (original, count + 1)
+    return _rebind(names, modules, ENTRY_POINT, _router)
+
+
+# --- routing of processors that call F.scaled_dot_product_attention themselves ---
+
+SDPA_ALIAS = "F"
+
+# The context-parallel attention of the marked attention module running now in this thread (None: none is).
+_ACTIVE: contextvars.ContextVar[ContextParallelAttention | None] = contextvars.ContextVar(
+    "fastdit_cp_attention", default=None
+)
+
+
+class FunctionalProxy:
+    """Stands in for ``torch.nn.functional`` as a processor module's ``F``: everything but SDPA is forwarded.
+
+    ``scaled_dot_product_attention`` goes to the context-parallel attention of the marked attention module that is
+    running in this thread (see :func:`mark_attention_modules`), converting ``(B, H, S, D)`` to the ``(B, S, H, D)``
+    :class:`ContextParallelAttention` takes and back; any other call goes to the real function unchanged.
+    """
+
+    def __init__(self, functional: Any) -> None:
+        self._functional = functional
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._functional, name)
+
+    def scaled_dot_product_attention(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        marker = _ACTIVE.get()
+        if marker is None:
+            return self._functional.scaled_dot_product_attention(*args, **kwargs)
+        return _routed_sdpa(marker, *args, **kwargs)
+
+
+def _routed_sdpa(
+    marker: ContextParallelAttention,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    if query.ndim != 4:
+        raise ValueError(f"context-parallel attention expects (B, H, S, D) tensors, got query of shape {query.shape}")
+    out_BSHD = marker(
+        query.transpose(1, 2),
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa,
+    )
+    return out_BSHD.transpose(1, 2)
+
+
+def _sdpa_proxy(original: Any) -> FunctionalProxy:
+    return FunctionalProxy(original)
+
+
+def route_sdpa_modules(module_names: Iterable[str]) -> Callable[[], None]:
+    """Rebind the ``F`` (``torch.nn.functional``) global of each named module to a :class:`FunctionalProxy`.
+
+    Reference-counted like :func:`route_modules`; returns the undo.
+
+    Raises:
+        ValueError: a module has no ``F`` global that is ``torch.nn.functional``.
+    """
+    names = list(dict.fromkeys(module_names))
+    modules = [importlib.import_module(name) for name in names]
+    for name, module in zip(names, modules, strict=True):
+        alias = getattr(module, SDPA_ALIAS, None)
+        if alias is not F and not isinstance(alias, FunctionalProxy):
+            raise ValueError(f"module {name!r} has no global {SDPA_ALIAS} = torch.nn.functional to route")
+    return _rebind(names, modules, SDPA_ALIAS, _sdpa_proxy)
+
+
+def mark_attention_modules(
+    transformer: torch.nn.Module, marker: ContextParallelAttention, local: Collection[str] = ()
+) -> Callable[[], None]:
+    """While an attention module of ``transformer`` not in ``local`` runs, route ``F`` proxies' SDPA to ``marker``.
+
+    A forward pre-hook sets the marker for this thread; a forward hook that runs even when forward raises restores
+    the previous value. Returns the undo (removes the hooks).
+    """
+    local = set(local)
+    tokens = threading.local()
+
+    def enter(module: torch.nn.Module, args: tuple) -> None:
+        stack = tokens.__dict__.setdefault("stack", [])
+        stack.append(_ACTIVE.set(marker))
+
+    def leave(module: torch.nn.Module, args: tuple, output: Any) -> None:
+        _ACTIVE.reset(tokens.stack.pop())
+
+    handles = []
+    for path, module in transformer.named_modules():
+        if getattr(module, "processor", None) is None or path in local:
+            continue
+        handles.append(module.register_forward_pre_hook(enter))
+        handles.append(module.register_forward_hook(leave, always_call=True))
 
     def undo() -> None:
-        with _LOCK:
-            for name, module in zip(names, modules, strict=True):
-                original, count = _ROUTED[name]
-                if count == 1:
-                    setattr(module, ENTRY_POINT, original)
-                    del _ROUTED[name]
-                else:
-                    _ROUTED[name] = (original, count - 1)
+        for handle in handles:
+            handle.remove()
 
     return undo
 
