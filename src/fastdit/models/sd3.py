@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.testing.components.autoencoder_kl import autoencoder_kl
 from fastdit.testing.components.encoders import build, clip_text_model_with_projection, t5_encoder
 
@@ -74,6 +75,22 @@ def tiny_sd35(seed: int = 0):
     return _pipeline(seed, sd35=True)
 
 
+# forward builds the image sequence itself (patch embedding with a learned position table cropped to the latent
+# size), so the split is at the first block's inputs, after the positions are added. The joint attention
+# concatenates [image, text] per rank without a mask or RoPE, so any split of either stream is exact.
+# JointAttnProcessor2_0 calls F.scaled_dot_product_attention itself: its module's F is routed.
+CP_PLAN = ContextParallelPlan(
+    inputs={
+        "transformer_blocks.0": {
+            "hidden_states": SplitInput(dim=1, expected_dims=3),
+            "encoder_hidden_states": SplitInput(dim=1, expected_dims=3),
+        }
+    },
+    gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
+    attention=AttentionRouting(sdpa_modules=("diffusers.models.attention_processor",)),
+    notes="Learned position table added in the patch embedding before the split at transformer_blocks.0; no RoPE.",
+)
+
 _CALL = {
     "prompt": "a cat holding a sign",
     "height": 32,
@@ -88,6 +105,7 @@ ADAPTER = register(
         family="sd3",
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P1),),
+        cp_plan=CP_PLAN,
         tiny_pipelines=(
             TinyPipeline(name="sd3", build=tiny_sd3, call_kwargs=_CALL),
             TinyPipeline(name="sd3.5-medium", build=tiny_sd35, call_kwargs=_CALL),
@@ -123,10 +141,9 @@ ADAPTER = register(
             "step), but skip-layer guidance (`skip_guidance_layers`, SD3.5 Medium) adds a second forward per step "
             "with batch 1 (not 2) and `skip_layers` that leaves out blocks, and no cache_context: a cache must give "
             "it its own state. ControlNet residuals are added between blocks. Positions are a learned table "
-            "cropped to the latent size, no RoPE and no attention mask. "
-            "No context-parallel plan: its joint attention (JointAttnProcessor2_0, also used by the SD3.5 dual "
-            "attention) calls F.scaled_dot_product_attention directly instead of dispatch_attention_fn, so it cannot "
-            "be routed to Ulysses/ring attention."
+            "cropped to the latent size, no RoPE and no attention mask. Under context parallelism the sequence is "
+            "split at the first block, so skip-layer guidance must not skip block 0 and ControlNet residuals "
+            "(full-length) are not supported."
         ),
     )
 )
