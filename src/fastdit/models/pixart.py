@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.testing.components.autoencoder_kl import autoencoder_kl
 from fastdit.testing.components.encoders import build, t5_encoder
 
@@ -70,6 +71,19 @@ def tiny_pixart_sigma(seed: int = 0):
     return PixArtSigmaPipeline(**_components(seed, sample_size=16))
 
 
+# forward builds the image sequence (patch embedding plus sin-cos positions), so the split is at the first block's
+# inputs. Only the self-attention sees the split image tokens; the cross-attention (attn2) reads the whole,
+# replicated prompt and stays local. AttnProcessor2_0 calls F.scaled_dot_product_attention itself: its module's F is
+# routed.
+CP_PLAN = ContextParallelPlan(
+    inputs={"transformer_blocks.0": {"hidden_states": SplitInput(dim=1, expected_dims=3)}},
+    gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
+    attention=AttentionRouting(
+        sdpa_modules=("diffusers.models.attention_processor",), local=("transformer_blocks.*.attn2",)
+    ),
+    notes="Sin-cos positions added before the split at transformer_blocks.0; cross-attention to the prompt is local.",
+)
+
 _CALL = {
     "prompt": "a cat holding a sign",
     "height": 32,
@@ -87,6 +101,7 @@ ADAPTER = register(
         family="pixart",
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P2),),
+        cp_plan=CP_PLAN,
         tiny_pipelines=(
             TinyPipeline(name="alpha", build=tiny_pixart_alpha, call_kwargs=_CALL),
             TinyPipeline(name="sigma", build=tiny_pixart_sigma, call_kwargs=_CALL),
@@ -109,10 +124,7 @@ ADAPTER = register(
             "Cross-attention only reads the prompt, so the encoder stream is constant over the blocks and the "
             "image sequence can be split alone (keys/values of the cross-attention stay whole); the prompt mask "
             "arrives as `encoder_attention_mask` (a bias). Sin-cos positions are added before the blocks (no "
-            "RoPE). CFG is batched. The pipelines snap the size to ~1 MP bins unless `use_resolution_binning=False`. "
-            "No context-parallel plan: self- and cross-attention use AttnProcessor2_0, which calls "
-            "F.scaled_dot_product_attention directly instead of dispatch_attention_fn, so the self-attention cannot be "
-            "routed to Ulysses/ring attention."
+            "RoPE). CFG is batched. The pipelines snap the size to ~1 MP bins unless `use_resolution_binning=False`."
         ),
     )
 )
