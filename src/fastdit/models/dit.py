@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.testing.components.autoencoder_kl import autoencoder_kl
 from fastdit.testing.components.encoders import build
 
@@ -52,11 +53,22 @@ def tiny_dit(seed: int = 0):
     )
 
 
+# forward builds the image sequence (patch embedding plus sin-cos positions), so the split is at the first block's
+# inputs; every block conditions on per-sample timestep and class labels only. AttnProcessor2_0 calls
+# F.scaled_dot_product_attention itself: its module's F is routed.
+CP_PLAN = ContextParallelPlan(
+    inputs={"transformer_blocks.0": {"hidden_states": SplitInput(dim=1, expected_dims=3)}},
+    gather={"proj_out_2": GatherOutput(dim=1, expected_dims=3)},
+    attention=AttentionRouting(sdpa_modules=("diffusers.models.attention_processor",)),
+    notes="Sin-cos positions added before the split at transformer_blocks.0; no RoPE, no mask.",
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="dit",
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P3),),
+        cp_plan=CP_PLAN,
         tiny_pipelines=(
             TinyPipeline(
                 name="dit",
@@ -81,9 +93,7 @@ ADAPTER = register(
         notes=(
             "Class-conditional, no text: every block embeds `timestep` and `class_labels` itself (AdaLN-zero inside "
             "the block). CFG is batched (label 1000 is the null class). The image size is fixed by the config "
-            "(`sample_size` latent pixels); sin-cos positions are added before the blocks, no RoPE, no mask. "
-            "No context-parallel plan: the blocks' AttnProcessor2_0 calls F.scaled_dot_product_attention directly "
-            "instead of dispatch_attention_fn, so its attention cannot be routed to Ulysses/ring attention."
+            "(`sample_size` latent pixels); sin-cos positions are added before the blocks, no RoPE, no mask."
         ),
     )
 )
