@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.testing.components.autoencoder_kl import autoencoder_kl
 from fastdit.testing.components.encoders import build, umt5_encoder
 
@@ -56,6 +57,22 @@ def tiny_auraflow(seed: int = 0):
     )
 
 
+# forward builds both streams (patch embedding with a learned position table; 8 register tokens prepended to the
+# text), so the split is at the first joint block's inputs. The single blocks concatenate [text, image] per rank and
+# slice the text off by its local length, and no attention has a mask or RoPE, so any split of either stream is
+# exact. AuraFlowAttnProcessor2_0 calls F.scaled_dot_product_attention itself: its module's F is routed.
+CP_PLAN = ContextParallelPlan(
+    inputs={
+        "joint_transformer_blocks.0": {
+            "hidden_states": SplitInput(dim=1, expected_dims=3),
+            "encoder_hidden_states": SplitInput(dim=1, expected_dims=3),
+        }
+    },
+    gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
+    attention=AttentionRouting(sdpa_modules=("diffusers.models.attention_processor",)),
+    notes="Learned position table and register tokens added before the split at joint_transformer_blocks.0; no RoPE.",
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="auraflow",
@@ -64,6 +81,7 @@ ADAPTER = register(
             BlockGroup(path="joint_transformer_blocks", pattern=ForwardPattern.P1),
             BlockGroup(path="single_transformer_blocks", pattern=ForwardPattern.P3),
         ),
+        cp_plan=CP_PLAN,
         tiny_pipelines=(
             TinyPipeline(
                 name="auraflow",
@@ -90,10 +108,7 @@ ADAPTER = register(
             "The model prepends 8 learned register tokens to the text stream before the joint blocks and "
             "concatenates [text, image] before the single blocks, whose hidden stream is therefore text+image. "
             "Positions are a learned table cropped around the centre of the latent grid (no RoPE); padded prompt "
-            "tokens are zeroed by the pipeline, no attention mask reaches the blocks. CFG is batched. "
-            "No context-parallel plan: AuraFlowAttnProcessor2_0 (joint and single blocks) calls "
-            "F.scaled_dot_product_attention directly instead of dispatch_attention_fn, so its attention cannot be "
-            "routed to Ulysses/ring attention."
+            "tokens are zeroed by the pipeline, no attention mask reaches the blocks. CFG is batched."
         ),
     )
 )
