@@ -94,6 +94,8 @@ class _Splitter:
         self._logged: set[tuple[str, int]] = set()
 
     def split(self, tensor: Any, dim: int, expected_dims: int | None, name: str) -> Any:
+        if isinstance(tensor, (tuple, list)):  # e.g. a (cos, sin) RoPE pair passed as one argument
+            return type(tensor)(self.split(t, dim, expected_dims, name) for t in tensor)
         if not isinstance(tensor, torch.Tensor) or (expected_dims is not None and tensor.ndim != expected_dims):
             return tensor
         total = tensor.shape[dim]

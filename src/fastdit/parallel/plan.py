@@ -53,6 +53,8 @@ def _check_dim(owner: str, dim: Any, expected_dims: Any) -> None:
 class SplitInput:
     """Split a ``forward`` argument along ``dim`` over the context-parallel ranks.
 
+    A tuple or list argument (a ``(cos, sin)`` RoPE pair) has each of its tensors split alike.
+
     Attributes:
         dim: The sequence dim of the argument.
         expected_dims: Split only tensors with this many dims (others pass through whole: e.g. a timestep that is
