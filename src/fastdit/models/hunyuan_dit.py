@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.testing.components.autoencoder_kl import autoencoder_kl
 from fastdit.testing.components.bert import bert_model
 from fastdit.testing.components.encoders import build, t5_encoder
@@ -83,6 +84,21 @@ def tiny_hunyuan_dit_v11(seed: int = 0):
     return _pipeline(seed, style_and_size=True)
 
 
+# forward builds the image sequence (patch embedding), so the image tokens are split at the first block's inputs;
+# the (cos, sin) RoPE tables the pipeline passes in are split alike at the root. Both attentions rotate the image
+# queries with them; the cross-attention (attn2) reads the whole, replicated prompt and stays local. The long skips
+# are token-wise, so the blocks see only split tokens. HunyuanAttnProcessor2_0 calls
+# F.scaled_dot_product_attention itself: its module's F is routed.
+CP_PLAN = ContextParallelPlan(
+    inputs={
+        "": {"image_rotary_emb": SplitInput(dim=0, expected_dims=2)},
+        "blocks.0": {"hidden_states": SplitInput(dim=1, expected_dims=3)},
+    },
+    gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
+    attention=AttentionRouting(sdpa_modules=("diffusers.models.attention_processor",), local=("blocks.*.attn2",)),
+    notes="RoPE (cos, sin) tables split at the root with the image tokens (split at blocks.0); cross-attention local.",
+)
+
 _CALL = {
     "prompt": "a cat holding a sign",
     # The pipeline derives the RoPE grid from height // 8, so the VAE must downsample by 8: 64 px -> 8x8 latents.
@@ -99,6 +115,7 @@ ADAPTER = register(
         family="hunyuan_dit",
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="blocks", pattern=ForwardPattern.P2),),
+        cp_plan=CP_PLAN,
         tiny_pipelines=(
             TinyPipeline(name="v1.2", build=tiny_hunyuan_dit, call_kwargs=_CALL),
             TinyPipeline(name="v1.1", build=tiny_hunyuan_dit_v11, call_kwargs=_CALL),
@@ -123,10 +140,7 @@ ADAPTER = register(
             "blocks must still feed the back blocks a skip for every front block it did not run. The RoPE table "
             "is built by the pipeline from the image size and passed in (`image_rotary_emb`); the prompt mask is "
             "applied by swapping padded tokens for a learned padding, no attention mask reaches the blocks. CFG is "
-            "batched; the pipeline snaps sizes to ~1 MP bins unless `use_resolution_binning=False`. "
-            "No context-parallel plan: HunyuanAttnProcessor2_0 (self- and cross-attention) calls "
-            "F.scaled_dot_product_attention directly instead of dispatch_attention_fn, so its attention cannot be "
-            "routed to Ulysses/ring attention (the long skips are token-wise and would not prevent a split)."
+            "batched; the pipeline snaps sizes to ~1 MP bins unless `use_resolution_binning=False`."
         ),
     )
 )
