@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.testing.components.encoders import build, t5_encoder
 from fastdit.testing.components.images import random_image
 
@@ -142,11 +143,30 @@ _CALL = {
     "max_sequence_length": _TEXT_LEN,
 }
 
+# The patch embedding builds [text, video] and forward splits it into the two streams, so both are split at the
+# first block's inputs. The (cos, sin) RoPE tables the pipeline passes in cover video tokens only and are split alike
+# at the root. The joint attention concatenates [text, video] per rank, rotates the video part by the local text
+# length and has no mask, so any split of either stream is exact. CogVideoXAttnProcessor2_0 calls
+# F.scaled_dot_product_attention itself: its module's F is routed.
+CP_PLAN = ContextParallelPlan(
+    inputs={
+        "": {"image_rotary_emb": SplitInput(dim=0, expected_dims=2)},
+        "transformer_blocks.0": {
+            "hidden_states": SplitInput(dim=1, expected_dims=3),
+            "encoder_hidden_states": SplitInput(dim=1, expected_dims=3),
+        },
+    },
+    gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
+    attention=AttentionRouting(sdpa_modules=("diffusers.models.attention_processor",)),
+    notes="Positions added in the patch embedding; the video RoPE (cos, sin) tables split at the root with the tokens.",
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="cogvideox",
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P0),),
+        cp_plan=CP_PLAN,
         tiny_pipelines=(
             TinyPipeline(name="t2v-2b", build=tiny_cogvideox_2b, call_kwargs=_CALL),
             TinyPipeline(name="t2v-5b", build=tiny_cogvideox_5b, call_kwargs=_CALL),
@@ -220,9 +240,7 @@ ADAPTER = register(
         notes=(
             "Text and video tokens are concatenated by the patch embedding and split again before the blocks; "
             "sin-cos or learned positions are added there and 3-D RoPE is computed by the pipeline and passed in "
-            "(image_rotary_emb covers video tokens only). CFG is batched (one call per step, batch 2). "
-            "No context-parallel plan: its CogVideoXAttnProcessor2_0 calls F.scaled_dot_product_attention directly "
-            "instead of dispatch_attention_fn with a parallel config, so its joint attention cannot be routed."
+            "(image_rotary_emb covers video tokens only). CFG is batched (one call per step, batch 2)."
         ),
     )
 )
