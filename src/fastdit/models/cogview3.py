@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.testing.components.autoencoder_kl import autoencoder_kl
 from fastdit.testing.components.encoders import build, t5_encoder
 
@@ -62,11 +63,28 @@ def tiny_cogview3plus(seed: int = 0):
     )
 
 
+# The patch embedding builds [text, image] (with sin-cos positions) and forward splits it into the two streams, so
+# both are split at the first block's inputs. The joint attention concatenates [text, image] per rank without a mask
+# or RoPE, so any split of either stream is exact. CogVideoXAttnProcessor2_0 calls F.scaled_dot_product_attention
+# itself: its module's F is routed.
+CP_PLAN = ContextParallelPlan(
+    inputs={
+        "transformer_blocks.0": {
+            "hidden_states": SplitInput(dim=1, expected_dims=3),
+            "encoder_hidden_states": SplitInput(dim=1, expected_dims=3),
+        },
+    },
+    gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
+    attention=AttentionRouting(sdpa_modules=("diffusers.models.attention_processor",)),
+    notes="Sin-cos positions added in the patch embedding before the split at transformer_blocks.0; no RoPE.",
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="cogview3",
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P0),),
+        cp_plan=CP_PLAN,
         tiny_pipelines=(
             TinyPipeline(
                 name="cogview3-plus",
@@ -94,9 +112,7 @@ ADAPTER = register(
         notes=(
             "Absolute 2-D sin-cos position embeddings (no RoPE) are added to the image tokens before the blocks; no "
             "attention mask. CFG is batched in one call and the transformer has no CacheMixin, so the pipeline opens "
-            "no cache contexts. No context-parallel plan: its processor (CogVideoXAttnProcessor2_0) calls "
-            "F.scaled_dot_product_attention directly instead of dispatch_attention_fn with a parallel config, so its "
-            "joint attention cannot be routed."
+            "no cache contexts."
         ),
     )
 )
