@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 from fastdit.testing.components.autoencoder_kl import autoencoder_kl
 from fastdit.testing.components.encoders import build
 from fastdit.testing.components.glm import glm_model
@@ -75,11 +76,31 @@ _CALL = {
     "max_sequence_length": 16,
 }
 
+# The patch embedding returns the two streams and forward builds the image RoPE (cos, sin) from hidden_states.shape,
+# so the streams are split at the first block's inputs and the RoPE tables at the rope module's output (or at the
+# root when a caller passes them). The joint attention concatenates [text, image] per rank and rotates the image part
+# by the local text length; the pipeline passes no attention mask, so any split is exact. CogView4AttnProcessor calls
+# F.scaled_dot_product_attention itself: its module's F is routed.
+CP_PLAN = ContextParallelPlan(
+    inputs={
+        "": {"image_rotary_emb": SplitInput(dim=0, expected_dims=2)},
+        "transformer_blocks.0": {
+            "hidden_states": SplitInput(dim=1, expected_dims=3),
+            "encoder_hidden_states": SplitInput(dim=1, expected_dims=3),
+        },
+    },
+    outputs={"rope": (SplitOutput(dim=0, expected_dims=2, index=0), SplitOutput(dim=0, expected_dims=2, index=1))},
+    gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
+    attention=AttentionRouting(sdpa_modules=("diffusers.models.transformers.transformer_cogview4",)),
+    notes="Image RoPE (cos, sin) split at the rope module's output with the tokens (split at transformer_blocks.0).",
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="cogview4",
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P0),),
+        cp_plan=CP_PLAN,
         # No tiny Control pipeline: it samples the control latents with the global RNG (latent_dist.sample()
         # without the caller's generator), so two seeded runs differ.
         tiny_pipelines=(TinyPipeline(name="cogview4", build=tiny_cogview4, call_kwargs=_CALL),),
@@ -100,9 +121,8 @@ ADAPTER = register(
         notes=(
             "RoPE is computed from hidden_states.shape inside forward (interpolated onto a fixed rope_axes_dim grid) "
             "and covers image tokens only; text tokens are left-padded to a multiple of 16 with no attention mask. "
-            "CFG runs two transformer calls per step (cond/uncond). No context-parallel plan: its "
-            "CogView4AttnProcessor calls F.scaled_dot_product_attention directly instead of dispatch_attention_fn "
-            "with a parallel config, so its joint attention cannot be routed."
+            "CFG runs two transformer calls per step (cond/uncond). Under context parallelism an `attention_mask` "
+            "(text padding) is not supported: the processor builds it over the local tokens only."
         ),
     )
 )
