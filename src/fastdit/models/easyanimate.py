@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 from fastdit.testing.components.encoders import build
 from fastdit.testing.components.qwen2_vl import qwen2_vl_model
 
@@ -73,11 +74,31 @@ def tiny_easyanimate(seed: int = 0):
     )
 
 
+# forward builds the video sequence (patch projection) and the 3-D RoPE (cos, sin) from hidden_states.shape, so the
+# streams are split at the first block's inputs and the RoPE tables at the rope module's output. The joint attention
+# concatenates [text, video] per rank, rotates the video part by the local text length and has no mask, so any split
+# is exact. EasyAnimateAttnProcessor2_0 calls F.scaled_dot_product_attention itself: its module's F is routed.
+CP_PLAN = ContextParallelPlan(
+    inputs={
+        "transformer_blocks.0": {
+            "hidden_states": SplitInput(dim=1, expected_dims=3),
+            "encoder_hidden_states": SplitInput(dim=1, expected_dims=3),
+        },
+    },
+    outputs={
+        "rope_embedding": (SplitOutput(dim=0, expected_dims=2, index=0), SplitOutput(dim=0, expected_dims=2, index=1))
+    },
+    gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
+    attention=AttentionRouting(sdpa_modules=("diffusers.models.transformers.transformer_easyanimate",)),
+    notes="3-D RoPE (cos, sin) split at the rope module's output with the tokens (split at transformer_blocks.0).",
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="easyanimate",
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P0),),
+        cp_plan=CP_PLAN,
         tiny_pipelines=(
             TinyPipeline(
                 name="t2v",
@@ -110,9 +131,7 @@ ADAPTER = register(
         ),
         notes=(
             "3-D RoPE is computed from hidden_states.shape inside forward. Text is padded to 256 tokens with no mask "
-            "reaching the transformer. CFG is batched in one call and the pipeline opens no cache contexts. "
-            "No context-parallel plan: its EasyAnimateAttnProcessor2_0 calls F.scaled_dot_product_attention directly "
-            "instead of dispatch_attention_fn with a parallel config, so its joint attention cannot be routed."
+            "reaching the transformer. CFG is batched in one call and the pipeline opens no cache contexts."
         ),
     )
 )
