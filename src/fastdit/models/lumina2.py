@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.testing.components.autoencoder_kl import autoencoder_kl
 from fastdit.testing.components.encoders import build
 from fastdit.testing.components.gemma2 import gemma2_model
@@ -58,11 +59,31 @@ def tiny_lumina2(seed: int = 0):
     )
 
 
+# forward packs the joint sequence [prompt without padding, image] per sample and builds its RoPE (B, S, ...) after
+# the refiners, so the tokens are split at the first of `layers` and the RoPE table at every layer. The key-padding mask
+# (B, S) stays whole: it indexes the global keys, which context-parallel attention sees in split order. The
+# refiners run on whole, replicated sequences before the split and stay local. The output is gathered at norm_out,
+# before forward unpacks each sample's image tokens. Lumina2AttnProcessor2_0 calls F.scaled_dot_product_attention
+# itself: its module's F is routed.
+CP_PLAN = ContextParallelPlan(
+    inputs={
+        "layers.0": {"hidden_states": SplitInput(dim=1, expected_dims=3)},
+        # forward passes its whole RoPE variable to every layer.
+        "layers.*": {"image_rotary_emb": SplitInput(dim=1, expected_dims=3)},
+    },
+    gather={"norm_out": GatherOutput(dim=1, expected_dims=3)},
+    attention=AttentionRouting(
+        sdpa_modules=("diffusers.models.transformers.transformer_lumina2",), local=("context_refiner", "noise_refiner")
+    ),
+    notes="Joint tokens and their RoPE split at layers.0 (after the local refiners); the padding mask stays whole.",
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="lumina2",
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="layers", pattern=ForwardPattern.P3),),
+        cp_plan=CP_PLAN,
         tiny_pipelines=(
             TinyPipeline(
                 name="lumina2",
@@ -93,9 +114,7 @@ ADAPTER = register(
             "different prompt lengths are right-padded and get an attention mask. Attention is GQA (num_kv_heads). "
             "The timestep rises during a run (0 = noise, 1 = image). True CFG: a second forward per step for the "
             "negative prompt, same timestep, no cache_context, dropped after `cfg_trunc_ratio`. The refiner lists "
-            "(context_refiner, noise_refiner) run before `layers`. "
-            "No context-parallel plan: Lumina2AttnProcessor2_0 calls F.scaled_dot_product_attention directly "
-            "instead of dispatch_attention_fn, so its attention cannot be routed to Ulysses/ring attention."
+            "(context_refiner, noise_refiner) run before `layers`."
         ),
     )
 )
