@@ -115,8 +115,8 @@ ADAPTER = register(
             "Text is padded to max_sequence_length and its mask becomes an additive bias for cross-attention; "
             "the pipeline computes 3-D RoPE for the whole latent grid and passes it to forward (image_rotary_emb: "
             "slice it per rank under a sequence split). The VAE decodes only in tiled form. CFG is batched. "
-            "No context-parallel plan: its AllegroAttnProcessor2_0 calls F.scaled_dot_product_attention directly "
-            "instead of dispatch_attention_fn with a parallel config, so its attention cannot be routed."
+            "No context-parallel plan: image_rotary_emb nests the per-token position grids (to be split) with the "
+            "frequency tables they index (to stay whole) in one argument, which a plan cannot split apart."
         ),
     )
 )

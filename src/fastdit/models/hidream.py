@@ -145,8 +145,8 @@ ADAPTER = register(
             "one the next block is given. Non-square latents are padded to a fixed token count with "
             "`hidden_states_masks`; MoE feed-forward (top-k routed experts); timestep argument is `timesteps`. "
             "CFG is batched. The pipeline rescales every request to the model's default area (~1 MP). "
-            "No context-parallel plan: HiDreamAttnProcessor calls F.scaled_dot_product_attention directly "
-            "instead of dispatch_attention_fn, so its attention cannot be routed to Ulysses/ring attention."
+            "No context-parallel plan: forward concatenates a different whole Llama layer's text to the stream "
+            "before every block, so no module boundary carries only split tokens."
         ),
     )
 )

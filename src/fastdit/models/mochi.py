@@ -113,9 +113,9 @@ ADAPTER = register(
             "Text is padded to max_sequence_length; blocks take encoder_attention_mask and the attention processor "
             "drops padded text tokens per sample before joint attention. RoPE is computed from the latent shape "
             "in forward. CFG is batched (one call per step, batch 2). "
-            "No context-parallel plan: MochiAttnProcessor2_0 drops each sample's padded text tokens and calls "
-            "F.scaled_dot_product_attention directly instead of dispatch_attention_fn, so its attention cannot be "
-            "routed."
+            "No context-parallel plan: MochiAttnProcessor2_0 drops each sample's padded text tokens inside "
+            "attention, so under a split each rank's joint length would depend on its shard of the prompt mask, "
+            "not on global sizes."
         ),
     )
 )
