@@ -195,6 +195,9 @@ class ContextParallelAttention:
     chunks: int = 1
     forward: ForwardLayout = field(default_factory=ForwardLayout)
 
+    # Compiled blocks break their graph here once: dynamo must not trace into the exchanges (async collectives and
+    # their work handles, shard bookkeeping), where it would compile many small guarded fragments and recompile them.
+    @torch.compiler.disable
     def __call__(
         self,
         query: torch.Tensor,
