@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
-from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
+from fastdit.parallel.plan_shapes import joint_first_block_plan
 from fastdit.testing.components.autoencoder_kl import autoencoder_kl
 from fastdit.testing.components.encoders import build, umt5_encoder
 
@@ -61,15 +61,9 @@ def tiny_auraflow(seed: int = 0):
 # text), so the split is at the first joint block's inputs. The single blocks concatenate [text, image] per rank and
 # slice the text off by its local length, and no attention has a mask or RoPE, so any split of either stream is
 # exact. AuraFlowAttnProcessor2_0 calls F.scaled_dot_product_attention itself: its module's F is routed.
-CP_PLAN = ContextParallelPlan(
-    inputs={
-        "joint_transformer_blocks.0": {
-            "hidden_states": SplitInput(dim=1, expected_dims=3),
-            "encoder_hidden_states": SplitInput(dim=1, expected_dims=3),
-        }
-    },
-    gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
-    attention=AttentionRouting(sdpa_modules=("diffusers.models.attention_processor",)),
+CP_PLAN = joint_first_block_plan(
+    "joint_transformer_blocks.0",
+    sdpa_modules=("diffusers.models.attention_processor",),
     notes="Learned position table and register tokens added before the split at joint_transformer_blocks.0; no RoPE.",
 )
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
-from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
+from fastdit.parallel.plan_shapes import joint_first_block_plan
 from fastdit.testing.components.autoencoder_kl import autoencoder_kl
 from fastdit.testing.components.encoders import build, t5_encoder
 
@@ -67,15 +67,9 @@ def tiny_cogview3plus(seed: int = 0):
 # both are split at the first block's inputs. The joint attention concatenates [text, image] per rank without a mask
 # or RoPE, so any split of either stream is exact. CogVideoXAttnProcessor2_0 calls F.scaled_dot_product_attention
 # itself: its module's F is routed.
-CP_PLAN = ContextParallelPlan(
-    inputs={
-        "transformer_blocks.0": {
-            "hidden_states": SplitInput(dim=1, expected_dims=3),
-            "encoder_hidden_states": SplitInput(dim=1, expected_dims=3),
-        },
-    },
-    gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
-    attention=AttentionRouting(sdpa_modules=("diffusers.models.attention_processor",)),
+CP_PLAN = joint_first_block_plan(
+    "transformer_blocks.0",
+    sdpa_modules=("diffusers.models.attention_processor",),
     notes="Sin-cos positions added in the patch embedding before the split at transformer_blocks.0; no RoPE.",
 )
 

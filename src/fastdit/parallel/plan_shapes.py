@@ -12,6 +12,10 @@ RoPE from the full latent grid, then loops over blocks that take the tokens posi
 ``blocks.0`` and the ``rope`` module's (cos, sin) tables on their token dim; a per-token timestep ``(B, S)`` (Wan 2.2
 TI2V) is split at the root so its modulation matches the tokens, a per-sample one passes whole. The text is
 replicated: its processors pass ``parallel_config=None`` to cross-attention, which runs locally.
+
+:func:`joint_first_block_plan` is the plan of a two-stream DiT whose forward builds the sequences itself (patch
+embedding with added positions, register tokens) and whose joint attention has neither mask nor RoPE (SD3, AuraFlow,
+CogView3): both streams are split at the first block's inputs, after the positions are added, so any split is exact.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from collections.abc import Mapping
 
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 
-__all__ = ["mmdit_root_plan", "wan_blocks_plan"]
+__all__ = ["joint_first_block_plan", "mmdit_root_plan", "wan_blocks_plan"]
 
 
 def mmdit_root_plan(
@@ -63,5 +67,29 @@ def wan_blocks_plan(module: str, *, notes: str) -> ContextParallelPlan:
         outputs={"rope": (SplitOutput(dim=1, expected_dims=4, index=0), SplitOutput(dim=1, expected_dims=4, index=1))},
         gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
         attention=AttentionRouting(modules=(module,)),
+        notes=notes,
+    )
+
+
+def joint_first_block_plan(
+    first_block: str, *, notes: str, modules: tuple[str, ...] = (), sdpa_modules: tuple[str, ...] = ()
+) -> ContextParallelPlan:
+    """Split ``hidden_states`` and ``encoder_hidden_states`` at ``first_block`` and gather at ``proj_out``.
+
+    Args:
+        first_block: Path of the first block, e.g. ``"transformer_blocks.0"``.
+        notes: One line for ``docs/models.md``.
+        modules: Modules whose ``dispatch_attention_fn`` is routed.
+        sdpa_modules: Modules whose processors call ``F.scaled_dot_product_attention`` directly.
+    """
+    return ContextParallelPlan(
+        inputs={
+            first_block: {
+                "hidden_states": SplitInput(dim=1, expected_dims=3),
+                "encoder_hidden_states": SplitInput(dim=1, expected_dims=3),
+            }
+        },
+        gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
+        attention=AttentionRouting(modules=modules, sdpa_modules=sdpa_modules),
         notes=notes,
     )
