@@ -54,7 +54,9 @@ TINY = {**FLUX_DEV, "num_layers": 1, "num_single_layers": 2, "attention_head_dim
         "joint_attention_dim": 64, "pooled_projection_dim": 32, "axes_dims_rope": (4, 6, 6)}  # fmt: skip
 # A fastdit mode is a layout plus options joined by "+", e.g. "ulysses+compile+chunks2".
 LAYOUTS = ("single", "ulysses", "ring", "usp")
-OPTIONS = ("compile", "cudagraphs", "fp8", "chunks2", "chunks4")
+# compile: inductor blocks; graph: whole transformer calls replayed as CUDA graphs (Compile.cuda_graph); cudagraphs:
+# torch.compile's own mode="reduce-overhead".
+OPTIONS = ("compile", "graph", "cudagraphs", "fp8", "chunks2", "chunks4")
 ANCHOR_MODES = ("diffusers_ulysses", "cachedit_ulysses")
 VAE_FLUX = {"block_out_channels": (128, 256, 512, 512), "layers_per_block": 2}
 VAE_TINY = {"block_out_channels": (8, 8, 8, 8), "layers_per_block": 1, "norm_num_groups": 8}
@@ -190,9 +192,7 @@ def accelerate_mode(pipe: Any, mode: str, world_size: int) -> Callable[[], None]
     if mode in ANCHOR_MODES:
         return accelerate_anchor(pipe, mode, world_size)
     layout, *options = mode.split("+")
-    compile_config = None
-    if "compile" in options or "cudagraphs" in options:
-        compile_config = fastdit.Compile(mode="reduce-overhead" if "cudagraphs" in options else None)
+    compile_config = compile_for(options)
     chunks = next((int(o.removeprefix("chunks")) for o in options if o.startswith("chunks")), 1)
     degrees = {
         "single": None,
@@ -211,6 +211,15 @@ def accelerate_mode(pipe: Any, mode: str, world_size: int) -> Callable[[], None]
             torch._dynamo.reset()  # the next mode compiles afresh instead of piling guards onto the same code
 
     return undo
+
+
+def compile_for(options: list[str]) -> fastdit.Compile | None:
+    """The Compile config of a mode's options (``graph`` alone graphs eager kernels)."""
+    if not {"compile", "graph", "cudagraphs"} & set(options):
+        return None
+    backend = "inductor" if "compile" in options or "cudagraphs" in options else "eager"
+    mode = "reduce-overhead" if "cudagraphs" in options else None
+    return fastdit.Compile(backend=backend, mode=mode, cuda_graph="graph" in options)
 
 
 def accelerate_anchor(pipe: Any, mode: str, world_size: int) -> Callable[[], None]:

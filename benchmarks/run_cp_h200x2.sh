@@ -3,14 +3,16 @@
 # parallelism cannot be undone in-process, so each anchor gets its own); logs and JSON land in $OUT.
 # Expects diffusers (and cache-dit for its row) importable, e.g. wheels installed into PYTHONPATH.
 #
-#   bash benchmarks/run_cp_h200x2.sh [main|overlap|scaling|fresh]
+#   bash benchmarks/run_cp_h200x2.sh [main|overlap|scaling|fresh|graph|graph1]
+# (graph1 runs on one GPU: the single-device rows of the graph pass.)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-benchmarks/results}
+NPROC=2
 run() {  # name, timeout in seconds, then cp_flux.py arguments
   local name=$1 limit=$2
   shift 2
-  timeout "$limit" torchrun --nproc_per_node 2 benchmarks/cp_flux.py --out "$OUT/cp_flux_$name.json" "$@" \
+  timeout "$limit" torchrun --nproc_per_node "$NPROC" benchmarks/cp_flux.py --out "$OUT/cp_flux_$name.json" "$@" \
     >"$OUT/cp_flux_$name.log" 2>&1
   echo "$name: exit $?"
   grep -E "^\||^profile" "$OUT/cp_flux_$name.log"
@@ -34,5 +36,16 @@ case "${1:-main}" in
     run fresh_ulysses_compile 200 --modes single,ulysses+compile
     run fresh_ring_compile 200 --modes single,ring+compile
     ;;
-  *) echo "unknown pass $1 (main, overlap, scaling, fresh)" >&2; exit 2 ;;
+  graph)  # whole calls replayed as CUDA graphs: eager kernels, then compiled ones (one compiled mode per process)
+    run graph_eager 250 --modes single,single+graph,ulysses,ulysses+graph,ring+graph --profile ulysses+graph
+    run graph_compile 250 --modes single,single+compile+graph,ulysses+compile+graph
+    run graph_compile_ring 200 --modes single,ring+compile+graph
+    ;;
+  graph1)  # one GPU: eager, graphed eager, compiled, compiled and graphed (one compiled mode per process)
+    NPROC=1
+    run graph1_eager 200 --modes single,single+graph --profile single+graph
+    run graph1_compile 200 --modes single,single+compile
+    run graph1_compile_graph 200 --modes single,single+compile+graph
+    ;;
+  *) echo "unknown pass $1 (main, overlap, scaling, fresh, graph, graph1)" >&2; exit 2 ;;
 esac

@@ -3,7 +3,7 @@
 ``accelerate`` resolves the adapter of every transformer in a pipeline (or of a bare transformer), validates the
 requested combination once, then applies the techniques in one fixed order:
 
-    tensor parallel → context parallel → CFG parallel → cache hooks → compile
+    tensor parallel → context parallel → CFG parallel → cache hooks → compile → CUDA graphs
 
 (text-encoder and VAE parallelism act on their own modules). Each step returns an undo function; ``disable`` runs
 them in reverse order, restoring the exact original behaviour.
@@ -21,6 +21,7 @@ import torch
 from fastdit.cache import apply_cache, cache_engine, cache_summary
 from fastdit.cache.policy import Reducer
 from fastdit.config import Attention, Compile, DBCache, DBPrune, Parallel
+from fastdit.cuda_graph import graph_stats
 from fastdit.models.base import ModelAdapter
 from fastdit.models.registry import adapter_for
 
@@ -94,6 +95,11 @@ def _validate(cache: Any, parallel: Any, compile: Any, attention: Any) -> None:
             raise NotImplementedError(
                 f"parallel={parallel}: {', '.join(missing)} parallelism is not available in this version of fastdit"
             )
+    if isinstance(compile, Compile) and compile.cuda_graph and cache is not None:
+        raise ValueError(
+            f"compile=Compile(cuda_graph=True) with cache={cache!r}: a step cache decides on the host between "
+            "blocks, which a CUDA graph of the whole call cannot do; use one or the other"
+        )
     if attention is not None and attention != Attention() and not _context_parallel(parallel):
         raise NotImplementedError(
             f"attention={attention}: attention backends other than the default are only available with "
@@ -167,6 +173,11 @@ def accelerate(
                 from fastdit.compile import apply_compile
 
                 applied.undo.append(apply_compile(module, found, compile_config))
+            if compile_config is not None and compile_config.cuda_graph:
+                from fastdit.cuda_graph import apply_cuda_graph
+
+                # Last: the graph hook is outermost and records the whole call, context-parallel hooks included.
+                applied.undo.append(apply_cuda_graph(module, compile_config))
     except BaseException:
         for undo in reversed(applied.undo):
             undo()
@@ -264,5 +275,8 @@ def summary(target: Any) -> Summary:
         stats = cache_summary(module)
         if stats is not None:
             info["cache"] = stats
+        graphs = graph_stats(module)
+        if graphs is not None:
+            info["cuda_graph"] = graphs
         out[name] = info
     return Summary(out)

@@ -1,0 +1,210 @@
+"""CUDA graphs over whole transformer calls: capture once per input signature, then replay.
+
+A denoising loop calls the transformer with the same shapes at every step, so the whole call — hooks, context-parallel
+splits and collectives, compiled or eager kernels — can be captured once and replayed. Replay launches the recorded
+kernels without running any Python, which removes the CPU launch overhead that dominates when each GPU's share of the
+work is small (context parallelism, small images, compiled kernels).
+
+How a call is served: its tensor arguments and every other argument form a *signature* (shapes, dtypes, devices,
+values). The first ``graph_warmup`` calls with a signature run normally (this compiles, autotunes and initialises
+communicators outside the capture); the next one captures the call into a graph whose inputs are static copies; every
+later call copies its tensors into those inputs, replays, and returns copies of the outputs (so the pipeline may keep
+one call's output while the next call replays).
+
+What cannot be captured: host reads of tensor values inside the call (``.item()``, data-dependent shapes), which is why
+a step cache — deciding on the host between blocks — is refused together with graphs, and why context parallelism
+with *uneven* shards (which exchanges shard lengths as host values) fails at capture with a clear error.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable
+from typing import Any, Protocol
+
+import torch
+from diffusers.hooks import HookRegistry, ModelHook
+from torch.utils import _pytree as pytree
+
+from fastdit.config import Compile
+
+__all__ = ["GRAPH_HOOK", "CapturedGraph", "apply_cuda_graph", "graph_stats"]
+
+logger = logging.getLogger(__name__)
+
+GRAPH_HOOK = "fastdit.cuda_graph"
+# Signatures counted towards their warm-up at once; bounds memory when some argument changes on every call.
+_MAX_PENDING = 64
+
+
+class CapturedGraph(Protocol):
+    """A recorded call: ``capture`` runs ``fn`` once under recording and returns its outputs; ``replay`` re-runs it
+    on the same memory (inputs read from, outputs written to the tensors seen at capture)."""
+
+    def capture(self, fn: Callable[[], Any]) -> Any: ...
+
+    def replay(self) -> None: ...
+
+
+class _CudaGraph:
+    """:class:`CapturedGraph` backed by ``torch.cuda.CUDAGraph``; graphs of one transformer share a memory pool."""
+
+    def __init__(self, pool: Any) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        self.pool = pool
+
+    def capture(self, fn: Callable[[], Any]) -> Any:
+        with torch.cuda.graph(self.graph, pool=self.pool):
+            return fn()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+def _signature(leaves: list[Any], spec: pytree.TreeSpec) -> tuple:
+    """What must match for a call to replay a graph: the argument structure, tensor metadata, other values."""
+    parts: list[Hashable] = [str(spec)]
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            parts.append(("tensor", tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, leaf.device))
+            continue
+        try:
+            hash(leaf)
+        except TypeError:
+            raise TypeError(
+                f"Compile.cuda_graph: argument leaf {i} of type {type(leaf).__name__} is neither a tensor nor "
+                "hashable, so calls cannot be matched to a captured graph"
+            ) from None
+        parts.append((type(leaf), leaf))
+    return tuple(parts)
+
+
+class _Entry:
+    """One captured graph: static input tensors, the graph, and its output tensors."""
+
+    def __init__(self, graph: CapturedGraph, static_leaves: list[Any], out_leaves: list[Any], out_spec: Any) -> None:
+        self.graph = graph
+        self.static_leaves = static_leaves
+        self.out_leaves = out_leaves
+        self.out_spec = out_spec
+
+    @classmethod
+    def capture(cls, fn: Callable[..., Any], leaves: list[Any], spec: pytree.TreeSpec, graph: CapturedGraph) -> _Entry:
+        # Tensors the graph reads are private copies: the caller's tensors may be freed or reused between calls.
+        static = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        args, kwargs = pytree.tree_unflatten(static, spec)
+        try:
+            output = graph.capture(lambda: fn(*args, **kwargs))
+        except RuntimeError as error:
+            raise RuntimeError(
+                "Compile.cuda_graph: capturing the transformer call failed — something in it reads tensor values on "
+                "the host or synchronises (e.g. context parallelism over uneven shards exchanges their lengths); "
+                f"run without cuda_graph. Cause: {error}"
+            ) from error
+        out_leaves, out_spec = pytree.tree_flatten(output)
+        return cls(graph, static, out_leaves, out_spec)
+
+    def replay(self, leaves: list[Any]) -> Any:
+        for static, leaf in zip(self.static_leaves, leaves, strict=True):
+            if isinstance(static, torch.Tensor):
+                static.copy_(leaf)
+        self.graph.replay()
+        # Copies: the next replay overwrites the graph's outputs, and the pipeline may still hold this call's.
+        fresh = [out.clone() if isinstance(out, torch.Tensor) else out for out in self.out_leaves]
+        return pytree.tree_unflatten(fresh, self.out_spec)
+
+
+class CudaGraphHook(ModelHook):
+    """Serves transformer calls from CUDA graphs, one per input signature (see the module docstring)."""
+
+    def __init__(self, config: Compile, new_graph: Callable[[], CapturedGraph]) -> None:
+        super().__init__()
+        self.warmup = config.graph_warmup
+        self.max_graphs = config.max_graphs
+        self.new_graph = new_graph
+        self.entries: dict[tuple, _Entry] = {}
+        self.calls_seen: dict[tuple, int] = {}
+        self.replays = 0
+        self.eager_calls = 0
+        self._warned_full = False
+
+    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        forward = self.fn_ref.original_forward
+        if torch.is_grad_enabled():  # a graph records no autograd history: training-style calls run normally
+            self.eager_calls += 1
+            return forward(*args, **kwargs)
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        key = _signature(leaves, spec)
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self._capture_when_due(key, forward, leaves, spec)
+            if entry is None:
+                self.eager_calls += 1
+                return forward(*args, **kwargs)
+        self.replays += 1
+        return entry.replay(leaves)
+
+    def _capture_when_due(
+        self, key: tuple, forward: Callable[..., Any], leaves: list[Any], spec: pytree.TreeSpec
+    ) -> _Entry | None:
+        seen = self.calls_seen.get(key, 0)
+        if seen < self.warmup:
+            if len(self.calls_seen) >= _MAX_PENDING:  # arguments that differ on every call never reach a capture
+                self.calls_seen.clear()
+            self.calls_seen[key] = seen + 1
+            return None
+        if len(self.entries) >= self.max_graphs:
+            if not self._warned_full:
+                logger.warning(
+                    "Compile.cuda_graph: %d input signatures are captured (max_graphs); new ones run without a graph",
+                    self.max_graphs,
+                )
+                self._warned_full = True
+            return None
+        entry = _Entry.capture(forward, leaves, spec, self.new_graph())
+        self.entries[key] = entry
+        self.calls_seen.pop(key, None)
+        return entry
+
+
+def apply_cuda_graph(
+    transformer: torch.nn.Module, config: Compile, *, new_graph: Callable[[], CapturedGraph] | None = None
+) -> Callable[[], None]:
+    """Serve ``transformer``'s calls from CUDA graphs; return a function that removes them (and frees their memory).
+
+    Installed after every other technique, so the hook is outermost and a graph records the whole call.
+
+    Args:
+        transformer: A transformer whose parameters live on a CUDA device.
+        config: ``Compile`` with ``cuda_graph=True``.
+        new_graph: Graph factory (tests substitute a recorder that replays on CPU).
+
+    Raises:
+        ValueError: the parameters are not on a CUDA device.
+    """
+    if new_graph is None:
+        param = next(transformer.parameters(), None)
+        device = None if param is None else param.device
+        if device is None or device.type != "cuda":
+            raise ValueError(f"Compile.cuda_graph=True: the transformer must be on a CUDA device, found {device}")
+        pool = torch.cuda.graph_pool_handle()
+
+        def new_graph() -> CapturedGraph:
+            return _CudaGraph(pool)
+
+    registry = HookRegistry.check_if_exists_or_initialize(transformer)
+    registry.register_hook(CudaGraphHook(config, new_graph), GRAPH_HOOK)
+
+    def undo() -> None:
+        registry.remove_hook(GRAPH_HOOK, recurse=False)
+
+    return undo
+
+
+def graph_stats(transformer: torch.nn.Module) -> dict[str, int] | None:
+    """Graphs captured, replays and calls run without a graph, or ``None`` when no graph hook is installed."""
+    registry = getattr(transformer, "_diffusers_hook", None)
+    hook = registry.get_hook(GRAPH_HOOK) if isinstance(registry, HookRegistry) else None
+    if hook is None:
+        return None
+    return {"graphs": len(hook.entries), "replays": hook.replays, "eager_calls": hook.eager_calls}

@@ -1,0 +1,171 @@
+"""CUDA graphs over transformer calls: signatures, warm-up, static inputs, output copies, limits, errors.
+
+On CPU a recording graph stands in for ``torch.cuda.CUDAGraph`` with the same contract: ``replay`` recomputes from the
+tensors seen at capture and writes into the outputs returned at capture. A hook that forgot to copy new inputs into
+the captured ones, or that handed out the graph's own outputs, fails these tests.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+import fastdit
+from fastdit.cuda_graph import apply_cuda_graph, graph_stats
+from fastdit.testing.pipelines import build_tiny, run_tiny
+
+
+class RecordingGraph:
+    """Replays by calling the captured function again and writing its results into the captured outputs."""
+
+    def capture(self, fn: Callable[[], Any]) -> Any:
+        self.fn = fn
+        self.outputs = fn()
+        return self.outputs
+
+    def replay(self) -> None:
+        for kept, fresh in zip(pytree.tree_leaves(self.outputs), pytree.tree_leaves(self.fn()), strict=True):
+            kept.copy_(fresh)
+
+
+class Doubler(torch.nn.Module):
+    """Output depends on the tensor, a scalar argument, and a parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor, shift: float = 0.0, extra: Any = None) -> tuple[torch.Tensor]:
+        return (x * self.weight + shift,)
+
+
+def _graphed(module: torch.nn.Module, **config: Any) -> Callable[[], None]:
+    return apply_cuda_graph(module, fastdit.Compile(cuda_graph=True, **config), new_graph=RecordingGraph)
+
+
+@torch.no_grad()
+def test_replays_with_new_inputs_after_warmup() -> None:
+    module = Doubler()
+    _graphed(module, graph_warmup=2)
+    for i in range(5):
+        x = torch.full((3,), float(i))
+        torch.testing.assert_close(module(x)[0], x * 2, rtol=0, atol=0)
+    assert graph_stats(module) == {"graphs": 1, "replays": 3, "eager_calls": 2}
+
+
+@torch.no_grad()
+def test_outputs_are_copies_the_next_replay_cannot_overwrite() -> None:
+    module = Doubler()
+    _graphed(module, graph_warmup=1)
+    module(torch.zeros(2))  # warm-up
+    first = module(torch.ones(2))[0]
+    second = module(torch.full((2,), 5.0))[0]
+    torch.testing.assert_close(first, torch.full((2,), 2.0))
+    torch.testing.assert_close(second, torch.full((2,), 10.0))
+
+
+@torch.no_grad()
+def test_each_signature_gets_its_own_graph() -> None:
+    module = Doubler()
+    _graphed(module, graph_warmup=1)
+    double = torch.ones(2, dtype=torch.float64)
+    calls = [(torch.ones(2), 0.0), (torch.ones(3), 0.0), (torch.ones(2), 1.0), (double, 0.0)]
+    for x, shift in calls * 3:
+        torch.testing.assert_close(module(x, shift)[0], x * 2 + shift)
+    assert graph_stats(module) == {"graphs": 4, "replays": 8, "eager_calls": 4}
+
+
+@torch.no_grad()
+def test_signatures_beyond_max_graphs_run_without_graph(caplog: pytest.LogCaptureFixture) -> None:
+    module = Doubler()
+    _graphed(module, graph_warmup=1, max_graphs=1)
+    with caplog.at_level(logging.WARNING, logger="fastdit.cuda_graph"):
+        for n in (2, 2, 3, 3, 3):
+            torch.testing.assert_close(module(torch.ones(n))[0], torch.full((n,), 2.0))
+    assert graph_stats(module) == {"graphs": 1, "replays": 1, "eager_calls": 4}
+    assert "max_graphs" in caplog.text
+
+
+@torch.no_grad()
+def test_unhashable_argument_is_refused_naming_the_option() -> None:
+    module = Doubler()
+    _graphed(module)
+    with pytest.raises(TypeError, match=r"Compile\.cuda_graph.*bytearray"):
+        module(torch.ones(2), 0.0, bytearray(b"x"))
+
+
+def test_calls_with_autograd_run_without_graph() -> None:
+    module = Doubler()
+    _graphed(module, graph_warmup=1)
+    for _ in range(3):
+        out = module(torch.ones(2))[0]
+    out.sum().backward()
+    assert module.weight.grad is not None
+    assert graph_stats(module) == {"graphs": 0, "replays": 0, "eager_calls": 3}
+
+
+@torch.no_grad()
+def test_capture_failure_names_the_option() -> None:
+    class Failing(RecordingGraph):
+        def capture(self, fn: Callable[[], Any]) -> Any:
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    module = Doubler()
+    apply_cuda_graph(module, fastdit.Compile(cuda_graph=True, graph_warmup=1), new_graph=Failing)
+    module(torch.ones(2))
+    with pytest.raises(RuntimeError, match=r"Compile\.cuda_graph.*stream is capturing"):
+        module(torch.ones(2))
+
+
+def test_tiny_flux_pipeline_is_bit_identical_and_undo_restores() -> None:
+    pipe, tiny = build_tiny("flux")
+    steps = 4  # replays past the capturing call read new inputs
+    baseline = run_tiny(pipe, tiny, num_inference_steps=steps)
+    undo = _graphed(pipe.transformer, graph_warmup=1)
+    graphed = run_tiny(pipe, tiny, num_inference_steps=steps)
+    assert graph_stats(pipe.transformer) == {"graphs": 1, "replays": steps - 1, "eager_calls": 1}
+    np.testing.assert_array_equal(graphed, baseline)
+    undo()
+    assert graph_stats(pipe.transformer) is None
+    np.testing.assert_array_equal(run_tiny(pipe, tiny, seed=1), run_tiny(build_tiny("flux")[0], tiny, seed=1))
+
+
+def test_accelerate_refuses_cpu_model_and_cache_combination() -> None:
+    pipe, _ = build_tiny("flux")
+    with pytest.raises(ValueError, match=r"Compile\.cuda_graph=True: the transformer must be on a CUDA device"):
+        fastdit.accelerate(pipe, compile=fastdit.Compile(cuda_graph=True, backend="eager"))
+    assert getattr(pipe, "_fastdit_state", None) is None
+    assert graph_stats(pipe.transformer) is None
+    with pytest.raises(ValueError, match=r"cuda_graph=True.*cache"):
+        fastdit.accelerate(pipe, cache=fastdit.FBCache(), compile=fastdit.Compile(cuda_graph=True))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"cuda_graph": True, "mode": "reduce-overhead"}, "mode"),
+        ({"graph_warmup": 0}, "graph_warmup"),
+        ({"max_graphs": 0}, "max_graphs"),
+        ({"cuda_graph": 1}, "cuda_graph"),
+    ],
+)
+def test_config_names_bad_field(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=rf"Compile\.{field}"):
+        fastdit.Compile(**kwargs)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_pipeline_matches_eager_on_gpu() -> None:
+    pipe, tiny = build_tiny("flux")
+    pipe.to("cuda")
+    baseline = run_tiny(pipe, tiny)
+    fastdit.accelerate(pipe, compile=fastdit.Compile(cuda_graph=True, backend="eager", graph_warmup=1))
+    graphed = run_tiny(pipe, tiny)
+    assert fastdit.summary(pipe).transformers["transformer"]["cuda_graph"]["replays"] > 0
+    np.testing.assert_allclose(graphed, baseline, atol=1e-5)
