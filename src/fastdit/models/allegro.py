@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.testing.components.encoders import build, t5_encoder
 
 TRANSFORMER = "diffusers.models.transformers.transformer_allegro.AllegroTransformer3DModel"
@@ -75,6 +76,20 @@ def tiny_allegro(seed: int = 0):
     )
 
 
+CP_PLAN = ContextParallelPlan(
+    inputs={
+        # image_rotary_emb = ((t, h, w) cos/sin tables indexed by position, (grid_t, grid_h, grid_w) positions of
+        # the tokens, each (1, S)): only the positions follow the tokens.
+        "": {"image_rotary_emb": SplitInput(dim=1, expected_dims=2, index=1)},
+        "transformer_blocks.0": {"hidden_states": SplitInput(dim=1, expected_dims=3)},
+    },
+    gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
+    attention=AttentionRouting(
+        sdpa_modules=("diffusers.models.attention_processor",), local=("transformer_blocks.*.attn2",)
+    ),
+    notes="RoPE positions split at the root, tables whole; cross-attention local.",
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="allegro",
@@ -114,9 +129,8 @@ ADAPTER = register(
         notes=(
             "Text is padded to max_sequence_length and its mask becomes an additive bias for cross-attention; "
             "the pipeline computes 3-D RoPE for the whole latent grid and passes it to forward (image_rotary_emb: "
-            "slice it per rank under a sequence split). The VAE decodes only in tiled form. CFG is batched. "
-            "No context-parallel plan: image_rotary_emb nests the per-token position grids (to be split) with the "
-            "frequency tables they index (to stay whole) in one argument, which a plan cannot split apart."
+            "slice it per rank under a sequence split). The VAE decodes only in tiled form. CFG is batched."
         ),
+        cp_plan=CP_PLAN,
     )
 )

@@ -148,11 +148,20 @@ class _ArgPositions:
         args = list(args)
         for name, spec in specs.items():
             if name in kwargs:
-                kwargs[name] = splitter.split(kwargs[name], spec.dim, spec.expected_dims, name)
+                kwargs[name] = _split_arg(kwargs[name], spec, splitter, name)
             elif self.positions[name] < len(args):
                 i = self.positions[name]
-                args[i] = splitter.split(args[i], spec.dim, spec.expected_dims, name)
+                args[i] = _split_arg(args[i], spec, splitter, name)
         return tuple(args), kwargs
+
+
+def _split_arg(value: Any, spec: SplitInput, splitter: _Splitter, name: str) -> Any:
+    """``value`` split per ``spec``; with ``spec.index``, only that element of a tuple/list argument."""
+    if spec.index is None or not isinstance(value, (tuple, list)):
+        return splitter.split(value, spec.dim, spec.expected_dims, name)
+    items = list(value)
+    items[spec.index] = splitter.split(items[spec.index], spec.dim, spec.expected_dims, f"{name}[{spec.index}]")
+    return type(value)(items)
 
 
 class _RootHook(ModelHook):

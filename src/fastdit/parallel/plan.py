@@ -53,16 +53,19 @@ def _check_dim(owner: str, dim: Any, expected_dims: Any) -> None:
 class SplitInput:
     """Split a ``forward`` argument along ``dim`` over the context-parallel ranks.
 
-    A tuple or list argument (a ``(cos, sin)`` RoPE pair) has each of its tensors split alike.
+    A tuple or list argument (a ``(cos, sin)`` RoPE pair) has each of its tensors split alike, unless ``index``
+    names the one element to split (e.g. per-token positions nested beside the frequency tables they index).
 
     Attributes:
         dim: The sequence dim of the argument.
         expected_dims: Split only tensors with this many dims (others pass through whole: e.g. a timestep that is
             per token in one model variant and per sample in another). ``None``: any tensor.
+        index: Element of a tuple/list argument to split (the others pass whole); ``None``: the argument itself.
     """
 
     dim: int
     expected_dims: int | None = None
+    index: int | None = None
 
     def __post_init__(self) -> None:
         _check_dim("SplitInput", self.dim, self.expected_dims)
