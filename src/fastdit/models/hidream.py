@@ -13,6 +13,7 @@ import copy
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.testing.components.autoencoder_kl import autoencoder_kl
 from fastdit.testing.components.encoders import build, clip_text_model_with_projection, t5_encoder
 from fastdit.testing.components.llama import llama_config, llama_tokenizer
@@ -94,6 +95,33 @@ def tiny_hidream(seed: int = 0):
     return pipe
 
 
+# Context parallelism, single-stream blocks only. Before every block forward concatenates a whole Llama layer to
+# the stream, and it slices the result by global lengths, so the stream between blocks stays whole on every rank:
+# each single block's inner module (inside the HiDreamBlock wrapper, so a cache hook on the wrapper sees whole
+# tensors on both sides) splits its joint [image, text] sequence, the RoPE table built for that same sequence and
+# the non-square token mask contiguously, and gathers its output. The key mask is applied to local keys before
+# attention and attention has no mask, so the split needs no reordering.
+# Double-stream blocks stay whole (their attention is local): their attention concatenates the image and text
+# streams, so a split would need the RoPE table (one tensor over [image, text]) split per segment and the block's
+# (image, text) output gathered per element, neither of which the plan vocabulary expresses.
+_SEQ = SplitInput(dim=1, expected_dims=3)
+CP_PLAN = ContextParallelPlan(
+    inputs={
+        "single_stream_blocks.*.block": {
+            "hidden_states": _SEQ,
+            "hidden_states_masks": SplitInput(dim=1, expected_dims=2),  # None for square latents
+            "image_rotary_emb": SplitInput(dim=1, expected_dims=6),  # (B, S, 1, D/2, 2, 2)
+        },
+    },
+    gather={"single_stream_blocks.*.block": GatherOutput(dim=1, expected_dims=3)},
+    attention=AttentionRouting(
+        sdpa_modules=("diffusers.models.transformers.transformer_hidream_image",),
+        local=("double_stream_blocks",),
+    ),
+    notes="Single-stream blocks split and gather per block (joint sequence, RoPE, token mask); double-stream "
+    "blocks run whole on every rank.",
+)
+
 _CALL = {
     "prompt": "a cat holding a sign",
     "height": 32,
@@ -145,8 +173,11 @@ ADAPTER = register(
             "one the next block is given. Non-square latents are padded to a fixed token count with "
             "`hidden_states_masks`; MoE feed-forward (top-k routed experts); timestep argument is `timesteps`. "
             "CFG is batched. The pipeline rescales every request to the model's default area (~1 MP). "
-            "No context-parallel plan: forward concatenates a different whole Llama layer's text to the stream "
-            "before every block, so no module boundary carries only split tokens."
+            "Context parallel covers the single-stream blocks only (each splits its joint sequence and gathers its "
+            "output, since forward appends a whole Llama layer before every block); the double-stream blocks run "
+            "whole on every rank: their RoPE table spans [image, text] in one tensor, which would have to be split "
+            "per segment, and their (image, text) output gathered per element, which the plan cannot express."
         ),
+        cp_plan=CP_PLAN,
     )
 )
