@@ -3,8 +3,8 @@
 # parallelism cannot be undone in-process, so each anchor gets its own); logs and JSON land in $OUT.
 # Expects diffusers (and cache-dit for its row) importable, e.g. wheels installed into PYTHONPATH.
 #
-#   bash benchmarks/run_cp_h200x2.sh [main|overlap|scaling|fresh|graph|graph1]
-# (graph1 runs on one GPU: the single-device rows of the graph pass.)
+#   bash benchmarks/run_cp_h200x2.sh [main|overlap|scaling|fresh|graph|graph1|graph1_small]
+# (graph1 and graph1_small run on one GPU: the single-device rows of the graph pass.)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-benchmarks/results}
@@ -47,5 +47,11 @@ case "${1:-main}" in
     run graph1_compile 200 --modes single,single+compile
     run graph1_compile_graph 200 --modes single,single+compile+graph
     ;;
-  *) echo "unknown pass $1 (main, overlap, scaling, fresh, graph, graph1)" >&2; exit 2 ;;
+  graph1_small)  # one GPU at 512x512, where a call's kernels are short and the CPU launching them sets the pace
+    NPROC=1
+    run graph1_512_eager 150 --size 512 --modes single,single+graph --profile single
+    run graph1_512_compile 150 --size 512 --modes single,single+compile
+    run graph1_512_compile_graph 150 --size 512 --modes single,single+compile+graph
+    ;;
+  *) echo "unknown pass $1 (main, overlap, scaling, fresh, graph, graph1, graph1_small)" >&2; exit 2 ;;
 esac
