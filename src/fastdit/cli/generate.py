@@ -97,13 +97,19 @@ def _add_acceleration_arguments(parser: argparse.ArgumentParser) -> None:
         "their product must equal the number of processes (torchrun)",
     )
     group.add_argument("--compile", action="store_true", help="torch.compile the transformer blocks")
+    group.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="replay each transformer call as a CUDA graph (CUDA only, not with --cache; with --compile the "
+        "compiled kernels are graphed)",
+    )
     group.add_argument("--attention", metavar="BACKEND", help=f"attention backend: {', '.join(ATTENTION_BACKENDS)}")
 
 
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("timing and output")
     group.add_argument(
-        "--warmup", type=int, metavar="N", help="untimed runs first (default: 1 with --compare or --compile, else 0)"
+        "--warmup", type=int, metavar="N", help="untimed runs first (default: 1 with --compare, --compile or --cuda-graph, else 0)"
     )
     group.add_argument("--repeat", type=int, default=1, metavar="N", help="timed runs; the median is reported")
     group.add_argument(
@@ -192,8 +198,8 @@ def _acceleration(args: argparse.Namespace, num_steps: int | None) -> dict[str, 
             options["parallel"] = parse_parallel(args.parallel, process_count())
         except ValueError as error:  # a malformed WORLD_SIZE
             raise CLIError(str(error)) from None
-    if args.compile:
-        options["compile"] = Compile()
+    if args.compile or args.cuda_graph:
+        options["compile"] = Compile(backend="inductor" if args.compile else "eager", cuda_graph=args.cuda_graph)
     if args.attention is not None:
         try:
             options["attention"] = Attention(backend=args.attention)
@@ -246,7 +252,7 @@ def plan_from_args(args: argparse.Namespace) -> GeneratePlan:
     device = resolve_device(args.device)
     configure_threads(args.threads, reference=source.reference, device=device)
     video = is_video_pipeline(pipeline_class)
-    default_warmup = 1 if compare or args.compile else 0
+    default_warmup = 1 if compare or args.compile or args.cuda_graph else 0
     return GeneratePlan(
         source=source,
         pipeline_class=pipeline_class,
@@ -270,6 +276,8 @@ _MESSAGE_FLAGS = (
     ("DBCache", "--cache"),
     ("DBPrune", "--cache"),
     ("parallel=", "--parallel"),
+    ("compile=Compile(cuda_graph=True)", "--cuda-graph"),
+    ("Compile.cuda_graph", "--cuda-graph"),
     ("compile=", "--compile"),
     ("attention=", "--attention"),
 )
