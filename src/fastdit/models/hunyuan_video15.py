@@ -9,6 +9,7 @@ is the concatenation of SigLIP image tokens, ByT5 glyph-text tokens and Qwen2.5-
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
@@ -16,6 +17,9 @@ from fastdit.testing.components.byt5 import byt5_encoder
 from fastdit.testing.components.encoders import build, qwen2_5_vl_model
 from fastdit.testing.components.images import random_image
 from fastdit.testing.components.siglip import NUM_IMAGE_TOKENS, siglip_vision_model
+
+if TYPE_CHECKING:
+    import torch
 
 TRANSFORMER = "diffusers.models.transformers.transformer_hunyuan_video15.HunyuanVideo15Transformer3DModel"
 
@@ -137,6 +141,27 @@ def tiny_hunyuan_video15_i2v(seed: int = 0):
     )
 
 
+def key_padding_from_square(mask: torch.Tensor) -> torch.Tensor:
+    """The key-padding mask ``(B, 1, 1, S)`` behind the block processor's square ``(B, 1, S, S)`` mask.
+
+    ``HunyuanVideo15AttnProcessor2_0`` (diffusers 0.42.1) left-pads the encoder padding vector with ``True`` for the
+    latent tokens to ``m`` over its ``S`` tokens and builds ``m_i & m_j``; ``m`` is the square's diagonal. Under
+    context parallelism ``S`` is the rank's local ``[latent, encoder]`` shard, and only a key-padding mask over local
+    keys can be gathered into the global order. Dropping the query factor changes only the rows of padded encoder
+    tokens (they attend to the valid keys instead of to nothing), and no valid token ever reads a padded one: every
+    block masks them as keys, and the output comes from the latent tokens alone.
+
+    Args:
+        mask: The processor's mask (a mask that is not square passes unchanged).
+
+    Returns:
+        The equivalent key-padding mask.
+    """
+    if mask.ndim == 4 and mask.shape[-1] == mask.shape[-2]:
+        return mask.diagonal(dim1=-2, dim2=-1).unsqueeze(-2)
+    return mask
+
+
 # The quoted words are glyph text: they reach the ByT5 encoder.
 _CALL = {"prompt": 'a cat holding a sign "hi"', "num_frames": 5, "num_inference_steps": 2}
 
@@ -172,10 +197,11 @@ ADAPTER = register(
             "The encoder stream (image, glyph and text tokens, valid ones packed first) carries a key-padding mask "
             "passed to every block; RoPE comes from the latent shape. CFG runs through a diffusers guider: one "
             "transformer call per branch inside cache_context. T2V feeds all-zero image tokens, masked out. "
-            "No context-parallel plan: the text token refiner runs AttnProcessor2_0 (direct "
-            "F.scaled_dot_product_attention), and the block processor builds a square (B, 1, S, S) mask from the "
-            "padding vector over the rank's local tokens, which context-parallel attention cannot map to the global "
-            "sequence."
+            "No context-parallel plan yet: the block processor builds a square (B, 1, S, S) mask from the padding "
+            "vector over the rank's local tokens, which context-parallel attention takes only as a global mask or a "
+            "local key-padding mask; reducing it to its key-padding diagonal (key_padding_from_square, exact for the "
+            "output) needs an engine hook on routed masks that fastdit does not have yet. The text token refiner "
+            "(direct SDPA) can stay local and the RoPE tables can be split at the rope output."
         ),
     )
 )
