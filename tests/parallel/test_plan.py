@@ -118,6 +118,7 @@ def test_plan_is_frozen_data() -> None:
         (lambda: SplitInput(dim=1.5), "SplitInput.dim"),
         (lambda: GatherOutput(dim=1, expected_dims=0), "GatherOutput.expected_dims"),
         (lambda: AttentionRouting(modules=()), "AttentionRouting.modules"),
+        (lambda: AttentionRouting(modules=(FLUX_MODULE,), mask_transform="diagonal"), "mask_transform"),
         (lambda: _plan(gather={}), "gather"),
         (lambda: _plan(inputs={"": {"x": GatherOutput(1)}}), r"inputs\[''\]\['x'\]"),
         (lambda: _plan(attention=AttentionRouting(modules=(FLUX_MODULE,), mask_segments=("txt",))), "'txt'"),

@@ -284,6 +284,7 @@ def apply_context_parallel(
         mask_segments=plan.attention.mask_segments,
         fp8=parallel.comm_fp8,
         chunks=parallel.ulysses_chunks,
+        mask_transform=plan.attention.mask_transform,
     )
     splitter = _Splitter(group, marker.forward, log=runtime.is_main)
     undo: list[Callable[[], None]] = []

@@ -23,7 +23,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -130,12 +130,17 @@ class AttentionRouting:
             text refiner that only sees the whole, replicated text; cross-attention from local tokens to replicated
             text). A pattern covers the modules it matches and everything below them; each must cover at least one
             attention module. Processors there need not route through ``dispatch_attention_fn``.
+        mask_transform: A function applied to every mask a routed processor passes, before it is put in shard
+            order: it turns a mask the model builds over the rank's local tokens into one context-parallel attention
+            understands (a mask over the global sequence, or a key-padding mask over the local keys). ``None``: the
+            mask is used as passed.
     """
 
     modules: tuple[str, ...] = ()
     sdpa_modules: tuple[str, ...] = ()
     mask_segments: tuple[str, ...] = ()
     local: tuple[str, ...] = ()
+    mask_transform: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.local, str):
@@ -149,6 +154,8 @@ class AttentionRouting:
         object.__setattr__(self, "local", tuple(self.local))
         if not self.modules and not self.sdpa_modules:
             raise ValueError("AttentionRouting.modules=() and sdpa_modules=(): name at least one module")
+        if self.mask_transform is not None and not callable(self.mask_transform):
+            raise ValueError(f"AttentionRouting.mask_transform={self.mask_transform!r}: expected a function")
 
 
 def _frozen(mapping: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -181,6 +181,7 @@ class ContextParallelAttention:
             the model indexes (e.g. ``("encoder_hidden_states", "hidden_states")``).
         fp8: Ulysses exchanges in float8.
         chunks: Head chunks pipelined through Ulysses (see :func:`ulysses_attention`).
+        mask_transform: Applied to every mask first (see :class:`~fastdit.parallel.plan.AttentionRouting`).
         forward: What the split hooks recorded for the current forward.
     """
 
@@ -193,6 +194,7 @@ class ContextParallelAttention:
     mask_segments: tuple[str, ...] = ()
     fp8: bool = False
     chunks: int = 1
+    mask_transform: Callable[[torch.Tensor], torch.Tensor] | None = None
     forward: ForwardLayout = field(default_factory=ForwardLayout)
 
     # Compiled blocks break their graph here once: dynamo must not trace into the exchanges (async collectives and
@@ -217,6 +219,8 @@ class ContextParallelAttention:
                 "context-parallel attention supports neither dropout, causal masks nor backend-specific "
                 f"attention_kwargs (got dropout_p={dropout_p}, is_causal={is_causal}, kwargs={attention_kwargs})"
             )
+        if attn_mask is not None and self.mask_transform is not None:
+            attn_mask = self.mask_transform(attn_mask)
         q_lens, kv_lens = self._lengths(query, key)
         layout = self.forward.layout(self.mask_segments) if attn_mask is not None else None
         if layout is not None and layout.rank_lens != q_lens:
