@@ -109,7 +109,10 @@ def _add_acceleration_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("timing and output")
     group.add_argument(
-        "--warmup", type=int, metavar="N", help="untimed runs first (default: 1 with --compare, --compile or --cuda-graph, else 0)"
+        "--warmup",
+        type=int,
+        metavar="N",
+        help="untimed runs first (default: 1 with --compare, --compile or --cuda-graph, else 0)",
     )
     group.add_argument("--repeat", type=int, default=1, metavar="N", help="timed runs; the median is reported")
     group.add_argument(

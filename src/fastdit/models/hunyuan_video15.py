@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 from fastdit.testing.components.byt5 import byt5_encoder
 from fastdit.testing.components.encoders import build, qwen2_5_vl_model
 from fastdit.testing.components.images import random_image
@@ -162,6 +163,36 @@ def key_padding_from_square(mask: torch.Tensor) -> torch.Tensor:
     return mask
 
 
+# Context parallelism: forward builds both streams (patch embedding; the token refiner, then valid encoder tokens
+# packed first), so the latent and encoder tokens are split at the first block and flow through every block as
+# shards. `rope`'s (cos, sin) tables (S_latent, D) are computed from the whole latent grid before the split and split
+# on dim 0 like the latent tokens. Each block receives the encoder padding vector, from which the processor builds a
+# square mask over its own tokens: the vector is split like the encoder tokens at every block, and the square is
+# reduced to its key-padding diagonal (key_padding_from_square), which attention gathers in the ranks' order. The
+# token refiner in context_embedder (AttnProcessor2_0, direct SDPA) sees only the replicated text: local. Gathered at
+# proj_out, before the unpatchify reshape.
+CP_PLAN = ContextParallelPlan(
+    inputs={
+        "transformer_blocks.0": {
+            "hidden_states": SplitInput(dim=1, expected_dims=3),
+            "encoder_hidden_states": SplitInput(dim=1, expected_dims=3),
+        },
+        "transformer_blocks.*": {"attention_mask": SplitInput(dim=1, expected_dims=2)},
+    },
+    outputs={"rope": (SplitOutput(dim=0, expected_dims=2, index=0), SplitOutput(dim=0, expected_dims=2, index=1))},
+    gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
+    attention=AttentionRouting(
+        modules=("diffusers.models.transformers.transformer_hunyuan_video15",),
+        local=("context_embedder",),
+        mask_transform=key_padding_from_square,
+    ),
+    notes=(
+        "Latent and encoder tokens split at transformer_blocks.0, the encoder padding vector at every block (the "
+        "processor's square mask reduced to its key-padding diagonal); RoPE tables from `rope` split on dim 0; the "
+        "text token refiner in context_embedder runs locally on the replicated text."
+    ),
+)
+
 # The quoted words are glyph text: they reach the ByT5 encoder.
 _CALL = {"prompt": 'a cat holding a sign "hi"', "num_frames": 5, "num_inference_steps": 2}
 
@@ -170,6 +201,7 @@ ADAPTER = register(
         family="hunyuan_video15",
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P0),),
+        cp_plan=CP_PLAN,
         tiny_pipelines=(
             TinyPipeline(
                 name="t2v", build=tiny_hunyuan_video15, call_kwargs={**_CALL, "height": _SIZE, "width": _SIZE}
@@ -197,11 +229,9 @@ ADAPTER = register(
             "The encoder stream (image, glyph and text tokens, valid ones packed first) carries a key-padding mask "
             "passed to every block; RoPE comes from the latent shape. CFG runs through a diffusers guider: one "
             "transformer call per branch inside cache_context. T2V feeds all-zero image tokens, masked out. "
-            "No context-parallel plan yet: the block processor builds a square (B, 1, S, S) mask from the padding "
-            "vector over the rank's local tokens, which context-parallel attention takes only as a global mask or a "
-            "local key-padding mask; reducing it to its key-padding diagonal (key_padding_from_square, exact for the "
-            "output) needs an engine hook on routed masks that fastdit does not have yet. The text token refiner "
-            "(direct SDPA) can stay local and the RoPE tables can be split at the rope output."
+            "Under context parallelism the block processor's square (B, 1, S, S) mask over the rank's local "
+            "tokens is reduced to its key-padding diagonal: padded encoder tokens then attend instead of yielding "
+            "zeros, and no valid token reads them, so outputs are unchanged."
         ),
     )
 )
