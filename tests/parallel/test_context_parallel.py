@@ -156,6 +156,32 @@ def _transformer_inputs() -> dict[str, torch.Tensor]:
     }
 
 
+def _uneven_exchanges(rank: int, world_size: int) -> dict[str, Any]:
+    """Length exchanges per forward of an uneven split, and the outputs of a first and a later forward."""
+    from unittest import mock
+
+    from fastdit.models.flux import tiny_transformer
+    from fastdit.parallel import context_parallel
+    from fastdit.parallel.attention import comm, dispatch
+
+    transformer = tiny_transformer(0)
+    fastdit.accelerate(transformer, parallel=fastdit.Parallel(ulysses=world_size))
+    counted = mock.Mock(side_effect=comm.gather_lengths)
+    counts, outputs = [], []
+    try:
+        with (
+            mock.patch.object(dispatch, "gather_lengths", counted),
+            mock.patch.object(context_parallel, "gather_lengths", counted),
+            torch.no_grad(),
+        ):
+            for _ in range(3):
+                outputs.append(transformer(**_transformer_inputs()).sample)
+                counts.append(counted.call_count - sum(counts))
+    finally:
+        fastdit.disable(transformer)
+    return {"counts": counts, "same": all(torch.equal(outputs[0], out) for out in outputs[1:])}
+
+
 def _fp8_tiny(rank: int, world_size: int, chunks: int) -> np.ndarray:
     parallel = fastdit.Parallel(ulysses=world_size, comm_fp8=True, ulysses_chunks=chunks)
     return _accelerated(_tiny_pipeline(), {**TINY_CALL, "height": 32, "width": 32}, parallel=parallel)[0]
@@ -293,6 +319,14 @@ def test_bare_transformer_with_uneven_sequence(dist2: WorkerPool) -> None:
         expected = tiny_transformer(0)(**_transformer_inputs()).sample
     for out in dist2.run(_bare_transformer, timeout=120):
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.distributed
+def test_uneven_shard_lengths_are_exchanged_in_the_first_forward_only(dist2: WorkerPool) -> None:
+    for result in dist2.run(_uneven_exchanges, timeout=120):
+        first, *later = result["counts"]
+        assert first > 0 and later == [0, 0], result["counts"]  # one per attention call and gather, then none
+        assert result["same"]
 
 
 @pytest.mark.distributed

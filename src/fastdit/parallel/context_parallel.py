@@ -124,8 +124,11 @@ class _Splitter:
         local = tensor.shape[dim]
         if self.layout.even:
             sizes = [local] * self.degree
-        else:  # the flag is global: every rank exchanges here
-            sizes = [row[0] for row in gather_lengths([local], self.group, tensor.device)]
+        else:  # the flag is global: every rank comes here
+            rows = self.layout.shard_lengths(
+                [local], lambda values: gather_lengths(values, self.group, tensor.device), self.rank
+            )
+            sizes = [row[0] for row in rows]
         longest = max(sizes)
         padded = tensor
         if local < longest:

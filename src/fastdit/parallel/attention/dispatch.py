@@ -132,6 +132,10 @@ def _external(backend: str, module: Any, *, repeat: bool) -> LocalAttention:
 # --- what the split hooks tell attention about the current forward ---
 
 
+# Entries of ForwardLayout.known_lens before it starts over (exchange points × split layouts seen).
+_MAX_KNOWN_LENS = 4096
+
+
 @dataclass
 class ForwardLayout:
     """How the current transformer forward's sequences were split (written by the context-parallel hooks).
@@ -140,15 +144,51 @@ class ForwardLayout:
         splits: Per split tensor name, every rank's length along the split dim.
         even: Whether every split of this forward gave all ranks the same length. Derived from global sizes only,
             so every rank holds the same value and takes the same branch.
+        calls: Length exchanges so far in this forward (the same count on every rank).
+        known_lens: Every rank's integers of each exchange (see :meth:`shard_lengths`), by (the forward's splits,
+            the exchange's position in the forward); kept across forwards. Both parts of the key are equal on every
+            rank, so all ranks find an entry or all exchange together.
     """
 
     splits: dict[str, list[int]] = field(default_factory=dict)
     even: bool = True
+    calls: int = 0
+    known_lens: dict[tuple, list[list[int]]] = field(default_factory=dict)
 
     def reset(self) -> None:
         """Forget the previous forward's splits."""
         self.splits.clear()
         self.even = True
+        self.calls = 0
+
+    def shard_lengths(
+        self, local: list[int], exchange: Callable[[list[int]], list[list[int]]], rank: int
+    ) -> list[list[int]]:
+        """Every rank's ``local`` integers (shard lengths) for the exchange now due in this forward.
+
+        Called only under uneven splits, by every rank at the same point of the forward. The same point of a forward
+        split the same way has the same shard lengths, so ``exchange`` — a collective and a host read, which would
+        also stop a CUDA graph capture — runs once per point and split layout instead of at every step.
+
+        Raises:
+            RuntimeError: this rank's lengths differ from an earlier forward split the same way (token counts that
+                depend on data, which context parallelism does not support).
+        """
+        self.calls += 1
+        memo = (tuple((name, tuple(lens)) for name, lens in self.splits.items()), self.calls)
+        known = self.known_lens.get(memo)
+        if known is None:
+            known = exchange(local)
+            if len(self.known_lens) >= _MAX_KNOWN_LENS:
+                self.known_lens.clear()
+            self.known_lens[memo] = known
+        if list(known[rank]) != list(local):
+            raise RuntimeError(
+                f"context parallel: exchange {self.calls} of this forward has lengths {local} on rank {rank}, but "
+                f"{known[rank]} in an earlier forward split the same way: the model's token counts depend on data, "
+                "which context parallelism does not support"
+            )
+        return known
 
     def record(self, name: str, lens: list[int]) -> None:
         """Note that tensor ``name`` was split into ``lens``."""
@@ -247,9 +287,13 @@ class ContextParallelAttention:
         degree = self.ulysses_degree * self.ring_degree
         if self.forward.even:
             return [query.shape[1]] * degree, [key.shape[1]] * degree
-        # Some split was uneven: ask every rank (the branch depends on global sizes only, so all ranks come here).
-        exchanged = gather_lengths([query.shape[1], key.shape[1]], self.cp_group, query.device)
-        return [e[0] for e in exchanged], [e[1] for e in exchanged]
+        # Some split was uneven (a decision on global sizes: all ranks come here).
+        rows = self.forward.shard_lengths(
+            [query.shape[1], key.shape[1]],
+            lambda local: gather_lengths(local, self.cp_group, query.device),
+            dist.get_rank(self.cp_group),
+        )
+        return [row[0] for row in rows], [row[1] for row in rows]
 
     def _ring(self, query, key, value, attn_mask, scale, q_lens, kv_lens, layout) -> torch.Tensor:
         """Ring (or USP) attention; a mask becomes this rank's query rows over keys in shard order."""
