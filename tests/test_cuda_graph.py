@@ -1,8 +1,8 @@
 """CUDA graphs over transformer calls: signatures, warm-up, static inputs, output copies, limits, errors.
 
-On CPU a recording graph stands in for ``torch.cuda.CUDAGraph`` with the same contract: ``replay`` recomputes from the
-tensors seen at capture and writes into the outputs returned at capture. A hook that forgot to copy new inputs into
-the captured ones, or that handed out the graph's own outputs, fails these tests.
+On CPU :class:`~fastdit.testing.graphs.RecordingGraph` stands in for ``torch.cuda.CUDAGraph`` with the same
+contract, so a hook that forgot to copy new inputs into the captured ones, or that handed out the graph's own
+outputs, fails these tests.
 """
 
 from __future__ import annotations
@@ -14,24 +14,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from torch.utils import _pytree as pytree
 
 import fastdit
 from fastdit.cuda_graph import apply_cuda_graph, graph_stats
+from fastdit.testing.graphs import RecordingGraph
 from fastdit.testing.pipelines import build_tiny, run_tiny
-
-
-class RecordingGraph:
-    """Replays by calling the captured function again and writing its results into the captured outputs."""
-
-    def capture(self, fn: Callable[[], Any]) -> Any:
-        self.fn = fn
-        self.outputs = fn()
-        return self.outputs
-
-    def replay(self) -> None:
-        for kept, fresh in zip(pytree.tree_leaves(self.outputs), pytree.tree_leaves(self.fn()), strict=True):
-            kept.copy_(fresh)
 
 
 class Doubler(torch.nn.Module):

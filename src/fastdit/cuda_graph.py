@@ -12,12 +12,14 @@ later call copies its tensors into those inputs, replays, and returns copies of 
 one call's output while the next call replays).
 
 What cannot be captured: host reads of tensor values inside the call (``.item()``, data-dependent shapes), which is why
-a step cache — deciding on the host between blocks — is refused together with graphs, and why context parallelism
-with *uneven* shards (which exchanges shard lengths as host values) fails at capture with a clear error.
+a step cache — deciding on the host between blocks — is refused together with graphs. Code inside a call can ask
+:func:`current_call_signature` and remember host values per signature instead: context parallelism over uneven shards
+exchanges shard lengths in the first call of a signature (a warm-up) and recalls them in the capture.
 """
 
 from __future__ import annotations
 
+import contextvars
 import logging
 from collections.abc import Callable, Hashable
 from typing import Any, Protocol
@@ -28,13 +30,25 @@ from torch.utils import _pytree as pytree
 
 from fastdit.config import Compile
 
-__all__ = ["GRAPH_HOOK", "CapturedGraph", "apply_cuda_graph", "graph_stats"]
+__all__ = ["GRAPH_HOOK", "CapturedGraph", "apply_cuda_graph", "current_call_signature", "graph_stats"]
 
 logger = logging.getLogger(__name__)
 
 GRAPH_HOOK = "fastdit.cuda_graph"
 # Signatures counted towards their warm-up at once; bounds memory when some argument changes on every call.
 _MAX_PENDING = 64
+
+# The input signature of the graph-served transformer call now running (warm-up, capture or replay), else None.
+_CALL_SIGNATURE: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("fastdit_call_signature", default=None)
+
+
+def current_call_signature() -> tuple | None:
+    """The input signature of the transformer call in progress when CUDA graphs serve it, else ``None``.
+
+    Code inside the call may remember host values per (signature, point in the call) and skip recomputing them: the
+    graph already assumes a signature fixes the call's control flow, and the signature is equal on every rank.
+    """
+    return _CALL_SIGNATURE.get()
 
 
 class CapturedGraph(Protocol):
@@ -98,8 +112,7 @@ class _Entry:
         except RuntimeError as error:
             raise RuntimeError(
                 "Compile.cuda_graph: capturing the transformer call failed — something in it reads tensor values on "
-                "the host or synchronises (e.g. context parallelism over uneven shards exchanges their lengths); "
-                f"run without cuda_graph. Cause: {error}"
+                f"the host or synchronises; run without cuda_graph. Cause: {error}"
             ) from error
         out_leaves, out_spec = pytree.tree_flatten(output)
         return cls(graph, static, out_leaves, out_spec)
@@ -135,14 +148,18 @@ class CudaGraphHook(ModelHook):
             return forward(*args, **kwargs)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         key = _signature(leaves, spec)
-        entry = self.entries.get(key)
-        if entry is None:
-            entry = self._capture_when_due(key, forward, leaves, spec)
+        token = _CALL_SIGNATURE.set(key)
+        try:
+            entry = self.entries.get(key)
             if entry is None:
-                self.eager_calls += 1
-                return forward(*args, **kwargs)
-        self.replays += 1
-        return entry.replay(leaves)
+                entry = self._capture_when_due(key, forward, leaves, spec)
+                if entry is None:
+                    self.eager_calls += 1
+                    return forward(*args, **kwargs)
+            self.replays += 1
+            return entry.replay(leaves)
+        finally:
+            _CALL_SIGNATURE.reset(token)
 
     def _capture_when_due(
         self, key: tuple, forward: Callable[..., Any], leaves: list[Any], spec: pytree.TreeSpec

@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fastdit.config import Attention
+from fastdit.cuda_graph import current_call_signature
 from fastdit.parallel.attention.comm import gather_lengths
 from fastdit.parallel.attention.ulysses import LocalAttention, SeqLayout, mask_in_shard_order, ulysses_attention
 
@@ -132,7 +133,7 @@ def _external(backend: str, module: Any, *, repeat: bool) -> LocalAttention:
 # --- what the split hooks tell attention about the current forward ---
 
 
-# Entries of ForwardLayout.known_lens before it starts over (exchange points × split layouts seen).
+# Entries of ForwardLayout.known_lens before it starts over (exchange points × input signatures seen).
 _MAX_KNOWN_LENS = 4096
 
 
@@ -145,9 +146,9 @@ class ForwardLayout:
         even: Whether every split of this forward gave all ranks the same length. Derived from global sizes only,
             so every rank holds the same value and takes the same branch.
         calls: Length exchanges so far in this forward (the same count on every rank).
-        known_lens: Every rank's integers of each exchange (see :meth:`shard_lengths`), by (the forward's splits,
-            the exchange's position in the forward); kept across forwards. Both parts of the key are equal on every
-            rank, so all ranks find an entry or all exchange together.
+        known_lens: Every rank's integers of each exchange in calls served by CUDA graphs (see
+            :meth:`shard_lengths`), by (the call's input signature, the exchange's position in the call); kept across
+            forwards. Both parts of the key are equal on every rank, so all ranks find an entry or all exchange.
     """
 
     splits: dict[str, list[int]] = field(default_factory=dict)
@@ -166,16 +167,21 @@ class ForwardLayout:
     ) -> list[list[int]]:
         """Every rank's ``local`` integers (shard lengths) for the exchange now due in this forward.
 
-        Called only under uneven splits, by every rank at the same point of the forward. The same point of a forward
-        split the same way has the same shard lengths, so ``exchange`` — a collective and a host read, which would
-        also stop a CUDA graph capture — runs once per point and split layout instead of at every step.
+        Called only under uneven splits, by every rank at the same point of the forward. ``exchange`` is a collective
+        and a host read, which a CUDA graph cannot record. Inside a call served by CUDA graphs the call's input
+        signature fixes its control flow (the graph relies on that too), so the same point of a call with the same
+        signature has the same lengths: they are exchanged in the first such call (a warm-up) and remembered. Other
+        calls exchange every time — the attention calls a model makes may depend on more than the split sizes.
 
         Raises:
-            RuntimeError: this rank's lengths differ from an earlier forward split the same way (token counts that
-                depend on data, which context parallelism does not support).
+            RuntimeError: inside a graph-served call, this rank's lengths differ from those remembered for the same
+                signature and point (control flow that depends on tensor values, which graphs cannot serve).
         """
         self.calls += 1
-        memo = (tuple((name, tuple(lens)) for name, lens in self.splits.items()), self.calls)
+        signature = current_call_signature()
+        if signature is None:
+            return exchange(local)
+        memo = (signature, self.calls)
         known = self.known_lens.get(memo)
         if known is None:
             known = exchange(local)
@@ -184,9 +190,9 @@ class ForwardLayout:
             self.known_lens[memo] = known
         if list(known[rank]) != list(local):
             raise RuntimeError(
-                f"context parallel: exchange {self.calls} of this forward has lengths {local} on rank {rank}, but "
-                f"{known[rank]} in an earlier forward split the same way: the model's token counts depend on data, "
-                "which context parallelism does not support"
+                f"context parallel: exchange {self.calls} of this call has lengths {local} on rank {rank}, but "
+                f"{known[rank]} in an earlier call with the same input signature: the model's control flow depends "
+                "on tensor values, which Compile.cuda_graph cannot serve"
             )
         return known
 
@@ -287,7 +293,7 @@ class ContextParallelAttention:
         degree = self.ulysses_degree * self.ring_degree
         if self.forward.even:
             return [query.shape[1]] * degree, [key.shape[1]] * degree
-        # Some split was uneven (a decision on global sizes: all ranks come here).
+        # Some split was uneven (a decision on global sizes: all ranks come here): exchange, or recall under graphs.
         rows = self.forward.shard_lengths(
             [query.shape[1], key.shape[1]],
             lambda local: gather_lengths(local, self.cp_group, query.device),
