@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 from fastdit.testing.components.autoencoder_kl_hunyuan_video import autoencoder_kl_hunyuan_video
 from fastdit.testing.components.encoders import build, clip_text_model
 from fastdit.testing.components.images import random_image
@@ -179,6 +180,46 @@ _CALL = {
 # The latent_concat I2V pipeline drops the first 4 decoded frames: 9 frames in, 5 out.
 _I2V_CALL = {**_CALL, "image": random_image(), "num_frames": 9, "prompt_template": _I2V_TEMPLATE}
 
+# Context parallelism (checked on diffusers 0.42.1): forward patchifies the latents and runs the text token refiner
+# before the blocks, so the video and text tokens are split at the first dual-stream block; every block returns both
+# streams, so the shards flow through all dual- and single-stream blocks (the single-stream blocks concatenate the
+# local [video, text] shards and split them again by the local text length). `rope` computes its (cos, sin) tables
+# (S_video, D) from the full latent shape before the split, so its output is split on dim 0 like the video tokens.
+# The key-padding mask (B, 1, 1, S_video + S_text) is built over the global [video | text] sequence: mask_segments
+# reorders it into shard order. The token refiner in context_embedder runs on the whole, replicated text with
+# diffusers' AttnProcessor2_0 (direct SDPA), so it stays local. Gathered at proj_out, before unpatchify.
+#
+# The plan is exact for the plain blocks (T2V, latent_concat I2V, SkyReels-V1; tests/parallel/
+# test_hunyuan_video_context_parallel.py) but is not set as the adapter's cp_plan, because the same class also serves
+# two variants it would compute wrongly, and a plan cannot refuse a variant or adjust a Python int per rank:
+# * token_replace I2V (same class, image_condition_type="token_replace"): forward passes first_frame_num_tokens, the
+#   global count of first-frame tokens, positionally to every block, which modulates x[:, :n] and x[:, n:]
+#   differently; rank r needs clamp(n - start_r, 0, len_r) of its contiguous video shard.
+# * FramePack (HunyuanVideoFramepackTransformer3DModel): `rope` runs once per history scale and the 2x/4x tables are
+#   reshaped to the latent grid before they are concatenated (so its output cannot be split; the blocks' RoPE
+#   argument can), and forward keeps hidden_states[:, -original_context_length:] between the last block and norm_out,
+#   which on a shard selects the wrong tokens: the video stream must be gathered at the last single-stream block,
+#   whose output is a (video, text) tuple that GatherOutput cannot index.
+CP_PLAN = ContextParallelPlan(
+    inputs={
+        "transformer_blocks.0": {
+            "hidden_states": SplitInput(dim=1, expected_dims=3),
+            "encoder_hidden_states": SplitInput(dim=1, expected_dims=3),
+        },
+    },
+    outputs={"rope": (SplitOutput(dim=0, expected_dims=2, index=0), SplitOutput(dim=0, expected_dims=2, index=1))},
+    gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
+    attention=AttentionRouting(
+        modules=("diffusers.models.transformers.transformer_hunyuan_video",),
+        mask_segments=("hidden_states", "encoder_hidden_states"),
+        local=("context_embedder",),
+    ),
+    notes=(
+        "Video and text tokens split at transformer_blocks.0 (joint mask reordered by segments); RoPE tables from "
+        "`rope` split on dim 0; the text token refiner in context_embedder runs locally on the replicated text."
+    ),
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="hunyuan_video",
@@ -267,10 +308,12 @@ ADAPTER = register(
             "position count: adjust it per rank under a sequence split). The I2V and SkyReels pipelines run true CFG "
             "as two calls without cache_context. FramePack prepends clean history tokens (compressed 1x/2x/4x) to the "
             "noisy window and keeps only the window's tokens at the end; each section changes the sequence length. "
-            "No context-parallel plan: the text token refiner runs AttnProcessor2_0 (direct "
-            "F.scaled_dot_product_attention), token_replace I2V passes first_frame_num_tokens as a global position "
-            "count that a split cannot adjust per rank, and FramePack keeps the last original_context_length tokens "
-            "between the last block and norm_out."
+            "No context-parallel plan: fastdit.models.hunyuan_video.CP_PLAN (video and text split at "
+            "transformer_blocks.0, rope split, joint mask reordered, text refiner local) matches one process for T2V, "
+            "latent_concat I2V and SkyReels-V1 but is not attached, because the same class serves token_replace I2V, "
+            "whose blocks take first_frame_num_tokens as a global count that needs a per-rank value, and FramePack "
+            "slices the last original_context_length tokens after the last block (needs a gather of that block's "
+            "tuple output); the plan vocabulary can neither adjust the count nor refuse those variants."
         ),
     )
 )
