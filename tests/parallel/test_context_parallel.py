@@ -582,3 +582,66 @@ def test_rank_failure_surfaces(dist2: WorkerPool) -> None:
     with pytest.raises(DistributedTestError) as info:
         dist2.run(_tiny, {"ulysses": 3}, 32)  # 3 ranks asked of a 2-rank pool
     assert set(info.value.exc_types.values()) == {"ValueError"}
+
+
+# --- leading-token counts (LeadingCount) and gathering one element of a tuple output (GatherOutput.index) ---
+
+
+class _CountingBlock(torch.nn.Module):
+    """Takes a count through ``*args`` or by keyword, as HunyuanVideo's plain blocks do; returns (tokens, count)."""
+
+    def forward(self, hidden_states: torch.Tensor, temb: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+        self.seen = args[0] if args else kwargs.get("num_tokens")
+        return hidden_states + 1, self.seen
+
+
+class _CountingModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_CountingBlock() for _ in range(3)])
+
+    def forward(self, hidden_states: torch.Tensor, n: int) -> torch.Tensor:
+        hidden_states, _ = self.blocks[0](hidden_states, None, n)  # by position (*args)
+        hidden_states, _ = self.blocks[1](hidden_states, None, num_tokens=n)  # by keyword
+        hidden_states, count = self.blocks[2](hidden_states, None, None)  # not a count: passes unchanged
+        assert count is None  # element 1 of the gathered block's output is left alone
+        return hidden_states
+
+
+def _leading_counts(rank: int, world_size: int, at_root: bool, n: int) -> tuple[torch.Tensor, list[Any]]:
+    from fastdit.parallel.attention.dispatch import ForwardLayout
+    from fastdit.parallel.context_parallel import _install_hooks, _Splitter
+    from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, LeadingCount, SplitInput
+
+    tokens = SplitInput(dim=1, expected_dims=3)
+    if at_root:  # split and count at the root: the blocks receive the rank's count
+        inputs = {"": {"n": LeadingCount(of="hidden_states"), "hidden_states": tokens}}
+    else:  # counts listed before the split they read: they must still run after it
+        inputs = {
+            "blocks.*": {"num_tokens": LeadingCount(of="hidden_states", position=2)},
+            "blocks.0": {"hidden_states": tokens},
+        }
+    plan = ContextParallelPlan(
+        inputs=inputs,
+        gather={"blocks.-1": GatherOutput(dim=1, expected_dims=3, index=0)},
+        attention=AttentionRouting(modules=("diffusers.models.transformers.transformer_flux",)),
+    )
+    model = _CountingModel()
+    undo = _install_hooks(model, plan, _Splitter(None, ForwardLayout(), log=False))
+    try:
+        out = model(torch.arange(7.0).reshape(1, 7, 1), n)
+    finally:
+        undo()
+    return out, [block.seen for block in model.blocks]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("at_root", [False, True], ids=["blocks", "root"])
+def test_leading_count_is_narrowed_per_rank(dist2: WorkerPool, dist3: WorkerPool, at_root: bool) -> None:
+    full = torch.arange(7.0).reshape(1, 7, 1) + 3
+    # 7 tokens: [4, 3] over 2 ranks, [3, 2, 2] over 3; rank r gets clamp(n - start_r, 0, len_r).
+    for pool, n, counts in [(dist2, 4, [4, 0]), (dist2, 6, [4, 2]), (dist3, 4, [3, 1, 0]), (dist3, 9, [3, 2, 2])]:
+        results = pool.run(_leading_counts, at_root, n)
+        for rank, (out, seen) in enumerate(results):
+            assert torch.equal(out, full)  # gathered at the last block (element 0 of its tuple output)
+            assert seen == [counts[rank], counts[rank], None]

@@ -10,6 +10,7 @@ from fastdit.parallel.plan import (
     AttentionRouting,
     ContextParallelPlan,
     GatherOutput,
+    LeadingCount,
     SplitInput,
     SplitOutput,
     match_modules,
@@ -122,6 +123,16 @@ def test_plan_is_frozen_data() -> None:
         (lambda: _plan(gather={}), "gather"),
         (lambda: _plan(inputs={"": {"x": GatherOutput(1)}}), r"inputs\[''\]\['x'\]"),
         (lambda: _plan(attention=AttentionRouting(modules=(FLUX_MODULE,), mask_segments=("txt",))), "'txt'"),
+        (lambda: LeadingCount(of=""), "LeadingCount.of"),
+        (lambda: LeadingCount(of="hidden_states", position=-1), "LeadingCount.position"),
+        (lambda: _plan(inputs={"": {"n": LeadingCount(of="img")}}), r"LeadingCount\.of='img' is not a split input"),
+        (
+            lambda: _plan(
+                inputs={"": {"n": LeadingCount(of="hidden_states")}},
+                attention=AttentionRouting(modules=(FLUX_MODULE,), mask_segments=("n",)),
+            ),
+            "mask_segments: 'n'",
+        ),
     ],
 )
 def test_invalid_plans_raise(make, match: str) -> None:
@@ -256,3 +267,58 @@ def test_last_entry_of_a_module_list(flux_dev: torch.nn.Module) -> None:
     validate_plan(flux_dev, _plan(gather={"single_transformer_blocks.-1": GatherOutput(1, 3)}), 2)
     with pytest.raises(ValueError, match=r"'nothing\.-1' matches no module"):
         validate_plan(flux_dev, _plan(gather={"nothing.-1": GatherOutput(1, 3)}), 2)
+
+
+# --- leading-token counts and gathering one element of a tuple output ---
+
+
+class _Block(torch.nn.Module):
+    def forward(self, hidden_states: torch.Tensor, num_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        return hidden_states, hidden_states
+
+
+class _VarArgsBlock(torch.nn.Module):
+    def forward(self, hidden_states: torch.Tensor, temb: torch.Tensor, *args: object) -> torch.Tensor:
+        return hidden_states
+
+
+class _Counted(torch.nn.Module):
+    def __init__(self, block: type[torch.nn.Module]) -> None:
+        from diffusers.models.transformers.transformer_flux import FluxAttention
+
+        super().__init__()
+        self.attn = FluxAttention(4, heads=2, dim_head=2)
+        self.blocks = torch.nn.ModuleList([block()])
+        self.proj_out = torch.nn.Linear(4, 4)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.proj_out(self.blocks[0](self.attn(hidden_states), hidden_states)[0])
+
+
+def _count_plan(count: LeadingCount, name: str = "num_tokens") -> ContextParallelPlan:
+    return _plan(
+        inputs={"": {"hidden_states": SplitInput(1, 3)}, "blocks.*": {name: count}},
+        gather={"blocks.-1": GatherOutput(1, 3, index=0)},
+    )
+
+
+def test_leading_count_by_name_or_position() -> None:
+    named, varargs = _Counted(_Block), _Counted(_VarArgsBlock)
+    validate_plan(named, _count_plan(LeadingCount(of="hidden_states")), 2)
+    validate_plan(named, _count_plan(LeadingCount(of="hidden_states", position=1)), 2)
+    with pytest.raises(ValueError, match="takes 'num_tokens' at position 1, not 2"):
+        validate_plan(named, _count_plan(LeadingCount(of="hidden_states", position=2)), 2)
+    # Through *args: the position must be a slot of *args, not a named argument.
+    validate_plan(varargs, _count_plan(LeadingCount(of="hidden_states", position=6)), 2)
+    validate_plan(varargs, _count_plan(LeadingCount(of="hidden_states", position=2)), 2)
+    with pytest.raises(ValueError, match="no argument 'num_tokens' and no \\*args slot at position 1"):
+        validate_plan(varargs, _count_plan(LeadingCount(of="hidden_states", position=1)), 2)
+    with pytest.raises(ValueError, match="no argument 'num_tokens'"):
+        validate_plan(varargs, _count_plan(LeadingCount(of="hidden_states")), 2)
+    with pytest.raises(ValueError, match="no argument 'count' and no \\*args slot"):
+        validate_plan(named, _count_plan(LeadingCount(of="hidden_states", position=5), name="count"), 2)
+
+
+def test_gather_output_index() -> None:
+    assert GatherOutput(1, 3, index=0).index == 0
+    assert GatherOutput(1).index is None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, LeadingCount, SplitInput
 from fastdit.testing.components.autoencoder_kl_hunyuan_video import autoencoder_kl_hunyuan_video
 from fastdit.testing.components.encoders import build, clip_text_model
 from fastdit.testing.components.images import random_image
@@ -179,6 +180,54 @@ _CALL = {
 # The latent_concat I2V pipeline drops the first 4 decoded frames: 9 frames in, 5 out.
 _I2V_CALL = {**_CALL, "image": random_image(), "num_frames": 9, "prompt_template": _I2V_TEMPLATE}
 
+# Context parallelism (checked on diffusers 0.42.1), one plan for both transformer classes and every variant:
+# * forward patchifies the latents (FramePack also packs the 4x/2x/1x history tokens before them) and runs the text
+#   token refiner before the blocks, so the video and text tokens are split at the first dual-stream block; every
+#   block returns both streams, so the shards flow through all dual- and single-stream blocks (the single-stream
+#   blocks concatenate the local [video, text] shards and split them again by the local text length).
+# * RoPE: the blocks' (cos, sin) argument (transformer_blocks: freqs_cis, single_transformer_blocks:
+#   image_rotary_emb; passed positionally) is split on dim 0 at every block like the video tokens. Not `rope`'s
+#   output: FramePack calls `rope` once per history scale and reshapes and concatenates the tables afterwards.
+# * The key-padding mask (B, 1, 1, S_video + S_text) is built over the global [video | text] sequence (FramePack
+#   builds none for one sample): mask_segments reorders it into shard order.
+# * token_replace I2V: forward passes first_frame_num_tokens, the global count of leading first-frame video tokens,
+#   as the blocks' 7th positional argument (named num_tokens in the token-replace blocks, taken by *args in the
+#   plain ones, which ignore it); LeadingCount gives each rank its share of those tokens.
+# * Gathered at the last single-stream block's video output (element 0 of its (video, text) tuple), because
+#   FramePack keeps hidden_states[:, -original_context_length:] between that block and norm_out; norm_out and
+#   proj_out then run on the whole sequence (the text shard is dropped by forward anyway).
+# * The token refiner in context_embedder runs on the whole, replicated text with diffusers' AttnProcessor2_0
+#   (direct SDPA), so it stays local.
+_FIRST_FRAME_TOKENS = LeadingCount(of="hidden_states", position=6)
+CP_PLAN = ContextParallelPlan(
+    inputs={
+        "transformer_blocks.0": {
+            "hidden_states": SplitInput(dim=1, expected_dims=3),
+            "encoder_hidden_states": SplitInput(dim=1, expected_dims=3),
+        },
+        "transformer_blocks.*": {
+            "freqs_cis": SplitInput(dim=0, expected_dims=2),
+            "num_tokens": _FIRST_FRAME_TOKENS,
+        },
+        "single_transformer_blocks.*": {
+            "image_rotary_emb": SplitInput(dim=0, expected_dims=2),
+            "num_tokens": _FIRST_FRAME_TOKENS,
+        },
+    },
+    gather={"single_transformer_blocks.-1": GatherOutput(dim=1, expected_dims=3, index=0)},
+    attention=AttentionRouting(
+        modules=("diffusers.models.transformers.transformer_hunyuan_video",),
+        mask_segments=("hidden_states", "encoder_hidden_states"),
+        local=("context_embedder",),
+    ),
+    notes=(
+        "Video and text tokens split at transformer_blocks.0 (joint mask reordered by segments); the blocks' RoPE "
+        "tables split on dim 0 at every block (FramePack builds them per history scale); token_replace I2V's "
+        "first-frame token count narrowed per rank (LeadingCount); video gathered at the last single-stream block "
+        "(before FramePack drops the history tokens); the text token refiner in context_embedder runs locally."
+    ),
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="hunyuan_video",
@@ -187,6 +236,7 @@ ADAPTER = register(
             BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P0),
             BlockGroup(path="single_transformer_blocks", pattern=ForwardPattern.P0),
         ),
+        cp_plan=CP_PLAN,
         tiny_pipelines=(
             TinyPipeline(name="t2v", build=tiny_hunyuan_video, call_kwargs=_CALL),
             TinyPipeline(name="i2v", build=tiny_hunyuan_video_i2v, call_kwargs={**_I2V_CALL, "guidance_scale": 1.0}),
@@ -264,13 +314,11 @@ ADAPTER = register(
             "Text is padded to max_sequence_length and a key-padding mask over [video, text] tokens is built in "
             "forward (under Ulysses it must be reordered with the tokens); RoPE comes from the latent shape. "
             "token_replace I2V modulates the first frame's tokens differently (first_frame_num_tokens is a "
-            "position count: adjust it per rank under a sequence split). The I2V and SkyReels pipelines run true CFG "
+            "position count, narrowed per rank under a sequence split). The I2V and SkyReels pipelines run true CFG "
             "as two calls without cache_context. FramePack prepends clean history tokens (compressed 1x/2x/4x) to the "
             "noisy window and keeps only the window's tokens at the end; each section changes the sequence length. "
-            "No context-parallel plan: the text token refiner runs AttnProcessor2_0 (direct "
-            "F.scaled_dot_product_attention), token_replace I2V passes first_frame_num_tokens as a global position "
-            "count that a split cannot adjust per rank, and FramePack keeps the last original_context_length tokens "
-            "between the last block and norm_out."
+            "Context parallel: one plan for every variant (RoPE split per block, the first-frame count per rank, "
+            "video gathered at the last single-stream block)."
         ),
     )
 )

@@ -6,7 +6,8 @@
   the previous forward's split record) and splits the root ``forward`` arguments the plan names;
 * for plan paths below the root, a split of the named ``forward`` arguments. It is a PyTorch forward pre-hook, so it
   runs *before* every diffusers hook on that module: a cache hook installed later on ``blocks.0`` then sees the
-  split tensors, exactly as if the model's own loop had passed them;
+  split tensors, exactly as if the model's own loop had passed them. Leading-token counts (:class:`LeadingCount`)
+  are adjusted by pre-hooks registered after every split hook, so they see this forward's split record;
 * on modules whose output is split or gathered, a ``HookRegistry`` hook (``fastdit_cp_output``);
 * the attention routing (:mod:`fastdit.parallel.attention.dispatch`: ``dispatch_attention_fn`` and/or the ``F``
   of processors that call SDPA themselves); the processors of the attention modules the
@@ -42,6 +43,7 @@ from fastdit.parallel.attention.dispatch import (
 from fastdit.parallel.plan import (
     ContextParallelPlan,
     GatherOutput,
+    LeadingCount,
     SplitInput,
     SplitOutput,
     local_attention_paths,
@@ -117,6 +119,14 @@ class _Splitter:
             )
         return tensor.narrow(dim, sum(sizes[: self.rank]), sizes[self.rank])
 
+    def count(self, value: Any, of: str) -> Any:
+        """A count ``value`` of leading tokens of ``of``, narrowed to this rank's contiguous shard of ``of``."""
+        lens = self.layout.splits.get(of)
+        if lens is None or not isinstance(value, int) or isinstance(value, bool):
+            return value  # not split in this forward (tokens whole), or not a count
+        start = sum(lens[: self.rank])
+        return min(max(value - start, 0), lens[self.rank])
+
     def gather(self, tensor: Any, dim: int, expected_dims: int | None) -> Any:
         if not isinstance(tensor, torch.Tensor) or (expected_dims is not None and tensor.ndim != expected_dims):
             return tensor
@@ -140,22 +150,51 @@ class _Splitter:
         return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes, strict=True)], dim=dim)
 
 
+_Spec = SplitInput | LeadingCount
+
+
 class _ArgPositions:
     """Where a module's ``forward`` expects each named argument when passed by position."""
 
-    def __init__(self, module: torch.nn.Module, names: list[str]) -> None:
+    def __init__(self, module: torch.nn.Module, specs: Mapping[str, _Spec]) -> None:
         params = list(inspect.signature(type(module).forward).parameters)[1:]
-        self.positions = {name: params.index(name) for name in names}
+        # A name absent from the signature arrives through *args at the position the plan gives (validated).
+        self.positions = {
+            name: params.index(name) if name in params else getattr(spec, "position", None)
+            for name, spec in specs.items()
+        }
 
-    def split(self, args: tuple, kwargs: dict, specs: dict[str, SplitInput], splitter: _Splitter) -> tuple:
+    def split(self, args: tuple, kwargs: dict, specs: Mapping[str, _Spec], splitter: _Splitter) -> tuple:
         args = list(args)
         for name, spec in specs.items():
             if name in kwargs:
-                kwargs[name] = _split_arg(kwargs[name], spec, splitter, name)
-            elif self.positions[name] < len(args):
+                kwargs[name] = _adjust_arg(kwargs[name], spec, splitter, name)
+            elif self.positions[name] is not None and self.positions[name] < len(args):
                 i = self.positions[name]
-                args[i] = _split_arg(args[i], spec, splitter, name)
+                args[i] = _adjust_arg(args[i], spec, splitter, name)
         return tuple(args), kwargs
+
+
+def _adjust_arg(value: Any, spec: _Spec, splitter: _Splitter, name: str) -> Any:
+    if isinstance(spec, LeadingCount):
+        return splitter.count(value, spec.of)
+    return _split_arg(value, spec, splitter, name)
+
+
+def _splits_then_counts(specs: Mapping[str, _Spec]) -> tuple[dict[str, _Spec], dict[str, _Spec]]:
+    """``specs`` divided into splits and leading-token counts (a count needs the split record of its forward)."""
+    splits = {n: s for n, s in specs.items() if isinstance(s, SplitInput)}
+    counts = {n: s for n, s in specs.items() if isinstance(s, LeadingCount)}
+    return splits, counts
+
+
+def _at_index(output: Any, index: int | None, fn: Callable[[Any], Any]) -> Any:
+    """``fn`` applied to ``output``, or with ``index`` only to that element of a tuple/list output."""
+    if index is None or not isinstance(output, (tuple, list)):
+        return fn(output)
+    items = list(output)
+    items[index] = fn(items[index])
+    return type(output)(items) if isinstance(output, tuple) else items
 
 
 def _split_arg(value: Any, spec: SplitInput, splitter: _Splitter, name: str) -> Any:
@@ -170,14 +209,15 @@ def _split_arg(value: Any, spec: SplitInput, splitter: _Splitter, name: str) -> 
 class _RootHook(ModelHook):
     """Begins a forward (fresh split record) and splits the root's inputs."""
 
-    def __init__(self, specs: dict[str, SplitInput], splitter: _Splitter) -> None:
+    def __init__(self, specs: Mapping[str, _Spec], splitter: _Splitter) -> None:
         super().__init__()
-        self.specs = specs
+        splits, counts = _splits_then_counts(specs)
+        self.specs = {**splits, **counts}  # counts after the splits they read
         self.splitter = splitter
         self._args: _ArgPositions | None = None
 
     def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
-        self._args = _ArgPositions(module, list(self.specs))
+        self._args = _ArgPositions(module, self.specs)
         return module
 
     def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
@@ -205,13 +245,14 @@ class _OutputHook(ModelHook):
                 items[spec.index] = self.splitter.split(items[spec.index], spec.dim, spec.expected_dims, name)
                 output = type(output)(items) if isinstance(output, tuple) else items
         if self.gather is not None:
-            output = self.splitter.gather(output, self.gather.dim, self.gather.expected_dims)
+            spec = self.gather
+            output = _at_index(output, spec.index, lambda t: self.splitter.gather(t, spec.dim, spec.expected_dims))
         return output
 
 
-def _input_splitter(module: torch.nn.Module, specs: Mapping[str, SplitInput], splitter: _Splitter) -> Callable:
-    """A forward pre-hook splitting ``module``'s named arguments."""
-    positions = _ArgPositions(module, list(specs))
+def _input_splitter(module: torch.nn.Module, specs: Mapping[str, _Spec], splitter: _Splitter) -> Callable:
+    """A forward pre-hook splitting (or, for counts, narrowing) ``module``'s named arguments."""
+    positions = _ArgPositions(module, specs)
     specs = dict(specs)
 
     def pre_hook(mod: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -226,11 +267,16 @@ def _install_hooks(transformer: torch.nn.Module, plan: ContextParallelPlan, spli
     root = HookRegistry.check_if_exists_or_initialize(transformer)
     root.register_hook(_RootHook(dict(plan.inputs.get("", {})), splitter), ROOT_HOOK)
     installed.append((root, ROOT_HOOK))
-    for path, specs in plan.inputs.items():
-        if path == "":
-            continue
-        for _, module in match_modules(transformer, path):
-            handles.append(module.register_forward_pre_hook(_input_splitter(module, specs, splitter), with_kwargs=True))
+    # Two passes: pre-hooks run in registration order, so on any module the counts follow every split (from any
+    # path matching it) and read this forward's split record.
+    for which in (0, 1):
+        for path, all_specs in plan.inputs.items():
+            specs = _splits_then_counts(all_specs)[which]
+            if path == "" or not specs:
+                continue
+            for _, module in match_modules(transformer, path):
+                hook = _input_splitter(module, specs, splitter)
+                handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
     for path in dict.fromkeys([*plan.outputs, *plan.gather]):
         for _, module in match_modules(transformer, path):
             # One hook object per module: a hook keeps a reference to the forward it wraps.

@@ -8,8 +8,10 @@ A plan names module paths (``""`` is the transformer itself; ``"transformer_bloc
   project out" (Flux); splitting at ``blocks.0`` suits models that build the sequence inside forward.
 * :class:`SplitOutput` — split what a sub-module *returns* (a RoPE or position-embedding module that produces
   full-length tensors inside forward).
-* :class:`GatherOutput` — all-gather a module's output along a dim (the output projection), so the transformer
-  returns the full sequence on every rank.
+* :class:`GatherOutput` — all-gather a module's output (or one element of a tuple output) along a dim (the output
+  projection), so the transformer returns the full sequence on every rank.
+* :class:`LeadingCount` — a ``forward`` argument that counts leading tokens of a split tensor (the first frame's
+  tokens), narrowed to the tokens this rank holds.
 * :class:`AttentionRouting` — which Python modules' ``dispatch_attention_fn`` (or, for processors that call
   ``F.scaled_dot_product_attention`` themselves, ``F``) is routed to context-parallel attention, and which split
   tensors, concatenated, form the joint sequence a model-built attention mask indexes.
@@ -34,6 +36,7 @@ __all__ = [
     "AttentionRouting",
     "ContextParallelPlan",
     "GatherOutput",
+    "LeadingCount",
     "SplitInput",
     "SplitOutput",
     "local_attention_paths",
@@ -91,18 +94,52 @@ class SplitOutput:
 
 @dataclass(frozen=True)
 class GatherOutput:
-    """All-gather a module's output along ``dim`` (shards may differ in length).
+    """All-gather a module's output (or one element of a tuple output) along ``dim`` (shards may differ in length).
 
     Attributes:
         dim: The sequence dim of the output.
         expected_dims: As for :class:`SplitInput`.
+        index: Element of a tuple/list output to gather (the others stay as they are, e.g. the text shard a dual-stream
+            block returns beside the image tokens); ``None``: the output itself (also used when the output is not a
+            tuple/list).
     """
 
     dim: int
     expected_dims: int | None = None
+    index: int | None = None
 
     def __post_init__(self) -> None:
         _check_dim("GatherOutput", self.dim, self.expected_dims)
+
+
+@dataclass(frozen=True)
+class LeadingCount:
+    """A ``forward`` argument counting the leading tokens of a split tensor, narrowed to this rank's shard.
+
+    Some blocks take a Python ``int`` ``n`` meaning "the first ``n`` tokens of the sequence" (HunyuanVideo-I2V
+    modulates the first frame's tokens ``x[:, :n]`` differently). After a split, rank ``r`` holds the contiguous
+    tokens ``[start_r, start_r + len_r)`` of that sequence, so it receives ``clamp(n - start_r, 0, len_r)``. The shards
+    come from the split record of :attr:`of` in the current forward; if that tensor was not split in this forward
+    (its tokens are whole), or the value is not an ``int`` (``None``, a tensor), the argument passes unchanged.
+    Counts at a module are adjusted after every split of the same module.
+
+    Attributes:
+        of: Name of a :class:`SplitInput` of the plan whose tokens the count indexes (e.g. ``"hidden_states"``).
+        position: Index of the argument among ``forward``'s positional arguments (``self`` not counted), for a
+            ``forward`` that receives it through ``*args`` rather than by name; ``None``: from the signature. When the
+            name is in the signature, ``position`` must agree with it.
+    """
+
+    of: str
+    position: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.of, str) or not self.of:
+            raise ValueError(f"LeadingCount.of={self.of!r}: must name a split input")
+        if self.position is not None and (
+            not isinstance(self.position, int) or isinstance(self.position, bool) or self.position < 0
+        ):
+            raise ValueError(f"LeadingCount.position={self.position!r}: must be a non-negative integer or None")
 
 
 @dataclass(frozen=True)
@@ -167,14 +204,14 @@ class ContextParallelPlan:
     """Where a transformer family splits and gathers its sequence under context parallelism.
 
     Attributes:
-        inputs: Module path -> argument name -> :class:`SplitInput`.
+        inputs: Module path -> argument name -> :class:`SplitInput` or :class:`LeadingCount`.
         outputs: Module path -> :class:`SplitOutput` or a tuple of them (one per tuple element).
         gather: Module path -> :class:`GatherOutput`.
         attention: Attention routing.
         notes: How the family's positional embeddings stay consistent with the split (for the docs).
     """
 
-    inputs: Mapping[str, Mapping[str, SplitInput]] = field(default_factory=dict)
+    inputs: Mapping[str, Mapping[str, SplitInput | LeadingCount]] = field(default_factory=dict)
     outputs: Mapping[str, SplitOutput | tuple[SplitOutput, ...]] = field(default_factory=dict)
     gather: Mapping[str, GatherOutput] = field(default_factory=dict)
     attention: AttentionRouting
@@ -187,8 +224,10 @@ class ContextParallelPlan:
         object.__setattr__(self, "gather", MappingProxyType(dict(self.gather)))
         for path, args in self.inputs.items():
             for name, split in args.items():
-                if not isinstance(split, SplitInput):
-                    raise ValueError(f"ContextParallelPlan.inputs[{path!r}][{name!r}]={split!r}: expected SplitInput")
+                if not isinstance(split, (SplitInput, LeadingCount)):
+                    raise ValueError(
+                        f"ContextParallelPlan.inputs[{path!r}][{name!r}]={split!r}: expected SplitInput or LeadingCount"
+                    )
         for path, splits in self.outputs.items():
             if not all(isinstance(s, SplitOutput) for s in splits):
                 raise ValueError(f"ContextParallelPlan.outputs[{path!r}]={splits!r}: expected SplitOutput(s)")
@@ -197,10 +236,17 @@ class ContextParallelPlan:
                 raise ValueError(f"ContextParallelPlan.gather[{path!r}]={gather!r}: expected GatherOutput")
         if not self.gather:
             raise ValueError("ContextParallelPlan.gather={}: gather the output somewhere (usually proj_out)")
-        split_names = {name for args in self.inputs.values() for name in args}
+        split_names = {name for args in self.inputs.values() for name, s in args.items() if isinstance(s, SplitInput)}
         for name in self.attention.mask_segments:
             if name not in split_names:
                 raise ValueError(f"AttentionRouting.mask_segments: {name!r} is not a split input of the plan")
+        for path, args in self.inputs.items():
+            for name, count in args.items():
+                if isinstance(count, LeadingCount) and count.of not in split_names:
+                    raise ValueError(
+                        f"ContextParallelPlan.inputs[{path!r}][{name!r}]: LeadingCount.of={count.of!r} is not a split "
+                        "input of the plan"
+                    )
 
 
 _LAST = "-1"
@@ -278,6 +324,25 @@ def _forward_params(module: torch.nn.Module) -> list[str]:
     return list(inspect.signature(type(module).forward).parameters)[1:]
 
 
+def _check_position(module: torch.nn.Module, arg: str, position: int, where: str, path: str) -> None:
+    """``position`` is where ``forward`` receives ``arg``: its named slot, or a slot of its ``*args``."""
+    params = list(inspect.signature(type(module).forward).parameters.values())[1:]
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    names = [p.name for p in positional]
+    if arg in names:
+        if names.index(arg) != position:
+            raise ValueError(
+                f"context-parallel plan: {where} takes {arg!r} at position {names.index(arg)}, not {position} "
+                f"(path {path!r})"
+            )
+        return
+    if position < len(positional) or not any(p.kind == p.VAR_POSITIONAL for p in params):
+        raise ValueError(
+            f"context-parallel plan: {where} has no argument {arg!r} and no *args slot at position {position} "
+            f"(path {path!r}); its arguments are {[p.name for p in params]}"
+        )
+
+
 def validate_plan(
     transformer: torch.nn.Module, plan: ContextParallelPlan, degree: int, *, uneven_heads: bool = True
 ) -> None:
@@ -301,9 +366,11 @@ def validate_plan(
     for path, args in plan.inputs.items():
         for name, module in resolved[path]:
             params = _forward_params(module)
-            for arg in args:
-                if arg not in params:
-                    where = f"{name!r} ({type(module).__name__})" if name else cls
+            where = f"{name!r} ({type(module).__name__})" if name else cls
+            for arg, spec in args.items():
+                if isinstance(spec, LeadingCount) and spec.position is not None:
+                    _check_position(module, arg, spec.position, f"{where}.forward", path)
+                elif arg not in params:
                     raise ValueError(
                         f"context-parallel plan: {where}.forward has no argument {arg!r} (path {path!r}); "
                         f"its arguments are {params}"
