@@ -114,8 +114,10 @@ ADAPTER = register(
             "drops padded text tokens per sample before joint attention. RoPE is computed from the latent shape "
             "in forward. CFG is batched (one call per step, batch 2). "
             "No context-parallel plan: MochiAttnProcessor2_0 drops each sample's padded text tokens inside "
-            "attention, so under a split each rank's joint length would depend on its shard of the prompt mask, "
-            "not on global sizes."
+            "attention, so with the text split each rank's joint length depends on its shard of the prompt mask, "
+            "not on global sizes, and the attention would have to exchange lengths on every call (the plan "
+            "vocabulary cannot ask for that yet); keeping the text whole on every rank instead would count its "
+            "keys once per rank."
         ),
     )
 )
