@@ -133,6 +133,13 @@ def test_accelerate_refuses_cpu_model_and_cache_combination() -> None:
         fastdit.accelerate(pipe, cache=fastdit.FBCache(), compile=fastdit.Compile(cuda_graph=True))
 
 
+def test_data_dependent_attention_lengths_refuse_graphs_before_anything() -> None:
+    pipe, _ = build_tiny("mochi")
+    with pytest.raises(ValueError, match=r"cuda_graph=True.*mochi.*depend on the data"):
+        fastdit.accelerate(pipe, parallel=fastdit.Parallel(ulysses=2), compile=fastdit.Compile(cuda_graph=True))
+    assert getattr(pipe, "_fastdit_state", None) is None
+
+
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [

@@ -107,6 +107,21 @@ def _validate(cache: Any, parallel: Any, compile: Any, attention: Any) -> None:
         )
 
 
+def _check_graphs(
+    transformers: dict[str, tuple[torch.nn.Module, ModelAdapter]], parallel: Parallel | None, compile: Compile | None
+) -> None:
+    """CUDA graphs freeze every host value of a call: refuse plans whose attention lengths change with the data."""
+    if compile is None or not compile.cuda_graph or not _context_parallel(parallel):
+        return
+    for name, (_, found) in transformers.items():
+        if found.cp_plan is not None and found.cp_plan.attention.exchange_lengths:
+            raise ValueError(
+                f"compile=Compile(cuda_graph=True) with parallel={parallel}: {name} ({found.family}) exchanges "
+                "attention lengths that depend on the data at every call, which a CUDA graph would freeze; use "
+                "cuda_graph=False"
+            )
+
+
 def _context_parallel(parallel: Parallel | None) -> bool:
     return parallel is not None and parallel.ulysses * parallel.ring > 1
 
@@ -160,6 +175,7 @@ def accelerate(
         raise ValueError(f"{type(target).__name__} is already accelerated; call fastdit.disable first")
     transformers = find_transformers(target, adapter)
     compile_config = Compile() if compile is True else (compile or None)
+    _check_graphs(transformers, parallel, compile_config)
     applied = _Applied({k: m for k, (m, _) in transformers.items()}, cache, parallel, compile_config)
     try:
         reducer = None

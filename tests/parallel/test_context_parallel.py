@@ -17,6 +17,7 @@ import torch
 
 import fastdit
 from fastdit.testing.distributed import DistributedTestError, WorkerPool
+from fastdit.testing.pipelines import build_tiny
 
 TINY_CALL = {"prompt": "a cat holding a sign", "num_inference_steps": 4, "max_sequence_length": 16}
 
@@ -428,6 +429,22 @@ def test_fewer_tokens_than_ranks_is_refused(dist3: WorkerPool) -> None:
     with pytest.raises(DistributedTestError) as info:
         dist3.run(_wan, "wan2.2-ti2v", {"ulysses": 3}, timeout=180)  # 2 tokens per frame pair
     assert "ValueError" in set(info.value.exc_types.values())
+
+
+def _mochi_usp(rank: int, world_size: int) -> str:
+    pipe, _ = build_tiny("mochi")
+    try:
+        fastdit.accelerate(pipe, parallel=fastdit.Parallel(ulysses=2, ring=2))
+    except ValueError as error:
+        return str(error)
+    fastdit.disable(pipe)
+    return "accepted"
+
+
+@pytest.mark.distributed
+def test_data_dependent_lengths_refuse_usp_on_every_rank(dist4: WorkerPool) -> None:
+    for message in dist4.run(_mochi_usp, timeout=180):
+        assert "exchange_lengths" in message and "USP" in message, message
 
 
 # --- validation in a single process ---

@@ -1,8 +1,8 @@
-"""Cosmos under context parallelism: how its processors' ``dispatch_attention_fn`` calls are routed.
+"""Cosmos under context parallelism: its processors' ``dispatch_attention_fn`` calls (no ``parallel_config``) are
+routed through ``AttentionRouting.dispatch_modules``.
 
 ``tests/parallel/test_family_plans.py`` compares every tiny Cosmos pipeline on gloo ranks against one process; these
-tests pin the family's routing wrapper itself: unchanged behaviour without context parallelism, self-attention
-routed and cross-attention local with it.
+tests pin the routing itself: self-attention routed, cross-attention local, everything restored afterwards.
 """
 
 from __future__ import annotations
@@ -10,11 +10,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from fastdit.models import cosmos
-from fastdit.parallel.attention.dispatch import mark_attention_modules, route_sdpa_modules
+from fastdit.parallel.attention.dispatch import mark_attention_modules, route_marked_dispatch, route_modules
 from fastdit.parallel.plan import local_attention_paths, validate_plan
 
 
@@ -45,30 +46,6 @@ def _inputs(batch: int = 1) -> dict[str, torch.Tensor]:
     }
 
 
-def test_wrapper_is_installed_once_and_idempotent() -> None:
-    module = _module()
-    wrapper = module.dispatch_attention_fn
-    assert wrapper._fastdit_cosmos
-    assert module.F is F
-    cosmos.route_cosmos_attention()
-    assert module.dispatch_attention_fn is wrapper
-
-
-def test_without_context_parallel_the_original_function_runs() -> None:
-    module = _module()
-    transformer = cosmos.tiny_transformer()
-    with torch.no_grad():
-        wrapped = transformer(**_inputs(), return_dict=False)[0]
-    wrapper = module.dispatch_attention_fn
-    module.dispatch_attention_fn = wrapper.__wrapped__
-    try:
-        with torch.no_grad():
-            original = transformer(**_inputs(), return_dict=False)[0]
-    finally:
-        module.dispatch_attention_fn = wrapper
-    assert torch.equal(wrapped, original)
-
-
 def test_self_attention_is_routed_and_cross_attention_stays_local() -> None:
     transformer = cosmos.tiny_transformer()
     plan = cosmos.CP_PLAN
@@ -78,15 +55,28 @@ def test_self_attention_is_routed_and_cross_attention_stays_local() -> None:
     recorder = _Recorder()
     local = local_attention_paths(transformer, plan.attention)
     assert local == {f"transformer_blocks.{i}.attn2" for i in range(3)}
-    undo_route = route_sdpa_modules(plan.attention.sdpa_modules)
+    original = _module().dispatch_attention_fn
+    undo_route = route_marked_dispatch(plan.attention.dispatch_modules)
     undo_mark = mark_attention_modules(transformer, recorder, local)  # type: ignore[arg-type]
     try:
         with torch.no_grad():
             routed = transformer(**_inputs(2), return_dict=False)[0]
+            outside = _module().dispatch_attention_fn(*(torch.ones(1, 3, 2, 4),) * 3)  # no marked module runs
     finally:
         undo_mark()
         undo_route()
-    assert _module().F is F
+    assert _module().dispatch_attention_fn is original
     torch.testing.assert_close(routed, expected)
+    torch.testing.assert_close(outside, torch.ones(1, 3, 2, 4))
     # One self-attention per block, 2 x 2 x 2 = 8 tokens, 2 heads of 16; the text cross-attention never reached it.
     assert recorder.calls == [((2, 8, 2, 16), (2, 8, 2, 16))] * 3
+
+
+def test_one_module_cannot_take_both_routers() -> None:
+    undo = route_marked_dispatch(cosmos.CP_PLAN.attention.dispatch_modules)
+    try:
+        with pytest.raises(ValueError, match="already routed"):
+            route_modules(cosmos.CP_PLAN.attention.dispatch_modules)
+    finally:
+        undo()
+    assert not getattr(_module().dispatch_attention_fn, "_fastdit_router", False)

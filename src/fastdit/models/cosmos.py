@@ -10,24 +10,18 @@ The Cosmos pipelines refuse to run without a safety checker (the model licence r
 ``cosmos_guardrail``, downloads guard models, so the tiny pipelines here get a pass-through stand-in.
 
 Context parallelism: the Cosmos processors (``CosmosAttnProcessor2_0``, ``CosmosAttnProcessor2_5``) call their
-module's ``dispatch_attention_fn`` without a ``parallel_config``, so neither routing of
-:class:`~fastdit.parallel.plan.AttentionRouting` reaches them as they are. :func:`route_cosmos_attention` (run once at
-import) gives ``transformer_cosmos`` an ``F`` global and a ``dispatch_attention_fn`` that sends to ``F``'s SDPA only
-while fastdit has replaced that ``F`` by its routing proxy; the plan then routes the module through ``sdpa_modules``.
-Without context parallelism both names behave exactly as before (the original function is called unchanged).
+module's ``dispatch_attention_fn`` without a ``parallel_config``, so the plan routes that module through
+``AttentionRouting.dispatch_modules`` (calls made while a marked attention module runs).
 """
 
 from __future__ import annotations
 
 import copy
-import importlib
-from typing import Any
 
 import torch
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
-from fastdit.parallel.attention.dispatch import FunctionalProxy
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.testing.components.autoencoder_kl_wan import WAN_LATENT_CHANNELS, autoencoder_kl_wan
 from fastdit.testing.components.encoders import build, qwen2_5_vl_model, t5_encoder
@@ -230,45 +224,6 @@ def _preset(name: str, pipeline: str, hub_id: str, steps: int, size: tuple[int, 
     return ModelPreset(name=name, pipeline_class=f"diffusers.{pipeline}", hub_id=hub_id, defaults=defaults)
 
 
-# The arguments the Cosmos processors pass (and SDPA takes); a call with any other goes to diffusers unchanged.
-_SDPA_KWARGS = frozenset({"attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"})
-
-
-def route_cosmos_attention() -> None:
-    """Let ``AttentionRouting.sdpa_modules`` reach the Cosmos processors' ``dispatch_attention_fn`` calls.
-
-    Checked on diffusers 0.42.1. The processors call ``dispatch_attention_fn(q, k, v, attn_mask=..., dropout_p=0.0,
-    is_causal=False)`` on ``(B, S, H, D)`` tensors and pass no ``parallel_config``. This gives their module an ``F``
-    global (``torch.nn.functional``, which it does not otherwise use) and wraps ``dispatch_attention_fn``: while
-    fastdit's routing has replaced that ``F`` by a :class:`~fastdit.parallel.attention.dispatch.FunctionalProxy`,
-    the call goes to the proxy's SDPA (context-parallel inside a marked attention module, plain SDPA elsewhere, the
-    same computation as diffusers' default native backend); otherwise to the original function, unchanged. Idempotent.
-    """
-    module = importlib.import_module(_MODULE)
-    if getattr(module.dispatch_attention_fn, "_fastdit_cosmos", False):
-        return
-    original = module.dispatch_attention_fn
-
-    def dispatch_attention_fn(
-        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> torch.Tensor:
-        functional = module.F
-        if not isinstance(functional, FunctionalProxy) or args or not _SDPA_KWARGS.issuperset(kwargs):
-            return original(query, key, value, *args, **kwargs)
-        out = functional.scaled_dot_product_attention(
-            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), **kwargs
-        )
-        return out.transpose(1, 2)
-
-    dispatch_attention_fn.__wrapped__ = original  # type: ignore[attr-defined]
-    dispatch_attention_fn._fastdit_cosmos = True  # type: ignore[attr-defined]
-    if not hasattr(module, "F"):
-        module.F = torch.nn.functional
-    module.dispatch_attention_fn = dispatch_attention_fn
-
-
-route_cosmos_attention()
-
 # The video tokens are split at the first block; RoPE, the learnable extra positions, per-token modulation
 # (Predict2 Video2World's per-frame timesteps) and ControlNet residuals are full-length tensors forward passes to every
 # block, so each block splits them alike. The text enters through cross-attention only and stays whole on every rank.
@@ -285,11 +240,11 @@ CP_PLAN = ContextParallelPlan(
     },
     # Before norm_out: its modulation is per token when the timestep is per frame, and forward builds it full-length.
     gather={"transformer_blocks.-1": GatherOutput(dim=1, expected_dims=3)},
-    attention=AttentionRouting(sdpa_modules=(_MODULE,), local=("transformer_blocks.*.attn2",)),
+    attention=AttentionRouting(dispatch_modules=(_MODULE,), local=("transformer_blocks.*.attn2",)),
     notes=(
         "Video tokens split at transformer_blocks.0; RoPE, extra positions and per-token modulation split at every "
         "block; gathered after the last block; text cross-attention local. The processors pass no parallel_config: "
-        "the family routes their module through sdpa_modules (see route_cosmos_attention)."
+        "their module is routed through dispatch_modules."
     ),
 )
 
@@ -360,9 +315,9 @@ ADAPTER = register(
             "runs as two calls per step without cache_context. Predict2 Video2World passes per-frame timesteps "
             "(B, 1, T, 1, 1) with the conditioning frames at a small fixed value: read the step from the largest. "
             "The pipelines need a safety checker; real checkpoints also need torchvision (padding-mask resize). "
-            "Context parallel: the processors call dispatch_attention_fn without a parallel_config; importing the "
-            "family wraps that name in transformer_cosmos so the plan routes it through sdpa_modules (a no-op "
-            "without context parallelism). Transfer2.5 ControlNet residuals are split per block but untested."
+            "Context parallel: the processors call dispatch_attention_fn without a parallel_config, so the plan "
+            "routes their module through dispatch_modules. Transfer2.5 ControlNet residuals are split per block but "
+            "untested."
         ),
         cp_plan=CP_PLAN,
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 from fastdit.testing.components.encoders import build, t5_encoder
 
 TRANSFORMER = "diffusers.models.transformers.transformer_mochi.MochiTransformer3DModel"
@@ -73,6 +74,23 @@ def tiny_mochi(seed: int = 0):
     )
 
 
+# Text stays split like the video: kept whole on every rank, its keys would count once per rank. The processor keeps
+# each sample's valid text tokens, so the ranks' lengths inside attention depend on the mask: exchanged per call.
+CP_PLAN = ContextParallelPlan(
+    inputs={
+        "transformer_blocks.0": {
+            "hidden_states": SplitInput(dim=1, expected_dims=3),
+            "encoder_hidden_states": SplitInput(dim=1, expected_dims=3),
+        },
+        "transformer_blocks.*": {"encoder_attention_mask": SplitInput(dim=1, expected_dims=2)},
+    },
+    outputs={"rope": (SplitOutput(dim=0, expected_dims=3, index=0), SplitOutput(dim=0, expected_dims=3, index=1))},
+    gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
+    attention=AttentionRouting(sdpa_modules=("diffusers.models.attention_processor",), exchange_lengths=True),
+    notes="Video and text tokens split at transformer_blocks.0, the prompt mask at every block; RoPE tables from "
+    "`rope` split on dim 0; the ranks' joint lengths (padded text dropped per sample) exchanged at every attention.",
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="mochi",
@@ -113,11 +131,12 @@ ADAPTER = register(
             "Text is padded to max_sequence_length; blocks take encoder_attention_mask and the attention processor "
             "drops padded text tokens per sample before joint attention. RoPE is computed from the latent shape "
             "in forward. CFG is batched (one call per step, batch 2). "
-            "No context-parallel plan: MochiAttnProcessor2_0 drops each sample's padded text tokens inside "
-            "attention, so with the text split each rank's joint length depends on its shard of the prompt mask, "
-            "not on global sizes, and the attention would have to exchange lengths on every call (the plan "
-            "vocabulary cannot ask for that yet); keeping the text whole on every rank instead would count its "
-            "keys once per rank."
+            "Context parallel: video and text tokens split at the first block, the prompt mask at every block; "
+            "MochiAttnProcessor2_0 drops each sample's padded text tokens inside attention, so the ranks' joint "
+            "lengths depend on their shards of the mask and are exchanged at every attention call "
+            "(AttentionRouting.exchange_lengths: no USP, no CUDA graphs). Exact for right-padded prompt masks (what "
+            "the tokenizer gives): the processor packs valid text first within each shard."
         ),
+        cp_plan=CP_PLAN,
     )
 )

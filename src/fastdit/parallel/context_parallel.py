@@ -37,6 +37,7 @@ from fastdit.parallel.attention.dispatch import (
     local_attention,
     mark_attention_modules,
     mark_processors,
+    route_marked_dispatch,
     route_modules,
     route_sdpa_modules,
 )
@@ -321,6 +322,11 @@ def apply_context_parallel(
     if plan is None:
         raise ValueError(f"model family {adapter.family!r} has no context-parallel plan (ModelAdapter.cp_plan)")
     validate_plan(transformer, plan, parallel.ulysses)
+    if plan.attention.exchange_lengths and parallel.ulysses > 1 and parallel.ring > 1:
+        raise ValueError(
+            f"parallel={parallel}: model family {adapter.family!r} has attention lengths that depend on the data "
+            "(AttentionRouting.exchange_lengths), which USP (ulysses and ring together) cannot take; use one of them"
+        )
     local = local_attention(attention)
     group = context_parallel_group(runtime)
     marker = ContextParallelAttention(
@@ -334,6 +340,7 @@ def apply_context_parallel(
         fp8=parallel.comm_fp8,
         chunks=parallel.ulysses_chunks,
         mask_transform=plan.attention.mask_transform,
+        exchange_lengths=plan.attention.exchange_lengths,
     )
     splitter = _Splitter(group, marker.forward, log=runtime.is_main)
     undo: list[Callable[[], None]] = []
@@ -344,6 +351,9 @@ def apply_context_parallel(
             undo.append(mark_processors(transformer, marker, local_paths))
         if plan.attention.sdpa_modules:
             undo.append(route_sdpa_modules(plan.attention.sdpa_modules))
+        if plan.attention.dispatch_modules:
+            undo.append(route_marked_dispatch(plan.attention.dispatch_modules))
+        if plan.attention.sdpa_modules or plan.attention.dispatch_modules:
             undo.append(mark_attention_modules(transformer, marker, local_paths))
         undo.append(_install_hooks(transformer, plan, splitter))
     except BaseException:

@@ -154,11 +154,17 @@ class AttentionRouting:
       tensors; the module's ``F`` global (``torch.nn.functional``) is rebound to a proxy whose SDPA is
       context-parallel only while a non-local attention module of this transformer runs (see
       :func:`fastdit.parallel.attention.dispatch.mark_attention_modules`).
+    * ``dispatch_modules``: processors that call ``dispatch_attention_fn`` without a ``parallel_config``; the
+      module's ``dispatch_attention_fn`` is rebound to a router that, like the SDPA proxy, is context-parallel only
+      while a non-local attention module of this transformer runs.
 
     Attributes:
         modules: Python modules whose ``dispatch_attention_fn`` global is routed (those defining the processors).
         sdpa_modules: Python modules whose ``F`` global is routed (those defining processors that call
-            ``F.scaled_dot_product_attention``). At least one of ``modules`` and ``sdpa_modules`` is non-empty.
+            ``F.scaled_dot_product_attention``).
+        dispatch_modules: Python modules whose ``dispatch_attention_fn`` global is routed for the marked attention
+            modules (processors that pass no ``parallel_config``). At least one of ``modules``, ``sdpa_modules``
+            and ``dispatch_modules`` is non-empty; a module is in at most one of them.
         mask_segments: Names of split inputs whose concatenation, in this order, is the joint sequence that an
             attention mask built by the model indexes (a mask over the global sequence is reordered to match the
             ranks' shards; see :class:`fastdit.parallel.attention.ulysses.SeqLayout`). Empty: one contiguous split.
@@ -171,26 +177,40 @@ class AttentionRouting:
             order: it turns a mask the model builds over the rank's local tokens into one context-parallel attention
             understands (a mask over the global sequence, or a key-padding mask over the local keys). ``None``: the
             mask is used as passed.
+        exchange_lengths: The ranks' query/key lengths inside attention depend on the data (a processor drops each
+            sample's padded text tokens), so every attention call exchanges them instead of deriving them from the
+            split sizes. Refused with USP (which needs equal lengths inside each Ulysses group) and with CUDA graphs
+            (which would freeze one call's lengths).
     """
 
     modules: tuple[str, ...] = ()
     sdpa_modules: tuple[str, ...] = ()
+    dispatch_modules: tuple[str, ...] = ()
     mask_segments: tuple[str, ...] = ()
     local: tuple[str, ...] = ()
     mask_transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+    exchange_lengths: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.local, str):
             raise ValueError(f"AttentionRouting.local={self.local!r}: expected a tuple of paths, not a string")
-        for name in ("modules", "sdpa_modules"):
+        kinds = ("modules", "sdpa_modules", "dispatch_modules")
+        for name in kinds:
             if isinstance(getattr(self, name), str):
                 raise ValueError(f"AttentionRouting.{name}={getattr(self, name)!r}: expected a tuple of module names")
-        object.__setattr__(self, "modules", tuple(self.modules))
-        object.__setattr__(self, "sdpa_modules", tuple(self.sdpa_modules))
+            object.__setattr__(self, name, tuple(getattr(self, name)))
         object.__setattr__(self, "mask_segments", tuple(self.mask_segments))
         object.__setattr__(self, "local", tuple(self.local))
-        if not self.modules and not self.sdpa_modules:
-            raise ValueError("AttentionRouting.modules=() and sdpa_modules=(): name at least one module")
+        if not any(getattr(self, name) for name in kinds):
+            raise ValueError("AttentionRouting: modules, sdpa_modules and dispatch_modules are empty; name a module")
+        both = set(self.modules) & set(self.dispatch_modules)
+        if both:
+            raise ValueError(
+                f"AttentionRouting.dispatch_modules={self.dispatch_modules!r}: {sorted(both)} also in modules (one "
+                "router per module's dispatch_attention_fn)"
+            )
+        if not isinstance(self.exchange_lengths, bool):
+            raise ValueError(f"AttentionRouting.exchange_lengths={self.exchange_lengths!r}: expected a bool")
         if self.mask_transform is not None and not callable(self.mask_transform):
             raise ValueError(f"AttentionRouting.mask_transform={self.mask_transform!r}: expected a function")
 
@@ -390,7 +410,7 @@ def _validate_attention(
     for path, module in attention:
         processor = module.processor
         defined_in = type(processor).__module__
-        if defined_in not in routing.sdpa_modules:
+        if defined_in not in routing.sdpa_modules and defined_in not in routing.dispatch_modules:
             if not hasattr(processor, "_parallel_config"):
                 raise ValueError(
                     f"context-parallel plan: processor {type(processor).__name__} of {path!r} does not pass a "
@@ -408,7 +428,7 @@ def _validate_attention(
                 f"context-parallel plan: {path!r} has {heads} heads, which do not divide the Ulysses degree {degree}"
             )
     for name, attr in [
-        *((n, "dispatch_attention_fn") for n in routing.modules),
+        *((n, "dispatch_attention_fn") for n in (*routing.modules, *routing.dispatch_modules)),
         *((n, "F") for n in routing.sdpa_modules),
     ]:
         try:

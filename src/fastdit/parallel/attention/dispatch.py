@@ -228,6 +228,7 @@ class ContextParallelAttention:
         fp8: Ulysses exchanges in float8.
         chunks: Head chunks pipelined through Ulysses (see :func:`ulysses_attention`).
         mask_transform: Applied to every mask first (see :class:`~fastdit.parallel.plan.AttentionRouting`).
+        exchange_lengths: Shard lengths depend on the data: exchange them at every call.
         forward: What the split hooks recorded for the current forward.
     """
 
@@ -241,6 +242,7 @@ class ContextParallelAttention:
     fp8: bool = False
     chunks: int = 1
     mask_transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+    exchange_lengths: bool = False
     forward: ForwardLayout = field(default_factory=ForwardLayout)
 
     # Compiled blocks break their graph here once: dynamo must not trace into the exchanges (async collectives and
@@ -291,6 +293,9 @@ class ContextParallelAttention:
     def _lengths(self, query: torch.Tensor, key: torch.Tensor) -> tuple[list[int], list[int]]:
         """Every rank's query and key shard lengths, in cp-group order."""
         degree = self.ulysses_degree * self.ring_degree
+        if self.exchange_lengths:  # data-dependent lengths: nothing can be derived or remembered
+            exchanged = gather_lengths([query.shape[1], key.shape[1]], self.cp_group, query.device)
+            return [e[0] for e in exchanged], [e[1] for e in exchanged]
         if self.forward.even:
             return [query.shape[1]] * degree, [key.shape[1]] * degree
         # Some split was uneven (a decision on global sizes: all ranks come here): exchange, or recall under graphs.
@@ -328,8 +333,8 @@ class ContextParallelAttention:
 # --- routing: rebinding the entry point in processor modules ---
 
 _LOCK = threading.Lock()
-# (module name, global name) -> (original object, reference count)
-_ROUTED: dict[tuple[str, str], tuple[Any, int]] = {}
+# (module name, global name) -> (original object, reference count, wrapper factory)
+_ROUTED: dict[tuple[str, str], tuple[Any, int, Callable[[Any], Any]]] = {}
 
 
 def _router(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -347,23 +352,56 @@ def _router(original: Callable[..., Any]) -> Callable[..., Any]:
 def _rebind(names: list[str], modules: list[Any], attr: str, wrap: Callable[[Any], Any]) -> Callable[[], None]:
     """Set global ``attr`` of each module to ``wrap(original)`` (reference-counted); return the undo."""
     with _LOCK:
+        for name in names:
+            kind = _ROUTED.get((name, attr), (None, 0, wrap))[2]
+            if kind is not wrap:  # before changing anything
+                raise ValueError(
+                    f"module {name!r}: {attr} is already routed by {kind.__name__} for another transformer; one "
+                    f"module cannot also be routed by {wrap.__name__}"
+                )
         for name, module in zip(names, modules, strict=True):
-            original, count = _ROUTED.get((name, attr), (getattr(module, attr), 0))
+            original, count, _ = _ROUTED.get((name, attr), (getattr(module, attr), 0, wrap))
             if count == 0:
                 setattr(module, attr, wrap(original))
-            _ROUTED[name, attr] = (original, count + 1)
+            _ROUTED[name, attr] = (original, count + 1, wrap)
 
     def undo() -> None:
         with _LOCK:
             for name, module in zip(names, modules, strict=True):
-                original, count = _ROUTED[name, attr]
+                original, count, _ = _ROUTED[name, attr]
                 if count == 1:
                     setattr(module, attr, original)
                     del _ROUTED[name, attr]
                 else:
-                    _ROUTED[name, attr] = (original, count - 1)
+                    _ROUTED[name, attr] = (original, count - 1, wrap)
 
     return undo
+
+
+def _marked_router(original: Callable[..., Any]) -> Callable[..., Any]:
+    def dispatch_attention_fn(*args: Any, parallel_config: Any = None, **kwargs: Any) -> Any:
+        marker = _ACTIVE.get()
+        if marker is not None and parallel_config is None:
+            kwargs.pop("backend", None)
+            return marker(*args, **kwargs)
+        return original(*args, parallel_config=parallel_config, **kwargs)
+
+    dispatch_attention_fn.__wrapped__ = original  # type: ignore[attr-defined]
+    dispatch_attention_fn._fastdit_router = True  # type: ignore[attr-defined]
+    return dispatch_attention_fn
+
+
+def route_marked_dispatch(module_names: Iterable[str]) -> Callable[[], None]:
+    """Rebind ``dispatch_attention_fn`` in each named module to a router keyed on the running attention module.
+
+    For processors that pass no ``parallel_config``: a call goes to the context-parallel attention of the marked
+    attention module running in this thread (see :func:`mark_attention_modules`), any other call to diffusers
+    unchanged. Reference-counted like :func:`route_modules`; returns the undo.
+
+    Raises:
+        ValueError: a module has no ``dispatch_attention_fn`` global.
+    """
+    return _route_entry_point(module_names, _marked_router)
 
 
 def route_modules(module_names: Iterable[str]) -> Callable[[], None]:
@@ -372,12 +410,16 @@ def route_modules(module_names: Iterable[str]) -> Callable[[], None]:
     Raises:
         ValueError: a module has no ``dispatch_attention_fn`` global.
     """
+    return _route_entry_point(module_names, _router)
+
+
+def _route_entry_point(module_names: Iterable[str], wrap: Callable[[Any], Any]) -> Callable[[], None]:
     names = list(dict.fromkeys(module_names))
     modules = [importlib.import_module(name) for name in names]
     for name, module in zip(names, modules, strict=True):
         if not callable(getattr(module, ENTRY_POINT, None)):
             raise ValueError(f"module {name!r} has no {ENTRY_POINT}: its attention cannot be routed")
-    return _rebind(names, modules, ENTRY_POINT, _router)
+    return _rebind(names, modules, ENTRY_POINT, wrap)
 
 
 # --- routing of processors that call F.scaled_dot_product_attention themselves ---
