@@ -10,6 +10,7 @@ from __future__ import annotations
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
+from fastdit.parallel.plan_shapes import streams
 from fastdit.testing.components.encoders import build, t5_encoder
 from fastdit.testing.components.images import random_image
 
@@ -151,10 +152,7 @@ _CALL = {
 CP_PLAN = ContextParallelPlan(
     inputs={
         "": {"image_rotary_emb": SplitInput(dim=0, expected_dims=2)},
-        "transformer_blocks.0": {
-            "hidden_states": SplitInput(dim=1, expected_dims=3),
-            "encoder_hidden_states": SplitInput(dim=1, expected_dims=3),
-        },
+        "transformer_blocks.0": streams(),
     },
     gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
     attention=AttentionRouting(sdpa_modules=("diffusers.models.attention_processor",)),

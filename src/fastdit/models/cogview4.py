@@ -11,6 +11,7 @@ from __future__ import annotations
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
+from fastdit.parallel.plan_shapes import streams
 from fastdit.testing.components.autoencoder_kl import autoencoder_kl
 from fastdit.testing.components.encoders import build
 from fastdit.testing.components.glm import glm_model
@@ -84,10 +85,7 @@ _CALL = {
 CP_PLAN = ContextParallelPlan(
     inputs={
         "": {"image_rotary_emb": SplitInput(dim=0, expected_dims=2)},
-        "transformer_blocks.0": {
-            "hidden_states": SplitInput(dim=1, expected_dims=3),
-            "encoder_hidden_states": SplitInput(dim=1, expected_dims=3),
-        },
+        "transformer_blocks.0": streams(),
     },
     outputs={"rope": (SplitOutput(dim=0, expected_dims=2, index=0), SplitOutput(dim=0, expected_dims=2, index=1))},
     gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
-from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitOutput
+from fastdit.parallel.plan_shapes import streams
 from fastdit.testing.components.encoders import build
 from fastdit.testing.components.qwen2_vl import qwen2_vl_model
 
@@ -80,10 +81,7 @@ def tiny_easyanimate(seed: int = 0):
 # is exact. EasyAnimateAttnProcessor2_0 calls F.scaled_dot_product_attention itself: its module's F is routed.
 CP_PLAN = ContextParallelPlan(
     inputs={
-        "transformer_blocks.0": {
-            "hidden_states": SplitInput(dim=1, expected_dims=3),
-            "encoder_hidden_states": SplitInput(dim=1, expected_dims=3),
-        },
+        "transformer_blocks.0": streams(),
     },
     outputs={
         "rope_embedding": (SplitOutput(dim=0, expected_dims=2, index=0), SplitOutput(dim=0, expected_dims=2, index=1))

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
-from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitOutput
+from fastdit.parallel.plan_shapes import streams
 from fastdit.testing.components.byt5 import byt5_encoder
 from fastdit.testing.components.encoders import build, qwen2_5_vl_model
 
@@ -112,10 +113,7 @@ _CALL = {
 # unpatchify); the text stream is dropped after the blocks.
 CP_PLAN = ContextParallelPlan(
     inputs={
-        "transformer_blocks.0": {
-            "hidden_states": SplitInput(dim=1, expected_dims=3),
-            "encoder_hidden_states": SplitInput(dim=1, expected_dims=3),
-        },
+        "transformer_blocks.0": streams(),
     },
     outputs={"rope": (SplitOutput(dim=0, expected_dims=2, index=0), SplitOutput(dim=0, expected_dims=2, index=1))},
     gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},

@@ -16,6 +16,7 @@ from __future__ import annotations
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, LeadingCount, SplitInput
+from fastdit.parallel.plan_shapes import streams
 from fastdit.testing.components.autoencoder_kl_hunyuan_video import autoencoder_kl_hunyuan_video
 from fastdit.testing.components.encoders import build, clip_text_model
 from fastdit.testing.components.images import random_image
@@ -201,10 +202,7 @@ _I2V_CALL = {**_CALL, "image": random_image(), "num_frames": 9, "prompt_template
 _FIRST_FRAME_TOKENS = LeadingCount(of="hidden_states", position=6)
 CP_PLAN = ContextParallelPlan(
     inputs={
-        "transformer_blocks.0": {
-            "hidden_states": SplitInput(dim=1, expected_dims=3),
-            "encoder_hidden_states": SplitInput(dim=1, expected_dims=3),
-        },
+        "transformer_blocks.0": streams(),
         "transformer_blocks.*": {
             "freqs_cis": SplitInput(dim=0, expected_dims=2),
             "num_tokens": _FIRST_FRAME_TOKENS,

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
+from fastdit.parallel.plan_shapes import streams
 from fastdit.testing.components.byt5 import byt5_encoder
 from fastdit.testing.components.encoders import build, qwen2_5_vl_model
 from fastdit.testing.components.images import random_image
@@ -173,10 +174,7 @@ def key_padding_from_square(mask: torch.Tensor) -> torch.Tensor:
 # proj_out, before the unpatchify reshape.
 CP_PLAN = ContextParallelPlan(
     inputs={
-        "transformer_blocks.0": {
-            "hidden_states": SplitInput(dim=1, expected_dims=3),
-            "encoder_hidden_states": SplitInput(dim=1, expected_dims=3),
-        },
+        "transformer_blocks.0": streams(),
         "transformer_blocks.*": {"attention_mask": SplitInput(dim=1, expected_dims=2)},
     },
     outputs={"rope": (SplitOutput(dim=0, expected_dims=2, index=0), SplitOutput(dim=0, expected_dims=2, index=1))},

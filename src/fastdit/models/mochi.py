@@ -11,6 +11,7 @@ from __future__ import annotations
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
+from fastdit.parallel.plan_shapes import streams
 from fastdit.testing.components.encoders import build, t5_encoder
 
 TRANSFORMER = "diffusers.models.transformers.transformer_mochi.MochiTransformer3DModel"
@@ -78,10 +79,7 @@ def tiny_mochi(seed: int = 0):
 # each sample's valid text tokens, so the ranks' lengths inside attention depend on the mask: exchanged per call.
 CP_PLAN = ContextParallelPlan(
     inputs={
-        "transformer_blocks.0": {
-            "hidden_states": SplitInput(dim=1, expected_dims=3),
-            "encoder_hidden_states": SplitInput(dim=1, expected_dims=3),
-        },
+        "transformer_blocks.0": streams(),
         "transformer_blocks.*": {"encoder_attention_mask": SplitInput(dim=1, expected_dims=2)},
     },
     outputs={"rope": (SplitOutput(dim=0, expected_dims=3, index=0), SplitOutput(dim=0, expected_dims=3, index=1))},

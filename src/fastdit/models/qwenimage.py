@@ -12,6 +12,7 @@ from __future__ import annotations
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
+from fastdit.parallel.plan_shapes import streams
 from fastdit.testing.components.autoencoder_kl_qwenimage import autoencoder_kl_qwenimage
 from fastdit.testing.components.encoders import build, qwen2_5_vl_model
 from fastdit.testing.components.images import random_image
@@ -83,10 +84,7 @@ def tiny_qwen_image_edit(seed: int = 0):
 # checkpoints) is per image token.
 CP_PLAN = ContextParallelPlan(
     inputs={
-        "transformer_blocks.0": {
-            "hidden_states": SplitInput(dim=1, expected_dims=3),
-            "encoder_hidden_states": SplitInput(dim=1, expected_dims=3),
-        },
+        "transformer_blocks.0": streams(),
         "transformer_blocks.*": {
             "encoder_hidden_states_mask": SplitInput(dim=1, expected_dims=2),
             "modulate_index": SplitInput(dim=1, expected_dims=2),

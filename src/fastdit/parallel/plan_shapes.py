@@ -24,7 +24,15 @@ from collections.abc import Mapping
 
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 
-__all__ = ["joint_first_block_plan", "mmdit_root_plan", "wan_blocks_plan"]
+__all__ = ["TOKENS", "joint_first_block_plan", "mmdit_root_plan", "streams", "wan_blocks_plan"]
+
+# A (B, S, D) token sequence split on its token dim; other tensors passed under the same name go whole.
+TOKENS = SplitInput(dim=1, expected_dims=3)
+
+
+def streams(*names: str) -> dict[str, SplitInput]:
+    """``{name: TOKENS}`` for each name: the token streams a module takes (default: image and text)."""
+    return dict.fromkeys(names or ("hidden_states", "encoder_hidden_states"), TOKENS)
 
 
 def mmdit_root_plan(

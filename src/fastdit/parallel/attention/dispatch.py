@@ -337,16 +337,31 @@ _LOCK = threading.Lock()
 _ROUTED: dict[tuple[str, str], tuple[Any, int, Callable[[Any], Any]]] = {}
 
 
-def _router(original: Callable[..., Any]) -> Callable[..., Any]:
+def _routing(
+    original: Callable[..., Any], choose: Callable[[Any], ContextParallelAttention | None]
+) -> Callable[..., Any]:
+    """A ``dispatch_attention_fn`` sending a call to ``choose(parallel_config)`` when that is not ``None``."""
+
     def dispatch_attention_fn(*args: Any, parallel_config: Any = None, **kwargs: Any) -> Any:
-        if isinstance(parallel_config, ContextParallelAttention):
+        marker = choose(parallel_config)
+        if marker is not None:
             kwargs.pop("backend", None)
-            return parallel_config(*args, **kwargs)
+            return marker(*args, **kwargs)
         return original(*args, parallel_config=parallel_config, **kwargs)
 
     dispatch_attention_fn.__wrapped__ = original  # type: ignore[attr-defined]
     dispatch_attention_fn._fastdit_router = True  # type: ignore[attr-defined]
     return dispatch_attention_fn
+
+
+def _router(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Routes the calls whose processor passed its marker as ``parallel_config``."""
+    return _routing(original, lambda config: config if isinstance(config, ContextParallelAttention) else None)
+
+
+def _marked_router(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Routes the calls without a ``parallel_config`` made while a marked attention module runs."""
+    return _routing(original, lambda config: _ACTIVE.get() if config is None else None)
 
 
 def _rebind(names: list[str], modules: list[Any], attr: str, wrap: Callable[[Any], Any]) -> Callable[[], None]:
@@ -376,19 +391,6 @@ def _rebind(names: list[str], modules: list[Any], attr: str, wrap: Callable[[Any
                     _ROUTED[name, attr] = (original, count - 1, wrap)
 
     return undo
-
-
-def _marked_router(original: Callable[..., Any]) -> Callable[..., Any]:
-    def dispatch_attention_fn(*args: Any, parallel_config: Any = None, **kwargs: Any) -> Any:
-        marker = _ACTIVE.get()
-        if marker is not None and parallel_config is None:
-            kwargs.pop("backend", None)
-            return marker(*args, **kwargs)
-        return original(*args, parallel_config=parallel_config, **kwargs)
-
-    dispatch_attention_fn.__wrapped__ = original  # type: ignore[attr-defined]
-    dispatch_attention_fn._fastdit_router = True  # type: ignore[attr-defined]
-    return dispatch_attention_fn
 
 
 def route_marked_dispatch(module_names: Iterable[str]) -> Callable[[], None]:
