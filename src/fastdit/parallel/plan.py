@@ -415,7 +415,8 @@ def _validate_attention(
                 raise ValueError(
                     f"context-parallel plan: processor {type(processor).__name__} of {path!r} does not pass a "
                     "parallel_config to dispatch_attention_fn and its module "
-                    f"{defined_in!r} is not in AttentionRouting.sdpa_modules, so its attention cannot be routed"
+                    f"{defined_in!r} is in neither AttentionRouting.sdpa_modules nor dispatch_modules, so its "
+                    "attention cannot be routed"
                 )
             if defined_in not in routing.modules:
                 raise ValueError(
