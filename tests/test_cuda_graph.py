@@ -17,6 +17,7 @@ import torch
 
 import fastdit
 from fastdit.cuda_graph import apply_cuda_graph, graph_stats
+from fastdit.models.registry import get_family
 from fastdit.testing.graphs import RecordingGraph
 from fastdit.testing.pipelines import build_tiny, run_tiny
 
@@ -123,14 +124,40 @@ def test_tiny_flux_pipeline_is_bit_identical_and_undo_restores() -> None:
     np.testing.assert_array_equal(run_tiny(pipe, tiny, seed=1), run_tiny(build_tiny("flux")[0], tiny, seed=1))
 
 
-def test_accelerate_refuses_cpu_model_and_cache_combination() -> None:
+def test_accelerate_refuses_cpu_model_and_whole_call_graphs_with_a_cache() -> None:
     pipe, _ = build_tiny("flux")
     with pytest.raises(ValueError, match=r"Compile\.cuda_graph=True: the transformer must be on a CUDA device"):
         fastdit.accelerate(pipe, compile=fastdit.Compile(cuda_graph=True, backend="eager"))
     assert getattr(pipe, "_fastdit_state", None) is None
     assert graph_stats(pipe.transformer) is None
-    with pytest.raises(ValueError, match=r"cuda_graph=True.*cache"):
-        fastdit.accelerate(pipe, cache=fastdit.FBCache(), compile=fastdit.Compile(cuda_graph=True))
+    whole_call = fastdit.Compile(cuda_graph=True, graph_scope="call")
+    with pytest.raises(ValueError, match=r"graph_scope='call'.*cache"):
+        fastdit.accelerate(pipe, cache=fastdit.FBCache(), compile=whole_call)
+
+
+def test_block_graphs_run_inside_the_cache_hooks() -> None:
+    """Cache + per-block graphs: same output as the cache alone, graphs replayed only for the blocks computed."""
+    pipe, tiny = build_tiny("flux")
+    steps = 6
+    mask = fastdit.StepMask(compute_steps=(0, 1, 3), policy="static")
+    cache = fastdit.DBCache(fn=1, bn=1, warmup_steps=0, step_mask=mask)
+    fastdit.accelerate(pipe, cache=cache)
+    expected = run_tiny(pipe, tiny, num_inference_steps=steps)
+    expected_computed = fastdit.summary(pipe).transformers["transformer"]["cache"]["blocks_computed"]
+    config = fastdit.Compile(cuda_graph=True, graph_warmup=1)
+    undo = apply_cuda_graph(pipe.transformer, config, adapter=get_family("flux"), cached=True, new_graph=RecordingGraph)
+    try:
+        graphed = run_tiny(pipe, tiny, num_inference_steps=steps)
+        stats = graph_stats(pipe.transformer)
+        computed = fastdit.summary(pipe).transformers["transformer"]["cache"]["blocks_computed"]
+    finally:
+        undo()
+        fastdit.disable(pipe)
+    np.testing.assert_array_equal(graphed, expected)
+    assert computed == expected_computed < steps * 3  # tiny flux: 3 blocks; cached steps skip the middle one
+    # Every computed block call went through its graph: the first one of each block warms up, the rest replay.
+    assert stats["eager_calls"] == 3 and stats["replays"] == computed - 3
+    assert stats["graphs"] == 3
 
 
 def test_data_dependent_attention_lengths_refuse_graphs_before_anything() -> None:
@@ -147,6 +174,7 @@ def test_data_dependent_attention_lengths_refuse_graphs_before_anything() -> Non
         ({"graph_warmup": 0}, "graph_warmup"),
         ({"max_graphs": 0}, "max_graphs"),
         ({"cuda_graph": 1}, "cuda_graph"),
+        ({"graph_scope": "steps"}, "graph_scope"),
     ],
 )
 def test_config_names_bad_field(kwargs: dict[str, Any], field: str) -> None:
@@ -163,3 +191,19 @@ def test_cuda_graph_pipeline_matches_eager_on_gpu() -> None:
     graphed = run_tiny(pipe, tiny)
     assert fastdit.summary(pipe).transformers["transformer"]["cuda_graph"]["replays"] > 0
     np.testing.assert_allclose(graphed, baseline, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_block_graphs_with_a_cache_match_the_cache_alone_on_gpu() -> None:
+    pipe, tiny = build_tiny("flux")
+    pipe.to("cuda")
+    mask = fastdit.StepMask(compute_steps=(0, 1, 3), policy="static")
+    cache = fastdit.DBCache(fn=1, bn=1, warmup_steps=0, step_mask=mask)
+    fastdit.accelerate(pipe, cache=cache)
+    expected = run_tiny(pipe, tiny, num_inference_steps=6)
+    fastdit.disable(pipe)
+    fastdit.accelerate(pipe, cache=cache, compile=fastdit.Compile(cuda_graph=True, backend="eager", graph_warmup=1))
+    graphed = run_tiny(pipe, tiny, num_inference_steps=6)
+    info = fastdit.summary(pipe).transformers["transformer"]
+    assert info["cuda_graph"]["replays"] == info["cache"]["blocks_computed"] - 3
+    np.testing.assert_allclose(graphed, expected, atol=1e-5)

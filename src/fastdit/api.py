@@ -95,10 +95,10 @@ def _validate(cache: Any, parallel: Any, compile: Any, attention: Any) -> None:
             raise NotImplementedError(
                 f"parallel={parallel}: {', '.join(missing)} parallelism is not available in this version of fastdit"
             )
-    if isinstance(compile, Compile) and compile.cuda_graph and cache is not None:
+    if isinstance(compile, Compile) and compile.cuda_graph and compile.graph_scope == "call" and cache is not None:
         raise ValueError(
-            f"compile=Compile(cuda_graph=True) with cache={cache!r}: a step cache decides on the host between "
-            "blocks, which a CUDA graph of the whole call cannot do; use one or the other"
+            f"compile=Compile(cuda_graph=True, graph_scope='call') with cache={cache!r}: a step cache decides on the "
+            "host between blocks, which a CUDA graph of the whole call cannot do; use graph_scope='blocks' or 'auto'"
         )
     if attention is not None and attention != Attention() and not _context_parallel(parallel):
         raise NotImplementedError(
@@ -192,8 +192,8 @@ def accelerate(
             if compile_config is not None and compile_config.cuda_graph:
                 from fastdit.cuda_graph import apply_cuda_graph
 
-                # Last: the graph hook is outermost and records the whole call, context-parallel hooks included.
-                applied.undo.append(apply_cuda_graph(module, compile_config))
+                # Last: a whole-call graph records every hook; block graphs sit inside the cache's block hooks.
+                applied.undo.append(apply_cuda_graph(module, compile_config, adapter=found, cached=cache is not None))
     except BaseException:
         for undo in reversed(applied.undo):
             undo()

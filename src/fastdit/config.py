@@ -261,9 +261,14 @@ class Compile:
     fullgraph: bool = _doc("Fail on graph breaks inside a block.", False)
     dynamic: bool | None = _doc("Dynamic shapes (None: torch decides).", None)
     cuda_graph: bool = _doc(
-        "Capture each transformer call in a CUDA graph per input signature and replay it, collectives included "
-        "(removes CPU launch overhead; CUDA only; not with a cache, whose decisions read host values).",
+        "Capture calls in CUDA graphs per input signature and replay them, collectives included (removes CPU launch "
+        "overhead; CUDA only).",
         False,
+    )
+    graph_scope: str = _doc(
+        "'call': one graph per transformer call; 'blocks': one per block call, inside the cache's block hooks so "
+        "cache decisions stay on the host; 'auto': 'blocks' with a cache, else 'call'.",
+        "auto",
     )
     graph_warmup: int = _doc("Calls per input signature run normally before the CUDA graph is captured.", 2)
     max_graphs: int = _doc("Input signatures captured per transformer; later new signatures run without a graph.", 8)
@@ -271,6 +276,8 @@ class Compile:
     def __post_init__(self) -> None:
         _check(isinstance(self.backend, str) and bool(self.backend), "Compile", "backend", self.backend, "non-empty")
         _check(isinstance(self.cuda_graph, bool), "Compile", "cuda_graph", self.cuda_graph, "a bool")
+        _check(self.graph_scope in ("auto", "call", "blocks"), "Compile", "graph_scope", self.graph_scope,
+               "one of 'auto', 'call', 'blocks'")  # fmt: skip
         _check_int("Compile", "graph_warmup", self.graph_warmup, 1)
         _check_int("Compile", "max_graphs", self.max_graphs, 1)
         _check(

@@ -20,6 +20,7 @@ exchanges shard lengths in the first call of a signature (a warm-up) and recalls
 from __future__ import annotations
 
 import contextvars
+import functools
 import logging
 from collections.abc import Callable, Hashable
 from typing import Any, Protocol
@@ -28,9 +29,20 @@ import torch
 from diffusers.hooks import HookRegistry, ModelHook
 from torch.utils import _pytree as pytree
 
+from fastdit.cache.hooks import BLOCK_HOOK
 from fastdit.config import Compile
+from fastdit.models.base import ModelAdapter
+from fastdit.models.validate import block_lists
 
-__all__ = ["GRAPH_HOOK", "CapturedGraph", "apply_cuda_graph", "current_call_signature", "graph_stats"]
+__all__ = [
+    "GRAPH_HOOK",
+    "GRAPH_SCOPES",
+    "CapturedGraph",
+    "GraphedCalls",
+    "apply_cuda_graph",
+    "current_call_signature",
+    "graph_stats",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -76,11 +88,12 @@ class _CudaGraph:
 
 
 def _signature(leaves: list[Any], spec: pytree.TreeSpec) -> tuple:
-    """What must match for a call to replay a graph: the argument structure, tensor metadata, other values."""
+    """What must match for a call to replay a graph: argument structure, tensor shapes/dtypes/devices, other values."""
     parts: list[Hashable] = [str(spec)]
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
-            parts.append(("tensor", tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, leaf.device))
+            # No strides: a call's tensors are copied into the graph's own inputs, whatever their layout.
+            parts.append(("tensor", tuple(leaf.shape), leaf.dtype, leaf.device))
             continue
         try:
             hash(leaf)
@@ -103,7 +116,9 @@ class _Entry:
         self.out_spec = out_spec
 
     @classmethod
-    def capture(cls, fn: Callable[..., Any], leaves: list[Any], spec: pytree.TreeSpec, graph: CapturedGraph) -> _Entry:
+    def capture(
+        cls, fn: Callable[..., Any], leaves: list[Any], spec: pytree.TreeSpec, graph: CapturedGraph, what: str
+    ) -> _Entry:
         # Tensors the graph reads are private copies: the caller's tensors may be freed or reused between calls.
         static = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         args, kwargs = pytree.tree_unflatten(static, spec)
@@ -111,7 +126,7 @@ class _Entry:
             output = graph.capture(lambda: fn(*args, **kwargs))
         except RuntimeError as error:
             raise RuntimeError(
-                "Compile.cuda_graph: capturing the transformer call failed — something in it reads tensor values on "
+                f"Compile.cuda_graph: capturing a call of the {what} failed — something in it reads tensor values on "
                 f"the host or synchronises; run without cuda_graph. Cause: {error}"
             ) from error
         out_leaves, out_spec = pytree.tree_flatten(output)
@@ -127,42 +142,48 @@ class _Entry:
         return pytree.tree_unflatten(fresh, self.out_spec)
 
 
-class CudaGraphHook(ModelHook):
-    """Serves transformer calls from CUDA graphs, one per input signature (see the module docstring)."""
+class GraphedCalls:
+    """Serves calls of one function from CUDA graphs, one per input signature (see the module docstring).
 
-    def __init__(self, config: Compile, new_graph: Callable[[], CapturedGraph]) -> None:
-        super().__init__()
+    Args:
+        config: ``Compile`` with ``cuda_graph=True`` (warm-up count and graph limit).
+        new_graph: Makes an empty graph.
+        what: Names the function in messages (``"transformer"``, ``"block transformer_blocks.3"``).
+    """
+
+    def __init__(self, config: Compile, new_graph: Callable[[], CapturedGraph], what: str) -> None:
         self.warmup = config.graph_warmup
         self.max_graphs = config.max_graphs
         self.new_graph = new_graph
+        self.what = what
         self.entries: dict[tuple, _Entry] = {}
         self.calls_seen: dict[tuple, int] = {}
         self.replays = 0
         self.eager_calls = 0
         self._warned_full = False
 
-    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        forward = self.fn_ref.original_forward
+    def __call__(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``, run normally, captured, or replayed."""
         if torch.is_grad_enabled():  # a graph records no autograd history: training-style calls run normally
             self.eager_calls += 1
-            return forward(*args, **kwargs)
+            return fn(*args, **kwargs)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         key = _signature(leaves, spec)
         token = _CALL_SIGNATURE.set(key)
         try:
             entry = self.entries.get(key)
             if entry is None:
-                entry = self._capture_when_due(key, forward, leaves, spec)
+                entry = self._capture_when_due(key, fn, leaves, spec)
                 if entry is None:
                     self.eager_calls += 1
-                    return forward(*args, **kwargs)
+                    return fn(*args, **kwargs)
             self.replays += 1
             return entry.replay(leaves)
         finally:
             _CALL_SIGNATURE.reset(token)
 
     def _capture_when_due(
-        self, key: tuple, forward: Callable[..., Any], leaves: list[Any], spec: pytree.TreeSpec
+        self, key: tuple, fn: Callable[..., Any], leaves: list[Any], spec: pytree.TreeSpec
     ) -> _Entry | None:
         seen = self.calls_seen.get(key, 0)
         if seen < self.warmup:
@@ -173,55 +194,126 @@ class CudaGraphHook(ModelHook):
         if len(self.entries) >= self.max_graphs:
             if not self._warned_full:
                 logger.warning(
-                    "Compile.cuda_graph: %d input signatures are captured (max_graphs); new ones run without a graph",
+                    "Compile.cuda_graph: %d input signatures of the %s are captured (max_graphs); new ones run "
+                    "without a graph",
                     self.max_graphs,
+                    self.what,
                 )
                 self._warned_full = True
             return None
-        entry = _Entry.capture(forward, leaves, spec, self.new_graph())
+        entry = _Entry.capture(fn, leaves, spec, self.new_graph(), self.what)
         self.entries[key] = entry
         self.calls_seen.pop(key, None)
         return entry
 
 
-def apply_cuda_graph(
-    transformer: torch.nn.Module, config: Compile, *, new_graph: Callable[[], CapturedGraph] | None = None
-) -> Callable[[], None]:
-    """Serve ``transformer``'s calls from CUDA graphs; return a function that removes them (and frees their memory).
+class CudaGraphHook(ModelHook):
+    """Serves a module's calls (its whole forward, hooks inside it included) from :class:`GraphedCalls`."""
 
-    Installed after every other technique, so the hook is outermost and a graph records the whole call.
+    def __init__(self, graphs: GraphedCalls) -> None:
+        super().__init__()
+        self.graphs = graphs
+
+    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return self.graphs(self.fn_ref.original_forward, *args, **kwargs)
+
+
+GRAPH_SCOPES = ("auto", "call", "blocks")
+
+
+def apply_cuda_graph(
+    transformer: torch.nn.Module,
+    config: Compile,
+    *,
+    adapter: ModelAdapter | None = None,
+    cached: bool = False,
+    new_graph: Callable[[], CapturedGraph] | None = None,
+) -> Callable[[], None]:
+    """Serve ``transformer``'s calls, or each of its blocks' calls, from CUDA graphs; return the undo.
+
+    Installed after every other technique. Scope ``"call"``: one hook outermost on the transformer records the whole
+    call. Scope ``"blocks"``: each block's own computation is graphed *inside* the cache's block hook (so cache
+    decisions stay on the host between blocks), or, for blocks without one, by a hook on the block. ``"auto"`` picks
+    ``"blocks"`` when a cache is installed (``cached``), else ``"call"``.
 
     Args:
         transformer: A transformer whose parameters live on a CUDA device.
+        adapter: Its adapter (the block lists; needed for scope ``"blocks"``).
         config: ``Compile`` with ``cuda_graph=True``.
+        cached: Whether a step cache is installed on ``transformer``.
         new_graph: Graph factory (tests substitute a recorder that replays on CPU).
 
     Raises:
-        ValueError: the parameters are not on a CUDA device.
+        ValueError: the parameters are not on a CUDA device, scope ``"call"`` with a cache, or scope ``"blocks"``
+            without an adapter.
     """
-    if new_graph is None:
-        param = next(transformer.parameters(), None)
-        device = None if param is None else param.device
-        if device is None or device.type != "cuda":
-            raise ValueError(f"Compile.cuda_graph=True: the transformer must be on a CUDA device, found {device}")
-        pool = torch.cuda.graph_pool_handle()
+    scope = config.graph_scope if config.graph_scope != "auto" else ("blocks" if cached else "call")
+    if scope == "call" and cached:
+        raise ValueError(
+            "Compile.graph_scope='call' with a cache: the cache decides on the host between blocks; use 'blocks'"
+        )
+    if scope == "blocks" and adapter is None:
+        raise ValueError("Compile.graph_scope='blocks': the transformer's adapter (its block lists) is needed")
+    new_graph = new_graph or _cuda_graph_factory(transformer)
+    if scope == "call":
+        graphs = [GraphedCalls(config, new_graph, "transformer")]
+        undo = [_hook(transformer, CudaGraphHook(graphs[0]))]
+    else:
+        graphs, undo = _graph_blocks(transformer, adapter, config, new_graph)
+    transformer._fastdit_graphs = graphs
 
-        def new_graph() -> CapturedGraph:
-            return _CudaGraph(pool)
+    def remove() -> None:
+        for fn in reversed(undo):
+            fn()
+        del transformer._fastdit_graphs
 
-    registry = HookRegistry.check_if_exists_or_initialize(transformer)
-    registry.register_hook(CudaGraphHook(config, new_graph), GRAPH_HOOK)
+    return remove
 
-    def undo() -> None:
-        registry.remove_hook(GRAPH_HOOK, recurse=False)
 
-    return undo
+def _cuda_graph_factory(transformer: torch.nn.Module) -> Callable[[], CapturedGraph]:
+    param = next(transformer.parameters(), None)
+    device = None if param is None else param.device
+    if device is None or device.type != "cuda":
+        raise ValueError(f"Compile.cuda_graph=True: the transformer must be on a CUDA device, found {device}")
+    pool = torch.cuda.graph_pool_handle()  # one pool: graphs of a transformer never replay at the same time
+    return lambda: _CudaGraph(pool)
+
+
+def _hook(module: torch.nn.Module, hook: ModelHook) -> Callable[[], None]:
+    registry = HookRegistry.check_if_exists_or_initialize(module)
+    registry.register_hook(hook, GRAPH_HOOK)
+    return lambda: registry.remove_hook(GRAPH_HOOK, recurse=False)
+
+
+def _graph_blocks(
+    transformer: torch.nn.Module, adapter: ModelAdapter, config: Compile, new_graph: Callable[[], CapturedGraph]
+) -> tuple[list[GraphedCalls], list[Callable[[], None]]]:
+    graphs: list[GraphedCalls] = []
+    undo: list[Callable[[], None]] = []
+    for group, blocks in block_lists(transformer, adapter):
+        for i, block in enumerate(blocks):
+            calls = GraphedCalls(config, new_graph, f"block {group.path}.{i}")
+            graphs.append(calls)
+            registry = getattr(block, "_diffusers_hook", None)
+            cache_hook = registry.get_hook(BLOCK_HOOK) if isinstance(registry, HookRegistry) else None
+            if cache_hook is None:
+                undo.append(_hook(block, CudaGraphHook(calls)))
+                continue
+            # Inside the cache hook: it decides, then its compute function (compiled or not) replays a graph.
+            previous = cache_hook.compute_fn
+            compute = previous or cache_hook.fn_ref.original_forward
+            cache_hook.compute_fn = functools.partial(calls, compute)
+            undo.append(lambda hook=cache_hook, previous=previous: setattr(hook, "compute_fn", previous))
+    return graphs, undo
 
 
 def graph_stats(transformer: torch.nn.Module) -> dict[str, int] | None:
-    """Graphs captured, replays and calls run without a graph, or ``None`` when no graph hook is installed."""
-    registry = getattr(transformer, "_diffusers_hook", None)
-    hook = registry.get_hook(GRAPH_HOOK) if isinstance(registry, HookRegistry) else None
-    if hook is None:
+    """Graphs captured, replays and calls run without a graph (summed over blocks), or ``None`` without graphs."""
+    graphs: list[GraphedCalls] | None = getattr(transformer, "_fastdit_graphs", None)
+    if graphs is None:
         return None
-    return {"graphs": len(hook.entries), "replays": hook.replays, "eager_calls": hook.eager_calls}
+    return {
+        "graphs": sum(len(g.entries) for g in graphs),
+        "replays": sum(g.replays for g in graphs),
+        "eager_calls": sum(g.eager_calls for g in graphs),
+    }

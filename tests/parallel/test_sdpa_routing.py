@@ -160,7 +160,9 @@ def _plan(routing: AttentionRouting) -> ContextParallelPlan:
 
 def test_validate_plan_accepts_sdpa_modules_only() -> None:
     validate_plan(_Model(), _plan(AttentionRouting(sdpa_modules=(MODULE,))), 2)
-    with pytest.raises(ValueError, match=r"AttnProcessor2_0.*does not pass a parallel_config.*sdpa_modules nor dispatch_modules"):
+    with pytest.raises(
+        ValueError, match=r"AttnProcessor2_0.*does not pass a parallel_config.*sdpa_modules nor dispatch_modules"
+    ):
         validate_plan(_Model(), _plan(AttentionRouting(sdpa_modules=("diffusers.models.attention",))), 2)
     with pytest.raises(ValueError, match="has no F"):
         validate_plan(_Model(), _plan(AttentionRouting(sdpa_modules=(MODULE, "json"))), 2)

@@ -100,8 +100,8 @@ def _add_acceleration_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--cuda-graph",
         action="store_true",
-        help="replay each transformer call as a CUDA graph (CUDA only, not with --cache; with --compile the "
-        "compiled kernels are graphed)",
+        help="replay transformer calls as CUDA graphs (CUDA only; with --cache each block is graphed and the cache "
+        "decides between blocks; with --compile the compiled kernels are graphed)",
     )
     group.add_argument("--attention", metavar="BACKEND", help=f"attention backend: {', '.join(ATTENTION_BACKENDS)}")
 
