@@ -237,6 +237,9 @@ def _at_index(output: Any, index: int | None, fn: Callable[[Any], Any]) -> Any:
 
 def _split_arg(value: Any, spec: SplitInput, splitter: _Splitter, name: str, unit: int = 1) -> Any:
     """``value`` split per ``spec``; with ``spec.index``, only that element of a tuple/list argument."""
+    tensor = isinstance(value, torch.Tensor) and -value.ndim <= spec.dim < value.ndim
+    if spec.keep_singleton and tensor and value.shape[spec.dim] == 1:
+        return value  # broadcast over the tokens: every rank needs it whole
     if spec.index is None or not isinstance(value, (tuple, list)):
         return splitter.split(value, spec.dim, spec.expected_dims, name, unit)
     items = list(value)

@@ -75,12 +75,15 @@ class SplitInput:
         unit: Names of integer arguments of the same ``forward`` whose product is the split granularity: shards hold
             whole multiples of it (``("width",)``: whole rows of a flattened ``(height, width)`` grid, as a
             convolution over the grid needs). The size along ``dim`` must be a multiple of it. ``()``: single tokens.
+        keep_singleton: A tensor argument of size 1 along ``dim`` passes whole: it broadcasts over the tokens (a
+            per-sample modulation where another variant of the model passes one per token).
     """
 
     dim: int
     expected_dims: int | None = None
     index: int | None = None
     unit: tuple[str, ...] = ()
+    keep_singleton: bool = False
 
     def __post_init__(self) -> None:
         _check_dim("SplitInput", self.dim, self.expected_dims)
