@@ -10,9 +10,12 @@ from fastdit.parallel.plan import (
     AttentionRouting,
     ContextParallelPlan,
     GatherOutput,
+    Halo,
     LeadingCount,
+    LocalExtent,
     SplitInput,
     SplitOutput,
+    TokenSum,
     match_modules,
     validate_plan,
 )
@@ -324,3 +327,57 @@ def test_leading_count_by_name_or_position() -> None:
 def test_gather_output_index() -> None:
     assert GatherOutput(1, 3, index=0).index == 0
     assert GatherOutput(1).index is None
+
+
+# --- linear attention and row-mixing convolutions: SplitInput.unit, LocalExtent, Halo, TokenSum ---
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: SplitInput(1, unit="width"), "SplitInput.unit"),
+        (lambda: LocalExtent(of=""), "LocalExtent.of"),
+        (lambda: LocalExtent(of="hidden_states", position=True), "LocalExtent.position"),
+        (lambda: Halo(dim=2, size=0), "Halo.size"),
+        (lambda: Halo(dim="h"), "Halo.dim"),
+        (lambda: TokenSum("matmul"), "TokenSum.op"),
+        (lambda: TokenSum(torch.matmul, -1), "TokenSum.occurrence"),
+        (lambda: AttentionRouting(linear={"blocks.*.attn1": ()}), r"AttentionRouting.linear\['blocks.\*.attn1'\]"),
+        (lambda: _plan(halo={"blocks.0.conv": GatherOutput(1)}), r"halo\['blocks.0.conv'\]"),
+        (lambda: _plan(inputs={"": {"height": LocalExtent(of="img")}}), r"LocalExtent\.of='img' is not a split"),
+    ],
+)
+def test_invalid_token_mixing_items_raise(make, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_linear_only_routing_and_its_validation() -> None:
+    from fastdit.models import sana
+
+    transformer = sana.tiny_transformer(0)
+    plan = sana.CP_PLAN
+    validate_plan(transformer, plan, 2)
+
+    def replaced(**changes) -> ContextParallelPlan:
+        fields = {"inputs": plan.inputs, "gather": plan.gather, "halo": plan.halo, "attention": plan.attention}
+        return ContextParallelPlan(**{**fields, **changes})
+
+    sums = (TokenSum(torch.matmul),)
+    unit = {"transformer_blocks.0": {"hidden_states": SplitInput(1, 3, unit=("rows",))}}
+    with pytest.raises(ValueError, match="no argument 'rows'"):
+        validate_plan(transformer, replaced(inputs=unit), 2)
+    with pytest.raises(ValueError, match=r"linear path 'transformer_blocks\.\*\.norm1' covers no attention"):
+        validate_plan(transformer, replaced(attention=AttentionRouting(linear={"transformer_blocks.*.norm1": sums})), 2)
+    both = AttentionRouting(linear={"transformer_blocks.*": sums}, local=("transformer_blocks.*.attn2",))
+    with pytest.raises(ValueError, match="both local and linear"):
+        validate_plan(transformer, replaced(attention=both), 2)
+    with pytest.raises(ValueError, match=r"path 'transformer_blocks\.\*\.ff\.conv9' matches no module"):
+        validate_plan(transformer, replaced(halo={"transformer_blocks.*.ff.conv9": Halo(2)}), 2)
+    # Without the linear routing the linear processors are unroutable, as before.
+    with pytest.raises(ValueError, match="SanaLinearAttnProcessor2_0"):
+        validate_plan(
+            transformer,
+            replaced(attention=AttentionRouting(modules=(FLUX_MODULE,), local=("transformer_blocks.*.attn2",))),
+            2,
+        )

@@ -10,6 +10,15 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import (
+    AttentionRouting,
+    ContextParallelPlan,
+    GatherOutput,
+    Halo,
+    LocalExtent,
+    SplitInput,
+    TokenSum,
+)
 from fastdit.testing.components.encoders import build
 from fastdit.testing.components.gemma2 import gemma2_model
 
@@ -91,6 +100,36 @@ def tiny_sana_sprint(seed: int = 0):
     return SanaSprintPipeline(**_components(seed, sprint=True), scheduler=SCMScheduler())
 
 
+def _token_sums() -> tuple[TokenSum, ...]:
+    import torch
+
+    # SanaLinearAttnProcessor2_0 (diffusers 0.42.1): ``scores = torch.matmul(value, key)`` with the value padded by a
+    # row of ones sums v kᵀ and k over the tokens (the normaliser is its last row); the second matmul meets the
+    # local queries. Only the first is summed over the ranks.
+    return (TokenSum(torch.matmul, 0),)
+
+
+CP_PLAN = ContextParallelPlan(
+    inputs={
+        # Whole rows of the (height, width) token grid per rank, so the Mix-FFN's grid reshape sees its own rows.
+        "transformer_blocks.0": {"hidden_states": SplitInput(dim=1, expected_dims=3, unit=("width",))},
+        "transformer_blocks.*": {"height": LocalExtent(of="hidden_states")},
+    },
+    gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
+    # The 3x3 depthwise convolution of the Mix-FFN reads one row above and below: a one-row halo on (B, C, H, W).
+    halo={"transformer_blocks.*.ff.conv_depth": Halo(dim=2, size=1)},
+    attention=AttentionRouting(
+        linear={"transformer_blocks.*.attn1": _token_sums()},
+        local=("transformer_blocks.*.attn2",),
+    ),
+    notes=(
+        "Split at transformer_blocks.0 in whole rows of the token grid (each block's `height` becomes the rank's "
+        "rows); linear self-attention all-reduces its summed value-key products (TokenSum); the Mix-FFN's 3x3 "
+        "convolution gets a one-row halo from the adjacent ranks; cross-attention to the prompt is local; sin-cos "
+        "positions (when configured) are added before the split."
+    ),
+)
+
 _CALL = {
     "prompt": "a cat holding a sign",
     "height": 32,
@@ -136,9 +175,9 @@ ADAPTER = register(
             "depthwise convolution, so a sequence split needs whole rows plus a one-row halo. Cross-attention reads "
             "the prompt with `encoder_attention_mask`. CFG is batched (Sprint embeds guidance and runs one branch); "
             "the pipelines snap sizes to ~1 MP bins unless `use_resolution_binning=False`. "
-            "No context-parallel plan: the self-attention is linear (SanaLinearAttnProcessor2_0, matmuls, no "
-            "dispatch_attention_fn), the cross-attention processor calls F.scaled_dot_product_attention directly, and "
-            "the Mix-FFN's 3x3 convolution mixes neighbouring rows of the token grid."
+            "Context parallel: the sequence is split in whole rows (at least one latent row per rank); "
+            "`controlnet_block_samples` (SanaControlNet) are full-length and not supported under it."
         ),
+        cp_plan=CP_PLAN,
     )
 )

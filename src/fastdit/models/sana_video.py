@@ -11,6 +11,15 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import (
+    AttentionRouting,
+    ContextParallelPlan,
+    GatherOutput,
+    Halo,
+    LocalExtent,
+    SplitInput,
+    TokenSum,
+)
 from fastdit.testing.components.autoencoder_kl_wan import autoencoder_kl_wan
 from fastdit.testing.components.encoders import build
 from fastdit.testing.components.gemma2 import gemma2_model
@@ -58,6 +67,46 @@ def tiny_sana_video(seed: int = 0):
     )
 
 
+def _token_sums() -> tuple[TokenSum, ...]:
+    import torch
+
+    # SanaLinearAttnProcessor3_0 (diffusers 0.42.1) sums over the tokens twice: ``key.sum(dim=-1)`` for the
+    # normaliser (then ``@ query``, a Tensor.matmul over channels) and ``torch.matmul(value, key_rotate.T)``; the
+    # second torch.matmul meets the local queries.
+    return (TokenSum(torch.Tensor.sum, 0), TokenSum(torch.matmul, 0))
+
+
+# Tokens are frame-major (frames, height, width): a split in whole frames keeps each rank's Mix-FFN reshape exact.
+_FRAMES = ("height", "width")
+
+CP_PLAN = ContextParallelPlan(
+    inputs={
+        "transformer_blocks.0": {"hidden_states": SplitInput(dim=1, expected_dims=3, unit=_FRAMES)},
+        "transformer_blocks.*": {
+            "frames": LocalExtent(of="hidden_states"),
+            # (cos, sin), each (1, F·H·W, 1, head_dim), built by `rope` from the global grid.
+            "rotary_emb": SplitInput(dim=1, expected_dims=4, unit=_FRAMES),
+            # (B, 1, 6·D) for one timestep per sample; (B, F·H·W, 6·D) for per-token timesteps (I2V).
+            "timestep": SplitInput(dim=1, expected_dims=3, unit=_FRAMES, keep_singleton=True),
+        },
+    },
+    # Before norm_out, whose modulation is per token with per-token timesteps and built full-length by forward.
+    gather={"transformer_blocks.-1": GatherOutput(dim=1, expected_dims=3)},
+    # The temporal (3, 1) convolution reads one frame before and after: a one-frame halo on (B, C, F, H·W). The
+    # spatial 3x3 convolution runs per frame, which a rank holds whole.
+    halo={"transformer_blocks.*.ff.conv_temp": Halo(dim=2, size=1)},
+    attention=AttentionRouting(
+        linear={"transformer_blocks.*.attn1": _token_sums()},
+        local=("transformer_blocks.*.attn2",),
+    ),
+    notes=(
+        "Split at transformer_blocks.0 in whole latent frames (each block's `frames` becomes the rank's frames); "
+        "RoPE tables (from the global grid) and per-token timesteps split at every block; linear self-attention "
+        "all-reduces its key sum and value-key product (TokenSum); the temporal convolution gets a one-frame halo; "
+        "cross-attention local; gathered after the last block."
+    ),
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="sana_video",
@@ -74,7 +123,8 @@ ADAPTER = register(
                     "guidance_scale": 6.0,
                     "height": 32,
                     "width": 32,
-                    "frames": 5,
+                    # 3 latent frames: a whole frame per rank on 3 ranks, 2 + 1 on 2.
+                    "frames": 9,
                     "num_inference_steps": 2,
                     "max_sequence_length": 16,
                     # Binning snaps the size to the aspect-ratio table of the real model (480p).
@@ -93,10 +143,10 @@ ADAPTER = register(
         notes=(
             "Blocks need the latent grid (frames, height, width: the Mix-FFN's convolutions reshape tokens to it); "
             "3-D RoPE is computed from hidden_states.shape inside forward. Cross-attention takes a text padding mask. "
-            "CFG is batched in one call and the pipeline opens no cache contexts. No context-parallel plan: "
-            "self-attention is ReLU linear attention computed inside SanaLinearAttnProcessor3_0 (no "
-            "dispatch_attention_fn call to route), and the Mix-FFN's depthwise 3x3 and temporal convolutions mix "
-            "neighbouring tokens across any split of the sequence."
+            "CFG is batched in one call and the pipeline opens no cache contexts. Context parallel: the sequence is "
+            "split in whole latent frames (at least one per rank); `controlnet_block_samples` are full-length and not "
+            "supported under it."
         ),
+        cp_plan=CP_PLAN,
     )
 )

@@ -45,13 +45,16 @@ from fastdit.parallel.plan import (
     ContextParallelPlan,
     GatherOutput,
     LeadingCount,
+    LocalExtent,
     SplitInput,
     SplitOutput,
+    linear_attention_paths,
     local_attention_paths,
     match_modules,
     validate_plan,
 )
 from fastdit.parallel.runtime import ParallelRuntime
+from fastdit.parallel.token_mixing import install_halos, install_token_sums
 
 __all__ = ["OUTPUT_HOOK", "ROOT_HOOK", "apply_context_parallel", "context_parallel_group", "cp_reducer"]
 
@@ -96,17 +99,23 @@ class _Splitter:
         self._log = log
         self._logged: set[tuple[str, int]] = set()
 
-    def split(self, tensor: Any, dim: int, expected_dims: int | None, name: str) -> Any:
+    def split(self, tensor: Any, dim: int, expected_dims: int | None, name: str, unit: int = 1) -> Any:
         if isinstance(tensor, (tuple, list)):  # e.g. a (cos, sin) RoPE pair passed as one argument
-            return type(tensor)(self.split(t, dim, expected_dims, name) for t in tensor)
+            return type(tensor)(self.split(t, dim, expected_dims, name, unit) for t in tensor)
         if not isinstance(tensor, torch.Tensor) or (expected_dims is not None and tensor.ndim != expected_dims):
             return tensor
         total = tensor.shape[dim]
-        if total < self.degree:  # global size: every rank raises alike
+        if unit < 1 or total % unit:  # global sizes: every rank raises alike
             raise ValueError(
-                f"context parallel: {name} has {total} tokens along dim {dim}, fewer than the {self.degree} ranks"
+                f"context parallel: {name} has {total} tokens along dim {dim}, not a multiple of its split unit {unit}"
             )
-        sizes = shard_sizes(total, self.degree)
+        if total // unit < self.degree:
+            what = "tokens" if unit == 1 else f"units of {unit} tokens"
+            raise ValueError(
+                f"context parallel: {name} has {total // unit} {what} along dim {dim}, fewer than the "
+                f"{self.degree} ranks"
+            )
+        sizes = [n * unit for n in shard_sizes(total // unit, self.degree)]
         self.layout.record(name, sizes)
         if len(set(sizes)) > 1 and self._log and (name, total) not in self._logged:
             self._logged.add((name, total))
@@ -127,6 +136,19 @@ class _Splitter:
             return value  # not split in this forward (tokens whole), or not a count
         start = sum(lens[: self.rank])
         return min(max(value - start, 0), lens[self.rank])
+
+    def extent(self, value: Any, of: str) -> Any:
+        """A grid extent ``value`` (e.g. rows) of the tokens of ``of``, narrowed to this rank's share of them."""
+        lens = self.layout.splits.get(of)
+        if lens is None or not isinstance(value, int) or isinstance(value, bool):
+            return value
+        total = sum(lens)
+        if value < 1 or any(n * value % total for n in lens):  # every rank's lengths: all raise alike
+            raise ValueError(
+                f"context parallel: the shards {lens} of {of} are not whole parts of its extent {value} (split it "
+                "with SplitInput.unit so that every shard holds whole rows)"
+            )
+        return lens[self.rank] * value // total
 
     def gather(self, tensor: Any, dim: int, expected_dims: int | None) -> Any:
         if not isinstance(tensor, torch.Tensor) or (expected_dims is not None and tensor.ndim != expected_dims):
@@ -151,7 +173,7 @@ class _Splitter:
         return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes, strict=True)], dim=dim)
 
 
-_Spec = SplitInput | LeadingCount
+_Spec = SplitInput | LeadingCount | LocalExtent
 
 
 class _ArgPositions:
@@ -159,6 +181,7 @@ class _ArgPositions:
 
     def __init__(self, module: torch.nn.Module, specs: Mapping[str, _Spec]) -> None:
         params = list(inspect.signature(type(module).forward).parameters)[1:]
+        self.params = params
         # A name absent from the signature arrives through *args at the position the plan gives (validated).
         self.positions = {
             name: params.index(name) if name in params else getattr(spec, "position", None)
@@ -168,24 +191,38 @@ class _ArgPositions:
     def split(self, args: tuple, kwargs: dict, specs: Mapping[str, _Spec], splitter: _Splitter) -> tuple:
         args = list(args)
         for name, spec in specs.items():
+            unit = self._unit(spec, args, kwargs)
             if name in kwargs:
-                kwargs[name] = _adjust_arg(kwargs[name], spec, splitter, name)
+                kwargs[name] = _adjust_arg(kwargs[name], spec, splitter, name, unit)
             elif self.positions[name] is not None and self.positions[name] < len(args):
                 i = self.positions[name]
-                args[i] = _adjust_arg(args[i], spec, splitter, name)
+                args[i] = _adjust_arg(args[i], spec, splitter, name, unit)
         return tuple(args), kwargs
 
+    def _unit(self, spec: _Spec, args: list, kwargs: dict) -> int:
+        """The product of the integer arguments a ``SplitInput.unit`` names (1 without a unit)."""
+        unit = 1
+        for name in getattr(spec, "unit", ()):
+            i = self.params.index(name)  # validated: a forward parameter
+            value = kwargs[name] if name in kwargs else args[i] if i < len(args) else None
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"context parallel: split unit {name!r} is {value!r}, not an int")
+            unit *= value
+        return unit
 
-def _adjust_arg(value: Any, spec: _Spec, splitter: _Splitter, name: str) -> Any:
+
+def _adjust_arg(value: Any, spec: _Spec, splitter: _Splitter, name: str, unit: int = 1) -> Any:
     if isinstance(spec, LeadingCount):
         return splitter.count(value, spec.of)
-    return _split_arg(value, spec, splitter, name)
+    if isinstance(spec, LocalExtent):
+        return splitter.extent(value, spec.of)
+    return _split_arg(value, spec, splitter, name, unit)
 
 
 def _splits_then_counts(specs: Mapping[str, _Spec]) -> tuple[dict[str, _Spec], dict[str, _Spec]]:
     """``specs`` divided into splits and leading-token counts (a count needs the split record of its forward)."""
     splits = {n: s for n, s in specs.items() if isinstance(s, SplitInput)}
-    counts = {n: s for n, s in specs.items() if isinstance(s, LeadingCount)}
+    counts = {n: s for n, s in specs.items() if isinstance(s, (LeadingCount, LocalExtent))}
     return splits, counts
 
 
@@ -198,12 +235,15 @@ def _at_index(output: Any, index: int | None, fn: Callable[[Any], Any]) -> Any:
     return type(output)(items) if isinstance(output, tuple) else items
 
 
-def _split_arg(value: Any, spec: SplitInput, splitter: _Splitter, name: str) -> Any:
+def _split_arg(value: Any, spec: SplitInput, splitter: _Splitter, name: str, unit: int = 1) -> Any:
     """``value`` split per ``spec``; with ``spec.index``, only that element of a tuple/list argument."""
+    tensor = isinstance(value, torch.Tensor) and -value.ndim <= spec.dim < value.ndim
+    if spec.keep_singleton and tensor and value.shape[spec.dim] == 1:
+        return value  # broadcast over the tokens: every rank needs it whole
     if spec.index is None or not isinstance(value, (tuple, list)):
-        return splitter.split(value, spec.dim, spec.expected_dims, name)
+        return splitter.split(value, spec.dim, spec.expected_dims, name, unit)
     items = list(value)
-    items[spec.index] = splitter.split(items[spec.index], spec.dim, spec.expected_dims, f"{name}[{spec.index}]")
+    items[spec.index] = splitter.split(items[spec.index], spec.dim, spec.expected_dims, f"{name}[{spec.index}]", unit)
     return type(value)(items)
 
 
@@ -345,7 +385,13 @@ def apply_context_parallel(
     splitter = _Splitter(group, marker.forward, log=runtime.is_main)
     undo: list[Callable[[], None]] = []
     try:
-        local_paths = local_attention_paths(transformer, plan.attention)
+        linear = linear_attention_paths(transformer, plan.attention)
+        # Linear attention is not routed like softmax attention: its modules are left unmarked.
+        local_paths = local_attention_paths(transformer, plan.attention) | set(linear)
+        if linear:
+            undo.append(install_token_sums(transformer, linear, group))
+        if plan.halo:
+            undo.append(install_halos(transformer, plan.halo, group))
         if plan.attention.modules:
             undo.append(route_modules(plan.attention.modules))
             undo.append(mark_processors(transformer, marker, local_paths))

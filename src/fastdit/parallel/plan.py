@@ -12,6 +12,10 @@ A plan names module paths (``""`` is the transformer itself; ``"transformer_bloc
   projection), so the transformer returns the full sequence on every rank.
 * :class:`LeadingCount` — a ``forward`` argument that counts leading tokens of a split tensor (the first frame's
   tokens), narrowed to the tokens this rank holds.
+* :class:`LocalExtent` — an integer ``forward`` argument giving a grid extent (rows, frames) of a split tensor,
+  replaced by this rank's share.
+* :class:`Halo` — pad a (convolution) module's input with the neighbouring ranks' edge rows, crop its output.
+* :class:`TokenSum` — a reduction over the tokens inside linear attention, summed over the ranks.
 * :class:`AttentionRouting` — which Python modules' ``dispatch_attention_fn`` (or, for processors that call
   ``F.scaled_dot_product_attention`` themselves, ``F``) is routed to context-parallel attention, and which split
   tensors, concatenated, form the joint sequence a model-built attention mask indexes.
@@ -36,9 +40,13 @@ __all__ = [
     "AttentionRouting",
     "ContextParallelPlan",
     "GatherOutput",
+    "Halo",
     "LeadingCount",
+    "LocalExtent",
     "SplitInput",
     "SplitOutput",
+    "TokenSum",
+    "linear_attention_paths",
     "local_attention_paths",
     "match_modules",
     "validate_plan",
@@ -64,14 +72,24 @@ class SplitInput:
         expected_dims: Split only tensors with this many dims (others pass through whole: e.g. a timestep that is
             per token in one model variant and per sample in another). ``None``: any tensor.
         index: Element of a tuple/list argument to split (the others pass whole); ``None``: the argument itself.
+        unit: Names of integer arguments of the same ``forward`` whose product is the split granularity: shards hold
+            whole multiples of it (``("width",)``: whole rows of a flattened ``(height, width)`` grid, as a
+            convolution over the grid needs). The size along ``dim`` must be a multiple of it. ``()``: single tokens.
+        keep_singleton: A tensor argument of size 1 along ``dim`` passes whole: it broadcasts over the tokens (a
+            per-sample modulation where another variant of the model passes one per token).
     """
 
     dim: int
     expected_dims: int | None = None
     index: int | None = None
+    unit: tuple[str, ...] = ()
+    keep_singleton: bool = False
 
     def __post_init__(self) -> None:
         _check_dim("SplitInput", self.dim, self.expected_dims)
+        if isinstance(self.unit, str) or not all(isinstance(u, str) and u for u in self.unit):
+            raise ValueError(f"SplitInput.unit={self.unit!r}: expected a tuple of argument names")
+        object.__setattr__(self, "unit", tuple(self.unit))
 
 
 @dataclass(frozen=True)
@@ -143,6 +161,86 @@ class LeadingCount:
 
 
 @dataclass(frozen=True)
+class LocalExtent:
+    """An integer ``forward`` argument giving a grid extent of a split tensor, replaced by this rank's share.
+
+    A block that reshapes its flattened tokens to a grid takes the grid's extents as ``int`` arguments (Sana's
+    ``height`` and ``width``). When the tokens of :attr:`of` are split into whole multiples of the other extents
+    (:attr:`SplitInput.unit`), rank ``r``, holding ``len_r`` of the ``total`` tokens, receives
+    ``value * len_r // total`` (its rows). Every rank's share must be whole, otherwise every rank raises
+    ``ValueError`` alike (the check uses all ranks' lengths). As for :class:`LeadingCount`, non-``int`` values and an
+    :attr:`of` not split in this forward pass unchanged, and extents at a module are adjusted after its splits.
+
+    Attributes:
+        of: Name of a :class:`SplitInput` of the plan whose tokens the grid holds.
+        position: As for :class:`LeadingCount`.
+    """
+
+    of: str
+    position: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.of, str) or not self.of:
+            raise ValueError(f"LocalExtent.of={self.of!r}: must name a split input")
+        if self.position is not None and (
+            not isinstance(self.position, int) or isinstance(self.position, bool) or self.position < 0
+        ):
+            raise ValueError(f"LocalExtent.position={self.position!r}: must be a non-negative integer or None")
+
+
+@dataclass(frozen=True)
+class Halo:
+    """Give a module that mixes neighbouring rows (a ``k x k`` convolution) the adjacent ranks' edge rows.
+
+    The module's first positional input is split along :attr:`dim` in rank order (whole rows, see
+    :attr:`SplitInput.unit`). Before it runs, every rank's first and last :attr:`size` rows are all-gathered; rank
+    ``r`` pads its input with the last rows of rank ``r - 1`` and the first rows of rank ``r + 1`` (none at the global
+    edges, where the module's own padding applies), and the same number of rows is cropped from the output. Exact
+    for modules with stride 1 whose output rows each depend on at most :attr:`size` input rows either side (a
+    ``2 * size + 1`` kernel with "same" padding). Every rank must hold at least :attr:`size` rows.
+
+    Attributes:
+        dim: The row dim of the module's input and output.
+        size: Rows taken from each neighbour (the kernel's reach: 1 for a 3 x 3 convolution).
+    """
+
+    dim: int
+    size: int = 1
+
+    def __post_init__(self) -> None:
+        _check_dim("Halo", self.dim, None)
+        if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 1:
+            raise ValueError(f"Halo.size={self.size!r}: must be a positive integer")
+
+
+@dataclass(frozen=True)
+class TokenSum:
+    """In linear attention, one reduction over the (split) tokens, whose result is summed over the ranks.
+
+    Linear attention (Sana: ``relu(k)`` and ``v`` meet in ``torch.matmul(v, k)``, a sum over tokens, before the
+    local queries) is exact under a sequence split when each such per-rank sum is all-reduced. The reduction is
+    named by the function the processor calls and which of its calls it is within one forward of the attention
+    module: ``TokenSum(torch.matmul)`` is the first ``torch.matmul``; ``TokenSum(torch.Tensor.sum)`` the first
+    ``tensor.sum(...)`` (a method is not the function of the same name: ``a.matmul(b)`` and ``a @ b`` are
+    ``torch.Tensor.matmul``, not ``torch.matmul``). The calls are observed by a ``torch.overrides.TorchFunctionMode``
+    active only while the attention module runs, so the processor is not modified.
+
+    Attributes:
+        op: The function as ``__torch_function__`` sees it (``torch.matmul``, ``torch.Tensor.sum``, ...).
+        occurrence: Which call of ``op`` in one forward of the module (0: the first).
+    """
+
+    op: Callable[..., Any]
+    occurrence: int = 0
+
+    def __post_init__(self) -> None:
+        if not callable(self.op):
+            raise ValueError(f"TokenSum.op={self.op!r}: expected a torch function")
+        if not isinstance(self.occurrence, int) or isinstance(self.occurrence, bool) or self.occurrence < 0:
+            raise ValueError(f"TokenSum.occurrence={self.occurrence!r}: must be a non-negative integer")
+
+
+@dataclass(frozen=True)
 class AttentionRouting:
     """Which attention calls become context-parallel.
 
@@ -181,6 +279,10 @@ class AttentionRouting:
             sample's padded text tokens), so every attention call exchanges them instead of deriving them from the
             split sizes. Refused with USP (which needs equal lengths inside each Ulysses group) and with CUDA graphs
             (which would freeze one call's lengths).
+        linear: Module path pattern -> the :class:`TokenSum` reductions of the linear attention modules it matches
+            (covering, like ``local``, the attention modules at or below the match): while such a module runs, the
+            named reductions over its local tokens are all-reduced over the ranks, so its local queries meet the
+            sums over every token. Its processor needs no other routing. May be the only routing of a plan.
     """
 
     modules: tuple[str, ...] = ()
@@ -190,8 +292,14 @@ class AttentionRouting:
     local: tuple[str, ...] = ()
     mask_transform: Callable[[torch.Tensor], torch.Tensor] | None = None
     exchange_lengths: bool = False
+    linear: Mapping[str, tuple[TokenSum, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        linear = {p: (s if isinstance(s, tuple) else (s,)) for p, s in dict(self.linear).items()}
+        for path, sums in linear.items():
+            if not sums or not all(isinstance(t, TokenSum) for t in sums):
+                raise ValueError(f"AttentionRouting.linear[{path!r}]={sums!r}: expected TokenSum(s)")
+        object.__setattr__(self, "linear", MappingProxyType(linear))
         if isinstance(self.local, str):
             raise ValueError(f"AttentionRouting.local={self.local!r}: expected a tuple of paths, not a string")
         kinds = ("modules", "sdpa_modules", "dispatch_modules")
@@ -201,8 +309,10 @@ class AttentionRouting:
             object.__setattr__(self, name, tuple(getattr(self, name)))
         object.__setattr__(self, "mask_segments", tuple(self.mask_segments))
         object.__setattr__(self, "local", tuple(self.local))
-        if not any(getattr(self, name) for name in kinds):
-            raise ValueError("AttentionRouting: modules, sdpa_modules and dispatch_modules are empty; name a module")
+        if not any(getattr(self, name) for name in kinds) and not self.linear:
+            raise ValueError(
+                "AttentionRouting: modules, sdpa_modules and dispatch_modules are empty, and linear too; name a module"
+            )
         both = set(self.modules) & set(self.dispatch_modules)
         if both:
             raise ValueError(
@@ -224,16 +334,18 @@ class ContextParallelPlan:
     """Where a transformer family splits and gathers its sequence under context parallelism.
 
     Attributes:
-        inputs: Module path -> argument name -> :class:`SplitInput` or :class:`LeadingCount`.
+        inputs: Module path -> argument name -> :class:`SplitInput`, :class:`LeadingCount` or :class:`LocalExtent`.
         outputs: Module path -> :class:`SplitOutput` or a tuple of them (one per tuple element).
         gather: Module path -> :class:`GatherOutput`.
+        halo: Module path -> :class:`Halo` (modules mixing neighbouring rows of a row-split grid).
         attention: Attention routing.
         notes: How the family's positional embeddings stay consistent with the split (for the docs).
     """
 
-    inputs: Mapping[str, Mapping[str, SplitInput | LeadingCount]] = field(default_factory=dict)
+    inputs: Mapping[str, Mapping[str, SplitInput | LeadingCount | LocalExtent]] = field(default_factory=dict)
     outputs: Mapping[str, SplitOutput | tuple[SplitOutput, ...]] = field(default_factory=dict)
     gather: Mapping[str, GatherOutput] = field(default_factory=dict)
+    halo: Mapping[str, Halo] = field(default_factory=dict)
     attention: AttentionRouting
     notes: str = ""
 
@@ -242,11 +354,16 @@ class ContextParallelPlan:
         object.__setattr__(self, "inputs", _frozen(self.inputs))
         object.__setattr__(self, "outputs", MappingProxyType(outputs))
         object.__setattr__(self, "gather", MappingProxyType(dict(self.gather)))
+        object.__setattr__(self, "halo", MappingProxyType(dict(self.halo)))
+        for path, halo in self.halo.items():
+            if not isinstance(halo, Halo):
+                raise ValueError(f"ContextParallelPlan.halo[{path!r}]={halo!r}: expected Halo")
         for path, args in self.inputs.items():
             for name, split in args.items():
-                if not isinstance(split, (SplitInput, LeadingCount)):
+                if not isinstance(split, (SplitInput, LeadingCount, LocalExtent)):
                     raise ValueError(
-                        f"ContextParallelPlan.inputs[{path!r}][{name!r}]={split!r}: expected SplitInput or LeadingCount"
+                        f"ContextParallelPlan.inputs[{path!r}][{name!r}]={split!r}: expected SplitInput, LeadingCount "
+                        "or LocalExtent"
                     )
         for path, splits in self.outputs.items():
             if not all(isinstance(s, SplitOutput) for s in splits):
@@ -262,10 +379,10 @@ class ContextParallelPlan:
                 raise ValueError(f"AttentionRouting.mask_segments: {name!r} is not a split input of the plan")
         for path, args in self.inputs.items():
             for name, count in args.items():
-                if isinstance(count, LeadingCount) and count.of not in split_names:
+                if isinstance(count, (LeadingCount, LocalExtent)) and count.of not in split_names:
                     raise ValueError(
-                        f"ContextParallelPlan.inputs[{path!r}][{name!r}]: LeadingCount.of={count.of!r} is not a split "
-                        "input of the plan"
+                        f"ContextParallelPlan.inputs[{path!r}][{name!r}]: {type(count).__name__}.of={count.of!r} is "
+                        "not a split input of the plan"
                     )
 
 
@@ -314,6 +431,34 @@ def match_modules(root: torch.nn.Module, path: str) -> list[tuple[str, torch.nn.
         path = resolved
     pattern = re.compile("^" + r"\.".join("[^.]+" if p == "*" else re.escape(p) for p in path.split(".")) + "$")
     return [(name, module) for name, module in root.named_modules() if name and pattern.match(name)]
+
+
+def linear_attention_paths(transformer: torch.nn.Module, routing: AttentionRouting) -> dict[str, tuple[TokenSum, ...]]:
+    """The attention modules (those with a ``processor``) that ``routing.linear`` covers, with their token sums.
+
+    Raises:
+        ValueError: a ``linear`` pattern covers no attention module, or a module is covered twice.
+    """
+    found: dict[str, tuple[TokenSum, ...]] = {}
+    for pattern, sums in routing.linear.items():
+        for path in _covered_attention(transformer, pattern, "linear"):
+            if path in found:
+                raise ValueError(f"context-parallel plan: AttentionRouting.linear covers {path!r} twice")
+            found[path] = sums
+    return found
+
+
+def _covered_attention(transformer: torch.nn.Module, pattern: str, field_name: str) -> list[str]:
+    """Attention module paths at or below the modules ``pattern`` matches (at least one, else ``ValueError``)."""
+    attention = [name for name, m in transformer.named_modules() if getattr(m, "processor", None) is not None]
+    roots = [name for name, _ in match_modules(transformer, pattern)]
+    found = [a for a in attention if any(a == r or a.startswith(f"{r}.") or r == "" for r in roots)]
+    if not found:
+        raise ValueError(
+            f"context-parallel plan: AttentionRouting.{field_name} path {pattern!r} covers no attention module of "
+            f"{type(transformer).__name__}"
+        )
+    return found
 
 
 def local_attention_paths(transformer: torch.nn.Module, routing: AttentionRouting) -> set[str]:
@@ -378,7 +523,7 @@ def validate_plan(
         ValueError: naming the path, argument or module that does not fit.
     """
     cls = type(transformer).__name__
-    paths = [*plan.inputs, *plan.outputs, *plan.gather]
+    paths = [*plan.inputs, *plan.outputs, *plan.gather, *plan.halo]
     resolved = {path: match_modules(transformer, path) for path in paths}
     for path, found in resolved.items():
         if not found:
@@ -388,7 +533,13 @@ def validate_plan(
             params = _forward_params(module)
             where = f"{name!r} ({type(module).__name__})" if name else cls
             for arg, spec in args.items():
-                if isinstance(spec, LeadingCount) and spec.position is not None:
+                for unit in getattr(spec, "unit", ()):
+                    if unit not in params:
+                        raise ValueError(
+                            f"context-parallel plan: {where}.forward has no argument {unit!r} (SplitInput.unit of "
+                            f"{arg!r}, path {path!r}); its arguments are {params}"
+                        )
+                if isinstance(spec, (LeadingCount, LocalExtent)) and spec.position is not None:
                     _check_position(module, arg, spec.position, f"{where}.forward", path)
                 elif arg not in params:
                     raise ValueError(
@@ -402,10 +553,16 @@ def _validate_attention(
     transformer: torch.nn.Module, routing: AttentionRouting, degree: int, uneven_heads: bool
 ) -> None:
     local = local_attention_paths(transformer, routing)
+    linear = linear_attention_paths(transformer, routing)
+    both = sorted(local & set(linear))
+    if both:
+        raise ValueError(f"context-parallel plan: {both} are both local and linear in AttentionRouting")
     attention = [
-        (n, m) for n, m in transformer.named_modules() if getattr(m, "processor", None) is not None and n not in local
+        (n, m)
+        for n, m in transformer.named_modules()
+        if getattr(m, "processor", None) is not None and n not in local and n not in linear
     ]
-    if not attention:
+    if not attention and not linear:
         raise ValueError(f"context-parallel plan: {type(transformer).__name__} has no attention processors to route")
     for path, module in attention:
         processor = module.processor
