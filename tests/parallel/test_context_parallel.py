@@ -662,3 +662,58 @@ def test_leading_count_is_narrowed_per_rank(dist2: WorkerPool, dist3: WorkerPool
         for rank, (out, seen) in enumerate(results):
             assert torch.equal(out, full)  # gathered at the last block (element 0 of its tuple output)
             assert seen == [counts[rank], counts[rank], None]
+
+
+# --- a segment-wise split of one concatenated argument (SplitInput.segments), both elements gathered ---
+
+
+class _TwoStreamBlock(torch.nn.Module):
+    """Takes two streams and a table over their concatenation, as HiDream's double-stream blocks do."""
+
+    def forward(self, image: torch.Tensor, text: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        self.seen = (image.shape[1], text.shape[1], torch.equal(table, torch.cat([image, text], dim=1)))
+        return image * 2, text * 3
+
+
+class _TwoStreamModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_TwoStreamBlock()])
+
+    def forward(self, image: torch.Tensor, text: torch.Tensor, extra: int = 0) -> tuple[torch.Tensor, ...]:
+        table = torch.cat([image, text, text[:, :extra]], dim=1)  # extra: a table that does not fit its segments
+        return self.blocks[0](image, text, table=table)
+
+
+def _segments(rank: int, world_size: int, extra: int) -> tuple[tuple[torch.Tensor, ...], tuple[Any, ...]]:
+    from fastdit.parallel.attention.dispatch import ForwardLayout
+    from fastdit.parallel.context_parallel import _install_hooks, _Splitter
+    from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
+
+    tokens = SplitInput(dim=1, expected_dims=3)
+    plan = ContextParallelPlan(
+        # The segment-wise split is listed before the splits it reads: it must still run after them.
+        inputs={"blocks.*": {"table": SplitInput(1, 3, segments=("image", "text")), "image": tokens, "text": tokens}},
+        gather={"blocks.*": GatherOutput(dim=1, expected_dims=3, index=(0, 1))},
+        attention=AttentionRouting(modules=("diffusers.models.transformers.transformer_flux",)),
+    )
+    model = _TwoStreamModel()
+    undo = _install_hooks(model, plan, _Splitter(None, ForwardLayout(), log=False))
+    try:
+        out = model(torch.arange(5.0).reshape(1, 5, 1), 100 + torch.arange(3.0).reshape(1, 3, 1), extra)
+    finally:
+        undo()
+    return out, model.blocks[0].seen
+
+
+@pytest.mark.distributed
+def test_segment_split_follows_each_segment(dist2: WorkerPool, dist3: WorkerPool) -> None:
+    image, text = torch.arange(5.0).reshape(1, 5, 1), 100 + torch.arange(3.0).reshape(1, 3, 1)
+    # 5 image and 3 text tokens: [3, 2] and [2, 1] over 2 ranks, [2, 2, 1] and [1, 1, 1] over 3.
+    for pool, lengths in [(dist2, [(3, 2), (2, 1)]), (dist3, [(2, 1), (2, 1), (1, 1)])]:
+        for rank, ((out_image, out_text), seen) in enumerate(pool.run(_segments, 0)):
+            assert torch.equal(out_image, image * 2) and torch.equal(out_text, text * 3)  # both elements gathered
+            assert seen == (*lengths[rank], True)  # the table's pieces line up with [image_shard, text_shard]
+        with pytest.raises(DistributedTestError) as info:  # a table longer than its segments: every rank refuses
+            pool.run(_segments, 1)
+        assert set(info.value.exc_types.values()) == {"ValueError"}

@@ -1,8 +1,9 @@
 """HiDream under context parallelism: where the plan splits, and step caching on top of it.
 
-The plan splits inside every single-stream block (the inner block below the ``HiDreamBlock`` wrapper) and leaves the
-double-stream blocks whole; the generic family test checks the outputs, these check the split really happens where
-the plan says and that a cache hook on the wrappers (whole tensors on both sides) still matches one process.
+The plan splits inside every block (the inner block below the ``HiDreamBlock`` wrapper): double-stream blocks their
+image and text streams and the RoPE table per segment, single-stream blocks their joint sequence. The generic family
+test checks the outputs; these check the split really happens where the plan says and that a cache hook on the
+wrappers (whole tensors on both sides) still matches one process.
 """
 
 from __future__ import annotations
@@ -25,26 +26,27 @@ def _built() -> tuple[Any, Any]:
     return build_tiny("hidream", "hidream")
 
 
-def _lengths(rank: int, world_size: int) -> dict[str, list[int]]:
-    """Sequence lengths each block sees on this rank under Ulysses over all ranks (one denoising step)."""
+def _lengths(rank: int, world_size: int) -> dict[str, list[Any]]:
+    """Sequence lengths the first block of each kind sees on this rank under Ulysses over all ranks (one step)."""
     pipe, tiny = _built()
     transformer = pipe.transformer
-    seen: dict[str, list[int]] = {"double": [], "single": [], "single_wrapper": [], "single_out": []}
+    seen: dict[str, list[Any]] = {k: [] for k in ("double_wrapper", "double", "double_out", "single_wrapper", "single")}
+    seen["single_out"] = []
+
+    def lengths(kwargs: dict[str, Any]) -> tuple[int, ...]:
+        streams = (kwargs["hidden_states"], kwargs["encoder_hidden_states"], kwargs["image_rotary_emb"])
+        return tuple(t.shape[1] for t in streams if t is not None)
+
     fastdit.accelerate(pipe, parallel=fastdit.Parallel(ulysses=world_size))
+    double, single = transformer.double_stream_blocks[0], transformer.single_stream_blocks[0]
     # Registered after the plan's pre-hooks, so these see what the blocks compute on.
     handles = [
-        transformer.double_stream_blocks[0].block.register_forward_pre_hook(
-            lambda m, a, k: seen["double"].append(k["hidden_states"].shape[1]), with_kwargs=True
-        ),
-        transformer.single_stream_blocks[0].register_forward_pre_hook(
-            lambda m, a, k: seen["single_wrapper"].append(k["hidden_states"].shape[1]), with_kwargs=True
-        ),
-        transformer.single_stream_blocks[0].block.register_forward_pre_hook(
-            lambda m, a, k: seen["single"].append(k["hidden_states"].shape[1]), with_kwargs=True
-        ),
-        transformer.single_stream_blocks[0].register_forward_hook(
-            lambda m, a, out: seen["single_out"].append(out.shape[1])
-        ),
+        double.register_forward_pre_hook(lambda m, a, k: seen["double_wrapper"].append(lengths(k)), with_kwargs=True),
+        double.block.register_forward_pre_hook(lambda m, a, k: seen["double"].append(lengths(k)), with_kwargs=True),
+        double.register_forward_hook(lambda m, a, out: seen["double_out"].append(tuple(t.shape[1] for t in out))),
+        single.register_forward_pre_hook(lambda m, a, k: seen["single_wrapper"].append(lengths(k)), with_kwargs=True),
+        single.block.register_forward_pre_hook(lambda m, a, k: seen["single"].append(lengths(k)), with_kwargs=True),
+        single.register_forward_hook(lambda m, a, out: seen["single_out"].append(out.shape[1])),
     ]
     try:
         run_tiny(pipe, tiny, num_inference_steps=1)
@@ -55,14 +57,22 @@ def _lengths(rank: int, world_size: int) -> dict[str, list[int]]:
     return seen
 
 
-def test_single_blocks_split_double_blocks_whole(dist2: WorkerPool) -> None:
+def test_every_block_splits_inside_its_wrapper(dist2: WorkerPool) -> None:
     expected = _lengths(0, 1)
-    joint = expected["single"][0]
+    [(image, text, rope)] = expected["double"]
+    assert rope == image + text  # one RoPE table over [image, text]
+    [(joint, joint_rope)] = expected["single"]
+    assert joint_rope == joint
     for rank, seen in enumerate(dist2.run(_lengths, timeout=180)):
-        assert seen["double"] == expected["double"]  # image stream whole
-        assert seen["single_wrapper"] == [joint]  # the wrapper (where a cache hooks) gets the whole stream...
-        assert seen["single"] == [(joint + 1 - rank) // 2]  # ...its inner block a shard...
-        assert seen["single_out"] == [joint]  # ...and the wrapper returns the gathered stream
+        # The wrappers (where a cache hooks) get and return whole streams...
+        assert seen["double_wrapper"] == [(image, text, rope)]
+        assert seen["double_out"] == [(image, text)]  # both elements of (image, text) gathered
+        assert seen["single_wrapper"] == [(joint, joint)]
+        assert seen["single_out"] == [joint]
+        # ...their inner blocks a shard of each stream, the RoPE table cut per [image, text] segment.
+        image_r, text_r = (image + 1 - rank) // 2, (text + 1 - rank) // 2
+        assert seen["double"] == [(image_r, text_r, image_r + text_r)]
+        assert seen["single"] == [((joint + 1 - rank) // 2,) * 2]
 
 
 def _cached(rank: int, world_size: int, parallel: dict[str, int] | None) -> np.ndarray:

@@ -381,3 +381,38 @@ def test_linear_only_routing_and_its_validation() -> None:
             replaced(attention=AttentionRouting(modules=(FLUX_MODULE,), local=("transformer_blocks.*.attn2",))),
             2,
         )
+
+
+def test_gather_output_index_tuple() -> None:
+    assert GatherOutput(1, 3, index=[0, 1]).index == (0, 1)  # normalised: the plan stays hashable data
+    for index in [(), (0, 0), (0, True), (0, "1")]:
+        with pytest.raises(ValueError, match=r"GatherOutput\.index"):
+            GatherOutput(1, 3, index=index)
+
+
+# --- segment-wise splits of one concatenated argument ---
+
+
+def _segment_plan(**block: object) -> ContextParallelPlan:
+    return _plan(inputs={"": {"hidden_states": SplitInput(1, 3)}, "blocks.*": block})
+
+
+def test_split_input_segments() -> None:
+    rope = SplitInput(1, 6, segments=["hidden_states", "encoder_hidden_states"])
+    assert rope.segments == ("hidden_states", "encoder_hidden_states")
+    assert SplitInput(1).segments == ()
+    plan = _segment_plan(hidden_states=SplitInput(1, 3), encoder_hidden_states=SplitInput(1, 3), rope=rope)
+    assert plan.inputs["blocks.*"]["rope"] is rope
+    with pytest.raises(ValueError, match=r"SplitInput\.segments"):
+        SplitInput(1, segments="hidden_states")
+    with pytest.raises(ValueError, match=r"SplitInput\.segments"):
+        SplitInput(1, segments=("hidden_states", ""))
+    # Segments name plain splits of the same path: their split record is the one of this call.
+    for block, segment in [
+        ({"rope": SplitInput(1, segments=("hidden_states",))}, "hidden_states"),  # split at the root only
+        ({"x": SplitInput(1), "rope": SplitInput(1, segments=("x", "rope"))}, "rope"),  # itself
+        ({"x": SplitInput(1, segments=("y",)), "y": SplitInput(1), "rope": SplitInput(1, segments=("x",))}, "x"),
+        ({"n": LeadingCount(of="hidden_states"), "rope": SplitInput(1, segments=("n",))}, "n"),
+    ]:
+        with pytest.raises(ValueError, match=f"segment '{segment}' is not another plain SplitInput of the same path"):
+            _segment_plan(**block)

@@ -95,31 +95,42 @@ def tiny_hidream(seed: int = 0):
     return pipe
 
 
-# Context parallelism, single-stream blocks only. Before every block forward concatenates a whole Llama layer to
-# the stream, and it slices the result by global lengths, so the stream between blocks stays whole on every rank:
-# each single block's inner module (inside the HiDreamBlock wrapper, so a cache hook on the wrapper sees whole
-# tensors on both sides) splits its joint [image, text] sequence, the RoPE table built for that same sequence and
-# the non-square token mask contiguously, and gathers its output. The key mask is applied to local keys before
-# attention and attention has no mask, so the split needs no reordering.
-# Double-stream blocks stay whole (their attention is local): their attention concatenates the image and text
-# streams, so a split would need the RoPE table (one tensor over [image, text]) split per segment and the block's
-# (image, text) output gathered per element, neither of which the plan vocabulary expresses.
+# Context parallelism inside every block. Before every block forward concatenates a whole Llama layer to the text
+# (double blocks) or joint (single blocks) stream, and it slices the results by global lengths, so the streams
+# between blocks stay whole on every rank: each block's inner module (inside the HiDreamBlock wrapper, so a cache
+# hook on the wrapper sees whole tensors on both sides) splits its sequences and gathers its output.
+# - Single blocks: the joint [image, text] sequence, the RoPE table built for that sequence and the non-square token
+#   mask are split contiguously; the output is gathered.
+# - Double blocks: the image and text streams are split separately; their attention concatenates the local
+#   [image_shard, text_shard], so the RoPE table (one tensor over the global [image, text]) is split per segment with
+#   the same shard sizes; the (image, text) output is gathered element by element. The non-square token mask covers
+#   the image tokens only and is split with them.
+# In both, the token mask multiplies the local keys before attention and SDPA gets no mask, so the order of the
+# ranks' tokens after the exchange ([image_0, text_0, image_1, ...]) needs no reordering (no mask_segments).
 _SEQ = SplitInput(dim=1, expected_dims=3)
+_TOKEN_MASK = SplitInput(dim=1, expected_dims=2)  # None for square latents
 CP_PLAN = ContextParallelPlan(
     inputs={
+        "double_stream_blocks.*.block": {
+            "hidden_states": _SEQ,
+            "encoder_hidden_states": _SEQ,
+            "hidden_states_masks": _TOKEN_MASK,
+            # (B, S_image + S_text, 1, D/2, 2, 2)
+            "image_rotary_emb": SplitInput(dim=1, expected_dims=6, segments=("hidden_states", "encoder_hidden_states")),
+        },
         "single_stream_blocks.*.block": {
             "hidden_states": _SEQ,
-            "hidden_states_masks": SplitInput(dim=1, expected_dims=2),  # None for square latents
+            "hidden_states_masks": _TOKEN_MASK,
             "image_rotary_emb": SplitInput(dim=1, expected_dims=6),  # (B, S, 1, D/2, 2, 2)
         },
     },
-    gather={"single_stream_blocks.*.block": GatherOutput(dim=1, expected_dims=3)},
-    attention=AttentionRouting(
-        sdpa_modules=("diffusers.models.transformers.transformer_hidream_image",),
-        local=("double_stream_blocks",),
-    ),
-    notes="Single-stream blocks split and gather per block (joint sequence, RoPE, token mask); double-stream "
-    "blocks run whole on every rank.",
+    gather={
+        "double_stream_blocks.*.block": GatherOutput(dim=1, expected_dims=3, index=(0, 1)),
+        "single_stream_blocks.*.block": GatherOutput(dim=1, expected_dims=3),
+    },
+    attention=AttentionRouting(sdpa_modules=("diffusers.models.transformers.transformer_hidream_image",)),
+    notes="Every block splits and gathers inside its wrapper: double blocks their image and text streams (RoPE "
+    "split per segment, both outputs gathered), single blocks their joint sequence (RoPE, token mask).",
 )
 
 _CALL = {
@@ -173,10 +184,10 @@ ADAPTER = register(
             "one the next block is given. Non-square latents are padded to a fixed token count with "
             "`hidden_states_masks`; MoE feed-forward (top-k routed experts); timestep argument is `timesteps`. "
             "CFG is batched. The pipeline rescales every request to the model's default area (~1 MP). "
-            "Context parallel covers the single-stream blocks only (each splits its joint sequence and gathers its "
-            "output, since forward appends a whole Llama layer before every block); the double-stream blocks run "
-            "whole on every rank: their RoPE table spans [image, text] in one tensor, which would have to be split "
-            "per segment, and their (image, text) output gathered per element, which the plan cannot express."
+            "Context parallel splits inside every block and gathers its output (forward appends a whole Llama "
+            "layer before every block and slices by global lengths): double-stream blocks split their image and "
+            "text streams and their RoPE table per [image, text] segment and gather both outputs; single-stream "
+            "blocks split their joint sequence."
         ),
         cp_plan=CP_PLAN,
     )

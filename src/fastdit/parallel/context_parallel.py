@@ -129,6 +129,31 @@ class _Splitter:
             )
         return tensor.narrow(dim, sum(sizes[: self.rank]), sizes[self.rank])
 
+    def split_segments(
+        self, tensor: Any, dim: int, expected_dims: int | None, name: str, segments: tuple[str, ...]
+    ) -> Any:
+        """``tensor``, the concatenation of ``segments`` along ``dim``, split per segment as those were in this call."""
+        if isinstance(tensor, (tuple, list)):
+            return type(tensor)(self.split_segments(t, dim, expected_dims, name, segments) for t in tensor)
+        if not isinstance(tensor, torch.Tensor) or (expected_dims is not None and tensor.ndim != expected_dims):
+            return tensor
+        # The record holds every rank's sizes, so every rank takes the same branch and raises alike.
+        missing = [s for s in segments if s not in self.layout.splits]
+        if missing:
+            raise ValueError(f"context parallel: {name} spans segments {segments}, but {missing} were not split")
+        sizes = [self.layout.splits[s] for s in segments]
+        if sum(map(sum, sizes)) != tensor.shape[dim]:
+            raise ValueError(
+                f"context parallel: {name} has {tensor.shape[dim]} tokens along dim {dim}, but its segments "
+                f"{segments} have {[sum(s) for s in sizes]}"
+            )
+        pieces, start = [], 0
+        for lens in sizes:
+            pieces.append(tensor.narrow(dim, start + sum(lens[: self.rank]), lens[self.rank]))
+            start += sum(lens)
+        self.layout.record(name, [sum(row) for row in zip(*sizes, strict=True)])
+        return torch.cat(pieces, dim=dim)
+
     def count(self, value: Any, of: str) -> Any:
         """A count ``value`` of leading tokens of ``of``, narrowed to this rank's contiguous shard of ``of``."""
         lens = self.layout.splits.get(of)
@@ -220,18 +245,20 @@ def _adjust_arg(value: Any, spec: _Spec, splitter: _Splitter, name: str, unit: i
 
 
 def _splits_then_counts(specs: Mapping[str, _Spec]) -> tuple[dict[str, _Spec], dict[str, _Spec]]:
-    """``specs`` divided into splits and leading-token counts (a count needs the split record of its forward)."""
-    splits = {n: s for n, s in specs.items() if isinstance(s, SplitInput)}
-    counts = {n: s for n, s in specs.items() if isinstance(s, (LeadingCount, LocalExtent))}
+    """``specs`` divided into plain splits, then the items that read this forward's split record: leading-token
+    counts, local extents and segment-wise splits."""
+    splits = {n: s for n, s in specs.items() if isinstance(s, SplitInput) and not s.segments}
+    counts = {n: s for n, s in specs.items() if n not in splits}
     return splits, counts
 
 
-def _at_index(output: Any, index: int | None, fn: Callable[[Any], Any]) -> Any:
-    """``fn`` applied to ``output``, or with ``index`` only to that element of a tuple/list output."""
+def _at_index(output: Any, index: int | tuple[int, ...] | None, fn: Callable[[Any], Any]) -> Any:
+    """``fn`` applied to ``output``, or with ``index`` only to that element (or those elements) of a tuple/list."""
     if index is None or not isinstance(output, (tuple, list)):
         return fn(output)
     items = list(output)
-    items[index] = fn(items[index])
+    for i in index if isinstance(index, tuple) else (index,):
+        items[i] = fn(items[i])
     return type(output)(items) if isinstance(output, tuple) else items
 
 
@@ -240,10 +267,16 @@ def _split_arg(value: Any, spec: SplitInput, splitter: _Splitter, name: str, uni
     tensor = isinstance(value, torch.Tensor) and -value.ndim <= spec.dim < value.ndim
     if spec.keep_singleton and tensor and value.shape[spec.dim] == 1:
         return value  # broadcast over the tokens: every rank needs it whole
+
+    def split(tensor: Any, label: str) -> Any:
+        if spec.segments:
+            return splitter.split_segments(tensor, spec.dim, spec.expected_dims, label, spec.segments)
+        return splitter.split(tensor, spec.dim, spec.expected_dims, label, unit)
+
     if spec.index is None or not isinstance(value, (tuple, list)):
-        return splitter.split(value, spec.dim, spec.expected_dims, name, unit)
+        return split(value, name)
     items = list(value)
-    items[spec.index] = splitter.split(items[spec.index], spec.dim, spec.expected_dims, f"{name}[{spec.index}]", unit)
+    items[spec.index] = split(items[spec.index], f"{name}[{spec.index}]")
     return type(value)(items)
 
 
@@ -308,8 +341,8 @@ def _install_hooks(transformer: torch.nn.Module, plan: ContextParallelPlan, spli
     root = HookRegistry.check_if_exists_or_initialize(transformer)
     root.register_hook(_RootHook(dict(plan.inputs.get("", {})), splitter), ROOT_HOOK)
     installed.append((root, ROOT_HOOK))
-    # Two passes: pre-hooks run in registration order, so on any module the counts follow every split (from any
-    # path matching it) and read this forward's split record.
+    # Two passes: pre-hooks run in registration order, so on any module the counts (and segment-wise splits) follow
+    # every plain split (from any path matching it) and read this forward's split record.
     for which in (0, 1):
         for path, all_specs in plan.inputs.items():
             specs = _splits_then_counts(all_specs)[which]

@@ -5,7 +5,8 @@ A plan names module paths (``""`` is the transformer itself; ``"transformer_bloc
 
 * :class:`SplitInput` — split a ``forward`` argument (by name, whether passed by position or keyword) along a dim
   before the module runs. Splitting the root's inputs suits models whose forward is "embed, loop over blocks,
-  project out" (Flux); splitting at ``blocks.0`` suits models that build the sequence inside forward.
+  project out" (Flux); splitting at ``blocks.0`` suits models that build the sequence inside forward. With
+  ``segments``, an argument spanning several split inputs (a RoPE table over ``[image, text]``) is split per segment.
 * :class:`SplitOutput` — split what a sub-module *returns* (a RoPE or position-embedding module that produces
   full-length tensors inside forward).
 * :class:`GatherOutput` — all-gather a module's output (or one element of a tuple output) along a dim (the output
@@ -67,6 +68,12 @@ class SplitInput:
     A tuple or list argument (a ``(cos, sin)`` RoPE pair) has each of its tensors split alike, unless ``index``
     names the one element to split (e.g. per-token positions nested beside the frequency tables they index).
 
+    With ``segments``, the argument is the concatenation along ``dim`` of the sequences of other split inputs of the
+    same module path, in that order (a RoPE table built over ``[image, text]`` for a block that splits its image
+    and text streams separately): each segment is cut at its own global length and split with the shard sizes that
+    input got in this call, and the rank's pieces are concatenated, so the result lines up with the rank's
+    ``[image_shard, text_shard]``. Applied after every plain split of the same module (it reads their split record).
+
     Attributes:
         dim: The sequence dim of the argument.
         expected_dims: Split only tensors with this many dims (others pass through whole: e.g. a timestep that is
@@ -77,6 +84,8 @@ class SplitInput:
             convolution over the grid needs). The size along ``dim`` must be a multiple of it. ``()``: single tokens.
         keep_singleton: A tensor argument of size 1 along ``dim`` passes whole: it broadcasts over the tokens (a
             per-sample modulation where another variant of the model passes one per token).
+        segments: Names of plain (unsegmented) :class:`SplitInput` s of the same path whose concatenation this
+            argument spans; ``()``: one contiguous split.
     """
 
     dim: int
@@ -84,12 +93,16 @@ class SplitInput:
     index: int | None = None
     unit: tuple[str, ...] = ()
     keep_singleton: bool = False
+    segments: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _check_dim("SplitInput", self.dim, self.expected_dims)
         if isinstance(self.unit, str) or not all(isinstance(u, str) and u for u in self.unit):
             raise ValueError(f"SplitInput.unit={self.unit!r}: expected a tuple of argument names")
         object.__setattr__(self, "unit", tuple(self.unit))
+        if isinstance(self.segments, str) or not all(isinstance(s, str) and s for s in self.segments):
+            raise ValueError(f"SplitInput.segments={self.segments!r}: expected a tuple of split input names")
+        object.__setattr__(self, "segments", tuple(self.segments))
 
 
 @dataclass(frozen=True)
@@ -118,16 +131,24 @@ class GatherOutput:
         dim: The sequence dim of the output.
         expected_dims: As for :class:`SplitInput`.
         index: Element of a tuple/list output to gather (the others stay as they are, e.g. the text shard a dual-stream
-            block returns beside the image tokens); ``None``: the output itself (also used when the output is not a
-            tuple/list).
+            block returns beside the image tokens), or a tuple of elements to gather alike (both streams of a block
+            split inside); ``None``: the output itself (also used when the output is not a tuple/list).
     """
 
     dim: int
     expected_dims: int | None = None
-    index: int | None = None
+    index: int | tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         _check_dim("GatherOutput", self.dim, self.expected_dims)
+        if isinstance(self.index, (tuple, list)):
+            if (
+                not self.index
+                or len(set(self.index)) != len(self.index)
+                or not all(isinstance(i, int) and not isinstance(i, bool) for i in self.index)
+            ):
+                raise ValueError(f"GatherOutput.index={self.index!r}: expected distinct integers")
+            object.__setattr__(self, "index", tuple(self.index))
 
 
 @dataclass(frozen=True)
@@ -377,6 +398,17 @@ class ContextParallelPlan:
         for name in self.attention.mask_segments:
             if name not in split_names:
                 raise ValueError(f"AttentionRouting.mask_segments: {name!r} is not a split input of the plan")
+        for path, args in self.inputs.items():
+            for name, split in args.items():
+                if not isinstance(split, SplitInput):
+                    continue
+                for segment in split.segments:
+                    other = args.get(segment)
+                    if segment == name or not isinstance(other, SplitInput) or other.segments:
+                        raise ValueError(
+                            f"ContextParallelPlan.inputs[{path!r}][{name!r}]: segment {segment!r} is not another "
+                            "plain SplitInput of the same path"
+                        )
         for path, args in self.inputs.items():
             for name, count in args.items():
                 if isinstance(count, (LeadingCount, LocalExtent)) and count.of not in split_names:
