@@ -3,8 +3,8 @@
 # parallelism cannot be undone in-process, so each anchor gets its own); logs and JSON land in $OUT.
 # Expects diffusers (and cache-dit for its row) importable, e.g. wheels installed into PYTHONPATH.
 #
-#   bash benchmarks/run_cp_h200x2.sh [main|overlap|scaling|fresh|graph|graph1|graph1_small]
-# (graph1 and graph1_small run on one GPU: the single-device rows of the graph pass.)
+#   bash benchmarks/run_cp_h200x2.sh [main|overlap|scaling|fresh|graph|graph1|graph1_small|graph1_cache]
+# (graph1, graph1_small and graph1_cache run on one GPU.)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-benchmarks/results}
@@ -53,5 +53,11 @@ case "${1:-main}" in
     run graph1_512_compile 150 --size 512 --modes single,single+compile
     run graph1_512_compile_graph 150 --size 512 --modes single,single+compile+graph
     ;;
-  *) echo "unknown pass $1 (main, overlap, scaling, fresh, graph, graph1, graph1_small)" >&2; exit 2 ;;
+  graph1_cache)  # one GPU: a fixed-schedule cache, with and without CUDA graphs per block
+    NPROC=1
+    run graph1_cache_512 150 --size 512 --modes single,single+cache,single+cache+graph
+    run graph1_cache_1024 150 --modes single,single+cache,single+cache+graph
+    run graph1_cache_512_compile 150 --size 512 --modes single,single+compile+cache+graph
+    ;;
+  *) echo "unknown pass $1 (main, overlap, scaling, fresh, graph, graph1, graph1_small, graph1_cache)" >&2; exit 2 ;;
 esac
