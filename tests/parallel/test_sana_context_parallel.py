@@ -130,3 +130,25 @@ def test_sana_video_per_token_timesteps_match_single_process(
     for out in _pool(dist2, dist3, parallel).run(_video, parallel, timeout=180):
         assert out.shape == expected.shape
         assert (out - expected).abs().max() < TOLERANCE, f"max abs error {(out - expected).abs().max():.2e}"
+
+
+def _sana_compiled(rank: int, world_size: int) -> torch.Tensor:
+    torch._dynamo.reset()
+    transformer = sana.tiny_transformer(0)
+    parallel = fastdit.Parallel(ulysses=world_size)
+    fastdit.accelerate(transformer, parallel=parallel, compile=fastdit.Compile(backend="eager"), adapter=sana.ADAPTER)
+    try:
+        with torch.no_grad():
+            return transformer(**_sana_inputs()).sample
+    finally:
+        fastdit.disable(transformer)
+        torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_sana_compiled_blocks_keep_the_token_sums_and_halo(dist2: WorkerPool) -> None:
+    """Dynamo compiles the blocks; the token-sum mode and the halo hooks must still act inside them."""
+    with torch.no_grad():
+        expected = sana.tiny_transformer(0)(**_sana_inputs()).sample
+    for out in dist2.run(_sana_compiled, timeout=240):
+        torch.testing.assert_close(out, expected, atol=TOLERANCE, rtol=0)
