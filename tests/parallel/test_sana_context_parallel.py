@@ -15,7 +15,8 @@ import torch
 
 import fastdit
 from fastdit.models import sana, sana_video
-from fastdit.parallel.plan import AttentionRouting, TokenSum, validate_plan
+from fastdit.parallel.plan import TokenSum, validate_plan
+from fastdit.parallel.plan_shapes import linear_self_attention
 from fastdit.testing.distributed import DistributedTestError, WorkerPool
 
 pytestmark = pytest.mark.distributed
@@ -29,10 +30,6 @@ def _pool(dist2: WorkerPool, dist3: WorkerPool, parallel: dict[str, int]) -> Wor
 
 def _with_plan(adapter: Any, **changes: Any) -> Any:
     return dataclasses.replace(adapter, cp_plan=dataclasses.replace(adapter.cp_plan, **changes))
-
-
-def _linear(sums: tuple[TokenSum, ...]) -> AttentionRouting:
-    return AttentionRouting(linear={"transformer_blocks.*.attn1": sums}, local=("transformer_blocks.*.attn2",))
 
 
 def _sana_inputs(rows: int = 10) -> dict[str, Any]:
@@ -50,8 +47,8 @@ def _sana(rank: int, world_size: int, parallel: dict[str, int] | None, plan: str
     adapter = {
         "full": sana.ADAPTER,
         "no-halo": _with_plan(sana.ADAPTER, halo={}),
-        "wrong-sum": _with_plan(sana.ADAPTER, attention=_linear((TokenSum(torch.matmul, 1),))),
-        "missing-sum": _with_plan(sana.ADAPTER, attention=_linear((TokenSum(torch.Tensor.sum),))),
+        "wrong-sum": _with_plan(sana.ADAPTER, attention=linear_self_attention((TokenSum(torch.matmul, 1),))),
+        "missing-sum": _with_plan(sana.ADAPTER, attention=linear_self_attention((TokenSum(torch.Tensor.sum),))),
     }[plan]
     if parallel is not None:
         fastdit.accelerate(transformer, parallel=fastdit.Parallel(**parallel), adapter=adapter)

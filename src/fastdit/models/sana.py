@@ -11,7 +11,6 @@ from __future__ import annotations
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import (
-    AttentionRouting,
     ContextParallelPlan,
     GatherOutput,
     Halo,
@@ -19,6 +18,7 @@ from fastdit.parallel.plan import (
     SplitInput,
     TokenSum,
 )
+from fastdit.parallel.plan_shapes import linear_self_attention
 from fastdit.testing.components.encoders import build
 from fastdit.testing.components.gemma2 import gemma2_model
 
@@ -118,10 +118,7 @@ CP_PLAN = ContextParallelPlan(
     gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
     # The 3x3 depthwise convolution of the Mix-FFN reads one row above and below: a one-row halo on (B, C, H, W).
     halo={"transformer_blocks.*.ff.conv_depth": Halo(dim=2, size=1)},
-    attention=AttentionRouting(
-        linear={"transformer_blocks.*.attn1": _token_sums()},
-        local=("transformer_blocks.*.attn2",),
-    ),
+    attention=linear_self_attention(_token_sums()),
     notes=(
         "Split at transformer_blocks.0 in whole rows of the token grid (each block's `height` becomes the rank's "
         "rows); linear self-attention all-reduces its summed value-key products (TokenSum); the Mix-FFN's 3x3 "

@@ -12,7 +12,6 @@ from __future__ import annotations
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import (
-    AttentionRouting,
     ContextParallelPlan,
     GatherOutput,
     Halo,
@@ -20,6 +19,7 @@ from fastdit.parallel.plan import (
     SplitInput,
     TokenSum,
 )
+from fastdit.parallel.plan_shapes import linear_self_attention
 from fastdit.testing.components.autoencoder_kl_wan import autoencoder_kl_wan
 from fastdit.testing.components.encoders import build
 from fastdit.testing.components.gemma2 import gemma2_model
@@ -95,10 +95,7 @@ CP_PLAN = ContextParallelPlan(
     # The temporal (3, 1) convolution reads one frame before and after: a one-frame halo on (B, C, F, H·W). The
     # spatial 3x3 convolution runs per frame, which a rank holds whole.
     halo={"transformer_blocks.*.ff.conv_temp": Halo(dim=2, size=1)},
-    attention=AttentionRouting(
-        linear={"transformer_blocks.*.attn1": _token_sums()},
-        local=("transformer_blocks.*.attn2",),
-    ),
+    attention=linear_self_attention(_token_sums()),
     notes=(
         "Split at transformer_blocks.0 in whole latent frames (each block's `frames` becomes the rank's frames); "
         "RoPE tables (from the global grid) and per-token timesteps split at every block; linear self-attention "

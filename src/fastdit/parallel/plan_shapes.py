@@ -22,9 +22,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput, TokenSum
 
-__all__ = ["TOKENS", "joint_first_block_plan", "mmdit_root_plan", "streams", "wan_blocks_plan"]
+__all__ = [
+    "TOKENS",
+    "joint_first_block_plan",
+    "linear_self_attention",
+    "mmdit_root_plan",
+    "streams",
+    "wan_blocks_plan",
+]
 
 # A (B, S, D) token sequence split on its token dim; other tensors passed under the same name go whole.
 TOKENS = SplitInput(dim=1, expected_dims=3)
@@ -33,6 +40,11 @@ TOKENS = SplitInput(dim=1, expected_dims=3)
 def streams(*names: str) -> dict[str, SplitInput]:
     """``{name: TOKENS}`` for each name: the token streams a module takes (default: image and text)."""
     return dict.fromkeys(names or ("hidden_states", "encoder_hidden_states"), TOKENS)
+
+
+def linear_self_attention(sums: tuple[TokenSum, ...]) -> AttentionRouting:
+    """Linear self-attention in every block's ``attn1`` (``sums`` all-reduced), cross-attention ``attn2`` local."""
+    return AttentionRouting(linear={"transformer_blocks.*.attn1": sums}, local=("transformer_blocks.*.attn2",))
 
 
 def mmdit_root_plan(
