@@ -339,6 +339,7 @@ def test_gather_output_index() -> None:
         (lambda: LocalExtent(of=""), "LocalExtent.of"),
         (lambda: LocalExtent(of="hidden_states", position=True), "LocalExtent.position"),
         (lambda: Halo(dim=2, size=0), "Halo.size"),
+        (lambda: Halo(dim=2, size=2), "Halo.size"),
         (lambda: Halo(dim="h"), "Halo.dim"),
         (lambda: TokenSum("matmul"), "TokenSum.op"),
         (lambda: TokenSum(torch.matmul, -1), "TokenSum.occurrence"),

@@ -218,7 +218,9 @@ class Halo:
     ``r`` pads its input with the last rows of rank ``r - 1`` and the first rows of rank ``r + 1`` (none at the global
     edges, where the module's own padding applies), and the same number of rows is cropped from the output. Exact
     for modules with stride 1 whose output rows each depend on at most :attr:`size` input rows either side (a
-    ``2 * size + 1`` kernel with "same" padding). Every rank must hold at least :attr:`size` rows.
+    ``2 * size + 1`` kernel with "same" padding). Every rank must hold at least :attr:`size` rows; the split gives
+    each rank at least one whole row, so only ``size=1`` is accepted: with a wider halo a rank could hold too few
+    rows, which only that rank would see while the others wait in the exchange.
 
     Attributes:
         dim: The row dim of the module's input and output.
@@ -230,8 +232,11 @@ class Halo:
 
     def __post_init__(self) -> None:
         _check_dim("Halo", self.dim, None)
-        if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 1:
-            raise ValueError(f"Halo.size={self.size!r}: must be a positive integer")
+        if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size != 1:
+            raise ValueError(
+                f"Halo.size={self.size!r}: must be 1 (each rank is guaranteed one whole row, not more; a 3 x 3 "
+                "convolution needs one)"
+            )
 
 
 @dataclass(frozen=True)
