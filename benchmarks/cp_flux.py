@@ -57,7 +57,8 @@ LAYOUTS = ("single", "ulysses", "ring", "usp")
 # compile: inductor blocks; graph: transformer calls (or, with cache, block calls) replayed as CUDA graphs
 # (Compile.cuda_graph); cudagraphs: torch.compile's own mode="reduce-overhead"; cache: DBCache F1B0 on a fixed
 # schedule computing every other step (random weights never hit a residual threshold: this measures the mechanics).
-OPTIONS = ("compile", "graph", "cudagraphs", "fp8", "chunks2", "chunks4", "cache")
+# blockgraph: CUDA graphs per block (graph_scope="blocks") even without a cache.
+OPTIONS = ("compile", "graph", "blockgraph", "cudagraphs", "fp8", "chunks2", "chunks4", "cache")
 ANCHOR_MODES = ("diffusers_ulysses", "cachedit_ulysses")
 VAE_FLUX = {"block_out_channels": (128, 256, 512, 512), "layers_per_block": 2}
 VAE_TINY = {"block_out_channels": (8, 8, 8, 8), "layers_per_block": 1, "norm_num_groups": 8}
@@ -225,11 +226,13 @@ def accelerate_mode(pipe: Any, mode: str, world_size: int, steps: int) -> Callab
 
 def compile_for(options: list[str]) -> fastdit.Compile | None:
     """The Compile config of a mode's options (``graph`` alone graphs eager kernels)."""
-    if not {"compile", "graph", "cudagraphs"} & set(options):
+    if not {"compile", "graph", "blockgraph", "cudagraphs"} & set(options):
         return None
     backend = "inductor" if "compile" in options or "cudagraphs" in options else "eager"
     mode = "reduce-overhead" if "cudagraphs" in options else None
-    return fastdit.Compile(backend=backend, mode=mode, cuda_graph="graph" in options)
+    graph = "graph" in options or "blockgraph" in options
+    scope = "blocks" if "blockgraph" in options else "auto"
+    return fastdit.Compile(backend=backend, mode=mode, cuda_graph=graph, graph_scope=scope)
 
 
 def accelerate_anchor(pipe: Any, mode: str, world_size: int) -> Callable[[], None]:

@@ -58,6 +58,7 @@ case "${1:-main}" in
     run graph1_cache_512 150 --size 512 --modes single,single+cache,single+cache+graph
     run graph1_cache_1024 150 --modes single,single+cache,single+cache+graph
     run graph1_cache_512_compile 150 --size 512 --modes single,single+compile+cache+graph
+    run graph1_blocks_512 150 --size 512 --modes single,single+graph,single+blockgraph
     ;;
   *) echo "unknown pass $1 (main, overlap, scaling, fresh, graph, graph1, graph1_small, graph1_cache)" >&2; exit 2 ;;
 esac
