@@ -368,6 +368,56 @@ def _install_hooks(transformer: torch.nn.Module, plan: ContextParallelPlan, spli
     return undo
 
 
+def _marker(
+    plan: ContextParallelPlan,
+    parallel: Parallel,
+    runtime: ParallelRuntime,
+    group: dist.ProcessGroup | None,
+    attention: Attention | None,
+) -> ContextParallelAttention:
+    """The context-parallel attention the routed processors of one transformer call."""
+    return ContextParallelAttention(
+        cp_group=group,
+        ulysses_group=runtime.group("ulysses") if parallel.ulysses > 1 else None,
+        ring_group=runtime.group("ring") if parallel.ring > 1 else None,
+        ulysses_degree=parallel.ulysses,
+        ring_degree=parallel.ring,
+        local=local_attention(attention),
+        mask_segments=plan.attention.mask_segments,
+        fp8=parallel.comm_fp8,
+        chunks=parallel.ulysses_chunks,
+        mask_transform=plan.attention.mask_transform,
+        exchange_lengths=plan.attention.exchange_lengths,
+    )
+
+
+def _install_routing(
+    transformer: torch.nn.Module,
+    plan: ContextParallelPlan,
+    marker: ContextParallelAttention,
+    group: dist.ProcessGroup | None,
+    undo: list[Callable[[], None]],
+) -> None:
+    """Route the plan's attention to ``marker`` (and linear attention, halos to their hooks); undos go to ``undo``."""
+    routing = plan.attention
+    linear = linear_attention_paths(transformer, routing)
+    # Linear attention is not routed like softmax attention: its modules are left unmarked.
+    local_paths = local_attention_paths(transformer, routing) | set(linear)
+    if linear:
+        undo.append(install_token_sums(transformer, linear, group))
+    if plan.halo:
+        undo.append(install_halos(transformer, plan.halo, group))
+    if routing.modules:
+        undo.append(route_modules(routing.modules))
+        undo.append(mark_processors(transformer, marker, local_paths))
+    if routing.sdpa_modules:
+        undo.append(route_sdpa_modules(routing.sdpa_modules))
+    if routing.dispatch_modules:
+        undo.append(route_marked_dispatch(routing.dispatch_modules))
+    if routing.sdpa_modules or routing.dispatch_modules:
+        undo.append(mark_attention_modules(transformer, marker, local_paths))
+
+
 def apply_context_parallel(
     transformer: torch.nn.Module,
     adapter: ModelAdapter,
@@ -400,40 +450,12 @@ def apply_context_parallel(
             f"parallel={parallel}: model family {adapter.family!r} has attention lengths that depend on the data "
             "(AttentionRouting.exchange_lengths), which USP (ulysses and ring together) cannot take; use one of them"
         )
-    local = local_attention(attention)
     group = context_parallel_group(runtime)
-    marker = ContextParallelAttention(
-        cp_group=group,
-        ulysses_group=runtime.group("ulysses") if parallel.ulysses > 1 else None,
-        ring_group=runtime.group("ring") if parallel.ring > 1 else None,
-        ulysses_degree=parallel.ulysses,
-        ring_degree=parallel.ring,
-        local=local,
-        mask_segments=plan.attention.mask_segments,
-        fp8=parallel.comm_fp8,
-        chunks=parallel.ulysses_chunks,
-        mask_transform=plan.attention.mask_transform,
-        exchange_lengths=plan.attention.exchange_lengths,
-    )
+    marker = _marker(plan, parallel, runtime, group, attention)
     splitter = _Splitter(group, marker.forward, log=runtime.is_main)
     undo: list[Callable[[], None]] = []
     try:
-        linear = linear_attention_paths(transformer, plan.attention)
-        # Linear attention is not routed like softmax attention: its modules are left unmarked.
-        local_paths = local_attention_paths(transformer, plan.attention) | set(linear)
-        if linear:
-            undo.append(install_token_sums(transformer, linear, group))
-        if plan.halo:
-            undo.append(install_halos(transformer, plan.halo, group))
-        if plan.attention.modules:
-            undo.append(route_modules(plan.attention.modules))
-            undo.append(mark_processors(transformer, marker, local_paths))
-        if plan.attention.sdpa_modules:
-            undo.append(route_sdpa_modules(plan.attention.sdpa_modules))
-        if plan.attention.dispatch_modules:
-            undo.append(route_marked_dispatch(plan.attention.dispatch_modules))
-        if plan.attention.sdpa_modules or plan.attention.dispatch_modules:
-            undo.append(mark_attention_modules(transformer, marker, local_paths))
+        _install_routing(transformer, plan, marker, group, undo)
         undo.append(_install_hooks(transformer, plan, splitter))
     except BaseException:
         for fn in reversed(undo):
