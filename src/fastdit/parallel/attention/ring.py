@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from fastdit.parallel.attention.comm import gather_lengths
 from fastdit.parallel.attention.local import attention_with_lse, merge_partials, merge_partials_
 
 __all__ = ["ring_attention"]
@@ -64,27 +65,10 @@ def ring_attention(
         return attention_with_lse(q_BSHD, k_BSHD, v_BSHD, attn_mask=attn_mask, scale=scale)[0]
     rank = dist.get_rank(group)
     if kv_lens is None:
-        kv_lens = [lens[0] for lens in all_gather_ints([k_BSHD.size(1)], group, k_BSHD.device)]
+        kv_lens = [lens[0] for lens in gather_lengths([k_BSHD.size(1)], group, k_BSHD.device)]
     _check_kv_lens(kv_lens, world, rank, k_BSHD, v_BSHD)
     _check_mask(attn_mask, sum(kv_lens))
     return _ring_loop(q_BSHD, k_BSHD, v_BSHD, group, rank, list(kv_lens), attn_mask, scale)
-
-
-def all_gather_ints(
-    local_lens: Sequence[int], group: dist.ProcessGroup | None, device: torch.device
-) -> list[list[int]]:
-    """All-gather a few integers per rank (shard lengths); returns each rank's list, by group rank.
-
-    Args:
-        local_lens: This rank's integers; every rank passes the same count.
-        group: The process group.
-        device: Where the exchange buffer lives (the backend's device: CUDA for NCCL).
-    """
-    world = dist.get_world_size(group)
-    local = torch.tensor(list(local_lens), dtype=torch.int64, device=device)
-    gathered = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(gathered, local, group=group)
-    return torch.stack(gathered).tolist()
 
 
 def _check_kv_lens(kv_lens: Sequence[int], world: int, rank: int, k_BSHD: torch.Tensor, v_BSHD: torch.Tensor) -> None:

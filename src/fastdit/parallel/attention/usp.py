@@ -26,8 +26,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from fastdit.parallel.attention.comm import gather_lengths
 from fastdit.parallel.attention.local import attention_with_lse, repeat_kv_heads
-from fastdit.parallel.attention.ring import all_gather_ints, ring_attention
+from fastdit.parallel.attention.ring import ring_attention
 
 __all__ = ["usp_attention", "usp_shard_index"]
 
@@ -142,9 +143,9 @@ def _shard_lens(
         return [(n, n) for n in seq_lens]
     # Gather inside the ulysses group, then exchange the groups' lists around the ring, so every rank of the grid
     # sees every shard and takes the same decision below.
-    in_group = all_gather_ints([q_BSHD.size(1), k_BSHD.size(1)], ulysses_group, q_BSHD.device)
+    in_group = gather_lengths([q_BSHD.size(1), k_BSHD.size(1)], ulysses_group, q_BSHD.device)
     flat = [n for pair in in_group for n in pair]
-    per_block = all_gather_ints(flat, ring_group, q_BSHD.device) if ring_degree > 1 else [flat]
+    per_block = gather_lengths(flat, ring_group, q_BSHD.device) if ring_degree > 1 else [flat]
     return [(block[2 * i], block[2 * i + 1]) for block in per_block for i in range(ulysses_degree)]
 
 
