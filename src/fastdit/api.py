@@ -191,9 +191,14 @@ def accelerate(
                 applied.undo.append(apply_compile(module, found, compile_config))
             if compile_config is not None and compile_config.cuda_graph:
                 from fastdit.cuda_graph import apply_cuda_graph
+                from fastdit.parallel.context_parallel import layout_key
 
                 # Last: a whole-call graph records every hook; block graphs sit inside the cache's block hooks.
-                applied.undo.append(apply_cuda_graph(module, compile_config, adapter=found, cached=cache is not None))
+                applied.undo.append(
+                    apply_cuda_graph(
+                        module, compile_config, adapter=found, cached=cache is not None, context_key=layout_key(module)
+                    )
+                )
     except BaseException:
         for undo in reversed(applied.undo):
             undo()

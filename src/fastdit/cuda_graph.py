@@ -149,9 +149,17 @@ class GraphedCalls:
         config: ``Compile`` with ``cuda_graph=True`` (warm-up count and graph limit).
         new_graph: Makes an empty graph.
         what: Names the function in messages (``"transformer"``, ``"block transformer_blocks.3"``).
+        context_key: Adds to every signature (see :func:`apply_cuda_graph`).
     """
 
-    def __init__(self, config: Compile, new_graph: Callable[[], CapturedGraph], what: str) -> None:
+    def __init__(
+        self,
+        config: Compile,
+        new_graph: Callable[[], CapturedGraph],
+        what: str,
+        context_key: Callable[[], Hashable] | None = None,
+    ) -> None:
+        self.context_key = context_key
         self.warmup = config.graph_warmup
         self.max_graphs = config.max_graphs
         self.new_graph = new_graph
@@ -169,6 +177,8 @@ class GraphedCalls:
             return fn(*args, **kwargs)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         key = _signature(leaves, spec)
+        if self.context_key is not None:
+            key = (self.context_key(), key)
         token = _CALL_SIGNATURE.set(key)
         try:
             entry = self.entries.get(key)
@@ -227,6 +237,7 @@ def apply_cuda_graph(
     *,
     adapter: ModelAdapter | None = None,
     cached: bool = False,
+    context_key: Callable[[], Hashable] | None = None,
     new_graph: Callable[[], CapturedGraph] | None = None,
 ) -> Callable[[], None]:
     """Serve ``transformer``'s calls, or each of its blocks' calls, from CUDA graphs; return the undo.
@@ -241,6 +252,9 @@ def apply_cuda_graph(
         adapter: Its adapter (the block lists; needed for scope ``"blocks"``).
         config: ``Compile`` with ``cuda_graph=True``.
         cached: Whether a step cache is installed on ``transformer``.
+        context_key: For block graphs, a function giving state that is equal on every rank and determines the
+            blocks' local shapes (the context-parallel split layout): added to each block call's signature, so all
+            ranks warm up, capture and replay at the same calls even when uneven shards collide on one rank.
         new_graph: Graph factory (tests substitute a recorder that replays on CPU).
 
     Raises:
@@ -259,7 +273,7 @@ def apply_cuda_graph(
         graphs = [GraphedCalls(config, new_graph, "transformer")]
         undo = [_hook(transformer, CudaGraphHook(graphs[0]))]
     else:
-        graphs, undo = _graph_blocks(transformer, adapter, config, new_graph)
+        graphs, undo = _graph_blocks(transformer, adapter, config, new_graph, context_key)
     transformer._fastdit_graphs = graphs
 
     def remove() -> None:
@@ -286,13 +300,17 @@ def _hook(module: torch.nn.Module, hook: ModelHook) -> Callable[[], None]:
 
 
 def _graph_blocks(
-    transformer: torch.nn.Module, adapter: ModelAdapter, config: Compile, new_graph: Callable[[], CapturedGraph]
+    transformer: torch.nn.Module,
+    adapter: ModelAdapter,
+    config: Compile,
+    new_graph: Callable[[], CapturedGraph],
+    context_key: Callable[[], Hashable] | None,
 ) -> tuple[list[GraphedCalls], list[Callable[[], None]]]:
     graphs: list[GraphedCalls] = []
     undo: list[Callable[[], None]] = []
     for group, blocks in block_lists(transformer, adapter):
         for i, block in enumerate(blocks):
-            calls = GraphedCalls(config, new_graph, f"block {group.path}.{i}")
+            calls = GraphedCalls(config, new_graph, f"block {group.path}.{i}", context_key)
             graphs.append(calls)
             registry = getattr(block, "_diffusers_hook", None)
             cache_hook = registry.get_hook(BLOCK_HOOK) if isinstance(registry, HookRegistry) else None

@@ -190,6 +190,42 @@ def _uneven_exchanges(rank: int, world_size: int, graphed: bool) -> dict[str, An
     return {"counts": counts, "same": all(torch.equal(outputs[0], out) for out in outputs[1:])}
 
 
+def _flux_inputs(tokens: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(tokens)
+    return {
+        "hidden_states": torch.randn(1, tokens, 16, generator=g),
+        "encoder_hidden_states": torch.randn(1, 4, 32, generator=g),
+        "pooled_projections": torch.randn(1, 32, generator=g),
+        "timestep": torch.tensor([0.5]),
+        "img_ids": torch.randn(tokens, 3, generator=g),
+        "txt_ids": torch.zeros(4, 3),
+    }
+
+
+def _block_graphs_uneven(rank: int, world_size: int) -> dict[str, Any]:
+    """Block graphs over 9 and 10 image tokens in turn: rank 0 holds 5 of either, rank 1 holds 4 or 5."""
+    from fastdit.cuda_graph import apply_cuda_graph, graph_stats
+    from fastdit.models.flux import ADAPTER, tiny_transformer
+    from fastdit.parallel.context_parallel import layout_key
+    from fastdit.testing.graphs import RecordingGraph
+
+    transformer = tiny_transformer(0)
+    fastdit.accelerate(transformer, parallel=fastdit.Parallel(ulysses=world_size))
+    config = fastdit.Compile(cuda_graph=True, graph_scope="blocks", graph_warmup=1)
+    key = layout_key(transformer)
+    undo = apply_cuda_graph(transformer, config, adapter=ADAPTER, context_key=key, new_graph=RecordingGraph)
+    outputs = []
+    try:
+        with torch.no_grad():
+            for tokens in (9, 10, 9, 10, 9):
+                outputs.append(transformer(**_flux_inputs(tokens)).sample)
+        stats = graph_stats(transformer)
+    finally:
+        undo()
+        fastdit.disable(transformer)
+    return {"stats": stats, "outputs": outputs}
+
+
 def _fp8_tiny(rank: int, world_size: int, chunks: int) -> np.ndarray:
     parallel = fastdit.Parallel(ulysses=world_size, comm_fp8=True, ulysses_chunks=chunks)
     return _accelerated(_tiny_pipeline(), {**TINY_CALL, "height": 32, "width": 32}, parallel=parallel)[0]
@@ -338,6 +374,21 @@ def test_uneven_shard_lengths_exchanged_once_per_graph_signature(dist2: WorkerPo
         # Served by graphs, the warm-up call exchanges and the capture and replays recall; otherwise every call asks.
         assert later == ([0, 0] if graphed else [first, first]), result["counts"]
         assert result["same"]
+
+
+@pytest.mark.distributed
+def test_block_graphs_capture_at_the_same_calls_on_every_rank(dist2: WorkerPool) -> None:
+    """Keyed on local shards alone, rank 0 would capture a block one call before rank 1 (collectives out of step:
+    with the CPU stand-in, whose capture runs the call, that rank would run its collectives twice and hang)."""
+    from fastdit.models.flux import tiny_transformer
+
+    with torch.no_grad():
+        expected = [tiny_transformer(0)(**_flux_inputs(n)).sample for n in (9, 10, 9, 10, 9)]
+    results = dist2.run(_block_graphs_uneven, timeout=120)
+    assert results[0]["stats"] == results[1]["stats"]
+    for result in results:
+        for out, want in zip(result["outputs"], expected, strict=True):
+            torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.distributed

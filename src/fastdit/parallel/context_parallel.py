@@ -418,6 +418,16 @@ def _install_routing(
         undo.append(mark_attention_modules(transformer, marker, local_paths))
 
 
+def layout_key(transformer: torch.nn.Module) -> Callable[[], tuple] | None:
+    """A function giving the current forward's splits (equal on every rank), or ``None`` without context parallel.
+
+    Code keyed on a rank's local shapes inside the forward (CUDA graphs per block) adds it to stay consistent across
+    ranks: under uneven splits two global layouts can give one rank the same shard but not another.
+    """
+    layout: ForwardLayout | None = getattr(transformer, "_fastdit_cp_layout", None)
+    return None if layout is None else layout.signature
+
+
 def apply_context_parallel(
     transformer: torch.nn.Module,
     adapter: ModelAdapter,
@@ -457,6 +467,8 @@ def apply_context_parallel(
     try:
         _install_routing(transformer, plan, marker, group, undo)
         undo.append(_install_hooks(transformer, plan, splitter))
+        transformer._fastdit_cp_layout = marker.forward
+        undo.append(lambda: delattr(transformer, "_fastdit_cp_layout"))
     except BaseException:
         for fn in reversed(undo):
             fn()

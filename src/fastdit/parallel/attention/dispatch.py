@@ -162,6 +162,10 @@ class ForwardLayout:
         self.even = True
         self.calls = 0
 
+    def signature(self) -> tuple:
+        """This forward's splits so far as a hashable value, equal on every rank (global sizes only)."""
+        return tuple((name, tuple(lens)) for name, lens in self.splits.items())
+
     def shard_lengths(
         self, local: list[int], exchange: Callable[[list[int]], list[list[int]]], rank: int
     ) -> list[list[int]]:
@@ -181,7 +185,9 @@ class ForwardLayout:
         signature = current_call_signature()
         if signature is None:
             return exchange(local)
-        memo = (signature, self.calls)
+        # The splits too: with graphs per block the signature holds local shards, and under uneven splits two
+        # different global layouts can give one rank the same shard but not another.
+        memo = (signature, self.signature(), self.calls)
         known = self.known_lens.get(memo)
         if known is None:
             known = exchange(local)
