@@ -207,3 +207,29 @@ def test_block_graphs_with_a_cache_match_the_cache_alone_on_gpu() -> None:
     info = fastdit.summary(pipe).transformers["transformer"]
     assert info["cuda_graph"]["replays"] == info["cache"]["blocks_computed"] - 3
     np.testing.assert_allclose(graphed, expected, atol=1e-5)
+
+
+def test_block_graphs_stay_outside_compiled_blocks() -> None:
+    """Graphs per block without a cache wrap the compiled call: dynamo never traces the graph bookkeeping."""
+    import torch._dynamo
+
+    from fastdit.cuda_graph import GraphedCalls
+
+    torch._dynamo.reset()
+    pipe, tiny = build_tiny("flux")
+    expected = run_tiny(pipe, tiny, num_inference_steps=3)
+    fastdit.accelerate(pipe, compile=fastdit.Compile(backend="eager"))
+    config = fastdit.Compile(backend="eager", cuda_graph=True, graph_scope="blocks", graph_warmup=1)
+    undo = apply_cuda_graph(pipe.transformer, config, adapter=get_family("flux"), new_graph=RecordingGraph)
+    try:
+        graphed = run_tiny(pipe, tiny, num_inference_steps=3)
+        stats = graph_stats(pipe.transformer)
+    finally:
+        undo()
+        fastdit.disable(pipe)
+    entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list
+    traced = sum(len(entries(f.__code__)) for f in (GraphedCalls.__call__, GraphedCalls._capture_when_due))
+    torch._dynamo.reset()
+    np.testing.assert_allclose(graphed, expected, atol=1e-6)
+    assert stats == {"graphs": 3, "replays": 6, "eager_calls": 3}
+    assert traced == 0

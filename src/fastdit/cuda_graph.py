@@ -244,8 +244,8 @@ def apply_cuda_graph(
 
     Installed after every other technique. Scope ``"call"``: one hook outermost on the transformer records the whole
     call. Scope ``"blocks"``: each block's own computation is graphed *inside* the cache's block hook (so cache
-    decisions stay on the host between blocks), or, for blocks without one, by a hook on the block. ``"auto"`` picks
-    ``"blocks"`` when a cache is installed (``cached``), else ``"call"``.
+    decisions stay on the host between blocks), or, for blocks without one, around the block's (compiled) call.
+    ``"auto"`` picks ``"blocks"`` when a cache is installed (``cached``), else ``"call"``.
 
     Args:
         transformer: A transformer whose parameters live on a CUDA device.
@@ -315,7 +315,7 @@ def _graph_blocks(
             registry = getattr(block, "_diffusers_hook", None)
             cache_hook = registry.get_hook(BLOCK_HOOK) if isinstance(registry, HookRegistry) else None
             if cache_hook is None:
-                undo.append(_hook(block, CudaGraphHook(calls)))
+                undo.append(_graph_module_call(block, calls))
                 continue
             # Inside the cache hook: it decides, then its compute function (compiled or not) replays a graph.
             previous = cache_hook.compute_fn
@@ -323,6 +323,21 @@ def _graph_blocks(
             cache_hook.compute_fn = functools.partial(calls, compute)
             undo.append(lambda hook=cache_hook, previous=previous: setattr(hook, "compute_fn", previous))
     return graphs, undo
+
+
+def _graph_module_call(block: torch.nn.Module, calls: GraphedCalls) -> Callable[[], None]:
+    """Serve ``block``'s calls from ``calls`` around its compiled call (or its plain call), never inside it.
+
+    A hook on the block would run inside ``block.compile()``'s compiled call, where dynamo would trace the graph
+    bookkeeping; ``nn.Module.__call__`` goes through ``_compiled_call_impl`` when it is set, so the graphs wrap that.
+    """
+    previous = block._compiled_call_impl
+    block._compiled_call_impl = functools.partial(calls, previous or block._call_impl)
+
+    def undo() -> None:
+        block._compiled_call_impl = previous
+
+    return undo
 
 
 def graph_stats(transformer: torch.nn.Module) -> dict[str, int] | None:
