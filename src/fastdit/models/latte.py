@@ -1,0 +1,166 @@
+"""Latte: ``LatteTransformer3DModel`` (text-to-video).
+
+Blocks (diffusers 0.42.1): two lists of ``BasicTransformerBlock``s with AdaLN-single modulation, run *interleaved*
+by one loop, ``spatial_0, temporal_0, spatial_1, temporal_1, ...``, with reshapes between them:
+
+* ``transformer_blocks`` (spatial): frames as batch, ``(B·F, N, D)``; self-attention over a frame's N tokens, then
+  cross-attention to the T5 prompt (read only, never updated), then a feed-forward. Called with ``hidden_states``,
+  ``attention_mask``, ``encoder_hidden_states``, ``encoder_attention_mask``, ``timestep``, ... all positionally;
+  returns the hidden states alone: pattern 2.
+* ``temporal_transformer_blocks``: token positions as batch, ``(B·N, F, D)``; self-attention over the F frames of one
+  token position, no cross-attention (``encoder_hidden_states`` is ``None``): pattern 3. Before the first one the
+  loop adds a temporal sin-cos position table.
+
+The cache engine runs block groups one after the other, so the two lists cannot both be groups. The cache treats
+the spatial blocks as the one group and the temporal blocks as work of the loop body, like the per-block work other
+families do between blocks: the segment residual (input of the first middle spatial block to output of the last)
+spans the temporal blocks in between. A step that reuses the residual would still run those temporal blocks and
+then discard their output; :func:`_patch` (the adapter's patch, active only while a cache is installed) makes such a
+temporal block return its input instead, which leaves outputs unchanged and saves their compute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.registry import register
+from fastdit.testing.components.autoencoder_kl import autoencoder_kl
+from fastdit.testing.components.encoders import build, t5_encoder
+
+TRANSFORMER = "diffusers.models.transformers.latte_transformer_3d.LatteTransformer3DModel"
+
+_TEXT_DIM = 32
+_SKIP_HOOK = "fastdit_latte_temporal_skip"
+
+
+def tiny_transformer(seed: int = 0, *, video_length: int = 4):
+    """A 3 + 3-block ``LatteTransformer3DModel`` (2 heads of 16) predicting noise and variance for 4-channel latents.
+
+    ``video_length`` must equal the number of latent frames: the temporal position table has that many rows.
+    """
+    from diffusers import LatteTransformer3DModel
+
+    return build(
+        LatteTransformer3DModel,
+        seed=seed,
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=8,
+        num_layers=3,
+        cross_attention_dim=32,
+        sample_size=16,
+        patch_size=2,
+        activation_fn="gelu-approximate",
+        num_embeds_ada_norm=1000,
+        norm_type="ada_norm_single",
+        norm_elementwise_affine=False,
+        norm_eps=1e-6,
+        caption_channels=_TEXT_DIM,
+        video_length=video_length,
+    )
+
+
+def tiny_t2v(seed: int = 0):
+    """A complete tiny ``LattePipeline`` (T5 prompt, 2-D ``AutoencoderKL`` decoding frame by frame)."""
+    from diffusers import DDIMScheduler, LattePipeline
+
+    text_encoder, tokenizer = t5_encoder(d_model=_TEXT_DIM, seed=seed + 1)
+    return LattePipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=autoencoder_kl(latent_channels=4, seed=seed),
+        transformer=tiny_transformer(seed),
+        scheduler=DDIMScheduler(),
+    )
+
+
+def _patch(transformer: torch.nn.Module) -> Callable[[], None]:
+    """Let a temporal block whose output a cached step discards return its input instead of computing.
+
+    On a step that reuses the residual, spatial block ``i`` of the middle segment (not its last) passes its input
+    through, and the segment's last spatial block replaces the stream by ``input + residual``: whatever temporal
+    blocks ``i`` computed in between is thrown away. Those temporal blocks therefore pass through too (exactly the
+    same output, less compute). Temporal blocks after the segment's last spatial block always run. Read from the
+    installed cache engine's slots and the active branch's decision; a no-op with any other engine (DBPrune).
+    """
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    from fastdit.cache import cache_engine
+    from fastdit.cache.hooks import CacheEngine
+
+    class _TemporalSkip(ModelHook):
+        def __init__(self, spatial_index: int) -> None:
+            super().__init__()
+            self.spatial_index = spatial_index
+
+        def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            engine = cache_engine(transformer)
+            if isinstance(engine, CacheEngine):
+                state = engine.tracker.active
+                slot = engine.slots[self.spatial_index]
+                if state is not None and not state.computing and slot.role == "middle" and not slot.last_in_segment:
+                    return args[0] if args else kwargs["hidden_states"]
+            return self.fn_ref.original_forward(*args, **kwargs)
+
+    temporal = list(transformer.temporal_transformer_blocks)
+    for index, block in enumerate(temporal):
+        HookRegistry.check_if_exists_or_initialize(block).register_hook(_TemporalSkip(index), _SKIP_HOOK)
+
+    def undo() -> None:
+        for block in temporal:
+            HookRegistry.check_if_exists_or_initialize(block).remove_hook(_SKIP_HOOK, recurse=False)
+
+    return undo
+
+
+_CALL = {
+    "prompt": "a cat walking on the grass",
+    "height": 32,
+    "width": 32,
+    "video_length": 4,
+    "num_inference_steps": 2,
+    "guidance_scale": 7.5,
+    "clean_caption": False,
+    "decode_chunk_size": 4,
+}
+
+ADAPTER = register(
+    ModelAdapter(
+        family="latte",
+        transformer_classes=(TRANSFORMER,),
+        block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P2),),
+        patch=_patch,
+        tiny_pipelines=(TinyPipeline(name="t2v", build=tiny_t2v, call_kwargs=_CALL),),
+        presets=(
+            ModelPreset(
+                name="latte",
+                pipeline_class="diffusers.LattePipeline",
+                hub_id="maxin-cn/Latte-1",
+                defaults={
+                    "num_inference_steps": 50,
+                    "guidance_scale": 7.5,
+                    "height": 512,
+                    "width": 512,
+                    "video_length": 16,
+                },
+            ),
+        ),
+        notes=(
+            "Spatial (`transformer_blocks`, pattern 2) and temporal (`temporal_transformer_blocks`, pattern 3) "
+            "blocks run interleaved with reshapes between them; the cache groups the spatial blocks only and treats "
+            "each temporal block as loop-body work (fn/bn count spatial blocks; the residual of the middle segment "
+            "spans the temporal blocks inside it, which a cached step skips through the family patch). CFG is "
+            "batched. Context parallelism is not supported: a split of the N tokens of a frame (exact for both "
+            "block kinds) must also split the temporal blocks' `timestep`, which forward repeats to (B·N, 6·D) "
+            "before the loop from the full N; for B > 1 (CFG) a rank's rows are N-strided, not one contiguous "
+            "slice, and the plan vocabulary has no such split. Splitting the frames instead meets the temporal "
+            "position table, a (1, video_length, D) buffer added in forward (no input to split). The latent frame "
+            "count must equal the model's `video_length` (16)."
+        ),
+    )
+)
