@@ -11,9 +11,9 @@ from __future__ import annotations
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
-from fastdit.testing.components.autoencoder_kl_wan import WAN_LATENT_CHANNELS, autoencoder_kl_wan
+from fastdit.testing.components.autoencoder_kl_wan import WAN_LATENT_CHANNELS, wan_components
 from fastdit.testing.components.clip_vision import clip_vision_model
-from fastdit.testing.components.encoders import build, umt5_encoder
+from fastdit.testing.components.encoders import build
 from fastdit.testing.components.images import random_image
 
 TRANSFORMER = "diffusers.models.transformers.transformer_skyreels_v2.SkyReelsV2Transformer3DModel"
@@ -52,14 +52,8 @@ def tiny_transformer(
 def _common(seed: int) -> dict:
     from diffusers import UniPCMultistepScheduler
 
-    text_encoder, tokenizer = umt5_encoder(d_model=_TEXT_DIM, seed=seed)
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=8.0)
-    return {
-        "vae": autoencoder_kl_wan(seed=seed),
-        "text_encoder": text_encoder,
-        "tokenizer": tokenizer,
-        "scheduler": scheduler,
-    }
+    return wan_components(text_dim=_TEXT_DIM, scheduler=scheduler, seed=seed)
 
 
 def tiny_skyreels_t2v(seed: int = 0):

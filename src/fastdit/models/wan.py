@@ -11,9 +11,9 @@ from __future__ import annotations
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan_shapes import wan_blocks_plan
-from fastdit.testing.components.autoencoder_kl_wan import autoencoder_kl_wan
+from fastdit.testing.components.autoencoder_kl_wan import autoencoder_kl_wan, wan_components
 from fastdit.testing.components.clip_vision import clip_vision_model
-from fastdit.testing.components.encoders import build, umt5_encoder
+from fastdit.testing.components.encoders import build
 from fastdit.testing.components.images import random_image
 
 TRANSFORMER = "diffusers.models.transformers.transformer_wan.WanTransformer3DModel"
@@ -49,13 +49,7 @@ def tiny_transformer(seed: int = 0, *, in_channels: int = _Z_DIM, image_dim: int
 def _common(seed: int) -> dict:
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    text_encoder, tokenizer = umt5_encoder(d_model=_TEXT_DIM, seed=seed)
-    return {
-        "vae": autoencoder_kl_wan(seed=seed),
-        "text_encoder": text_encoder,
-        "tokenizer": tokenizer,
-        "scheduler": FlowMatchEulerDiscreteScheduler(shift=5.0),
-    }
+    return wan_components(text_dim=_TEXT_DIM, scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), seed=seed)
 
 
 def tiny_wan_t2v(seed: int = 0):

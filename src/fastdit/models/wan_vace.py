@@ -27,8 +27,8 @@ import numpy as np
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
-from fastdit.testing.components.autoencoder_kl_wan import autoencoder_kl_wan
-from fastdit.testing.components.encoders import build, umt5_encoder
+from fastdit.testing.components.autoencoder_kl_wan import wan_components
+from fastdit.testing.components.encoders import build
 
 TRANSFORMER = "diffusers.models.transformers.transformer_wan_vace.WanVACETransformer3DModel"
 
@@ -70,13 +70,7 @@ def tiny_transformer(seed: int = 0):
 def _components(seed: int) -> dict:
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    text_encoder, tokenizer = umt5_encoder(d_model=_TEXT_DIM, seed=seed)
-    return {
-        "vae": autoencoder_kl_wan(seed=seed),
-        "text_encoder": text_encoder,
-        "tokenizer": tokenizer,
-        "scheduler": FlowMatchEulerDiscreteScheduler(shift=3.0),
-    }
+    return wan_components(text_dim=_TEXT_DIM, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), seed=seed)
 
 
 def tiny_wan_vace(seed: int = 0):

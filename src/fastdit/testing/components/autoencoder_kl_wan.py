@@ -11,7 +11,7 @@ from typing import Any
 
 from fastdit.testing.components.encoders import build
 
-__all__ = ["WAN_LATENT_CHANNELS", "autoencoder_kl_wan"]
+__all__ = ["WAN_LATENT_CHANNELS", "autoencoder_kl_wan", "wan_components"]
 
 # Latent channels of the released Wan 2.1 VAE: the class's default latent statistics have this many entries.
 WAN_LATENT_CHANNELS = 16
@@ -46,3 +46,21 @@ def autoencoder_kl_wan(*, latent_channels: int = WAN_LATENT_CHANNELS, wan22: boo
         temperal_downsample=[False, True, True],
         **extra,
     )
+
+
+def wan_components(*, text_dim: int, scheduler: Any, seed: int = 0) -> dict[str, Any]:
+    """The parts Wan-style pipelines share: a tiny UMT5 text encoder and tokenizer, the tiny Wan 2.1 VAE, ``scheduler``.
+
+    Args:
+        text_dim: The text encoder's width (the transformer's ``text_dim``).
+        scheduler: The pipeline's scheduler (families differ in its class and shift).
+        seed: Seed of the random weights.
+
+    Returns:
+        ``vae``, ``text_encoder``, ``tokenizer`` and ``scheduler``, as pipeline keyword arguments.
+    """
+    from fastdit.testing.components.encoders import umt5_encoder
+
+    text_encoder, tokenizer = umt5_encoder(d_model=text_dim, seed=seed)
+    return {"vae": autoencoder_kl_wan(seed=seed), "text_encoder": text_encoder, "tokenizer": tokenizer,
+            "scheduler": scheduler}  # fmt: skip
