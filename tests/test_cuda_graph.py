@@ -16,8 +16,9 @@ import pytest
 import torch
 
 import fastdit
-from fastdit.cuda_graph import apply_cuda_graph, graph_stats
-from fastdit.models.registry import get_family
+from fastdit.cuda_graph import apply_cuda_graph
+from fastdit.context import context_of
+from fastdit.hooks import layers
 from fastdit.testing.graphs import RecordingGraph
 from fastdit.testing.pipelines import build_tiny, run_tiny
 
@@ -33,24 +34,30 @@ class Doubler(torch.nn.Module):
         return (x * self.weight + shift,)
 
 
-def _graphed(module: torch.nn.Module, **config: Any) -> Callable[[], None]:
-    return apply_cuda_graph(module, fastdit.Compile(cuda_graph=True, **config), new_graph=RecordingGraph)
+def _graphed(module: torch.nn.Module, **config: Any) -> Any:
+    return apply_cuda_graph(module, fastdit.CudaGraph(**config), new_graph=RecordingGraph)
+
+
+def _blocks(pipe: Any) -> list[tuple[str, torch.nn.Module]]:
+    from fastdit.components import walk
+
+    return walk(pipe).denoisers[0].blocks()
 
 
 @torch.no_grad()
 def test_replays_with_new_inputs_after_warmup() -> None:
     module = Doubler()
-    _graphed(module, graph_warmup=2)
+    graphed = _graphed(module, warmup=2)
     for i in range(5):
         x = torch.full((3,), float(i))
         torch.testing.assert_close(module(x)[0], x * 2, rtol=0, atol=0)
-    assert graph_stats(module) == {"graphs": 1, "replays": 3, "eager_calls": 2}
+    assert graphed.state.stats() == {"graphs": 1, "replays": 3, "eager_calls": 2}
 
 
 @torch.no_grad()
 def test_outputs_are_copies_the_next_replay_cannot_overwrite() -> None:
     module = Doubler()
-    _graphed(module, graph_warmup=1)
+    graphed = _graphed(module, warmup=1)
     module(torch.zeros(2))  # warm-up
     first = module(torch.ones(2))[0]
     second = module(torch.full((2,), 5.0))[0]
@@ -61,22 +68,22 @@ def test_outputs_are_copies_the_next_replay_cannot_overwrite() -> None:
 @torch.no_grad()
 def test_each_signature_gets_its_own_graph() -> None:
     module = Doubler()
-    _graphed(module, graph_warmup=1)
+    graphed = _graphed(module, warmup=1)
     double = torch.ones(2, dtype=torch.float64)
     calls = [(torch.ones(2), 0.0), (torch.ones(3), 0.0), (torch.ones(2), 1.0), (double, 0.0)]
     for x, shift in calls * 3:
         torch.testing.assert_close(module(x, shift)[0], x * 2 + shift)
-    assert graph_stats(module) == {"graphs": 4, "replays": 8, "eager_calls": 4}
+    assert graphed.state.stats() == {"graphs": 4, "replays": 8, "eager_calls": 4}
 
 
 @torch.no_grad()
 def test_signatures_beyond_max_graphs_run_without_graph(caplog: pytest.LogCaptureFixture) -> None:
     module = Doubler()
-    _graphed(module, graph_warmup=1, max_graphs=1)
+    graphed = _graphed(module, warmup=1, max_graphs=1)
     with caplog.at_level(logging.WARNING, logger="fastdit.cuda_graph"):
         for n in (2, 2, 3, 3, 3):
             torch.testing.assert_close(module(torch.ones(n))[0], torch.full((n,), 2.0))
-    assert graph_stats(module) == {"graphs": 1, "replays": 1, "eager_calls": 4}
+    assert graphed.state.stats() == {"graphs": 1, "replays": 1, "eager_calls": 4}
     assert "max_graphs" in caplog.text
 
 
@@ -84,18 +91,18 @@ def test_signatures_beyond_max_graphs_run_without_graph(caplog: pytest.LogCaptur
 def test_unhashable_argument_is_refused_naming_the_option() -> None:
     module = Doubler()
     _graphed(module)
-    with pytest.raises(TypeError, match=r"Compile\.cuda_graph.*bytearray"):
+    with pytest.raises(TypeError, match=r"CudaGraph.*bytearray"):
         module(torch.ones(2), 0.0, bytearray(b"x"))
 
 
 def test_calls_with_autograd_run_without_graph() -> None:
     module = Doubler()
-    _graphed(module, graph_warmup=1)
+    graphed = _graphed(module, warmup=1)
     for _ in range(3):
         out = module(torch.ones(2))[0]
     out.sum().backward()
     assert module.weight.grad is not None
-    assert graph_stats(module) == {"graphs": 0, "replays": 0, "eager_calls": 3}
+    assert graphed.state.stats() == {"graphs": 0, "replays": 0, "eager_calls": 3}
 
 
 @torch.no_grad()
@@ -105,9 +112,9 @@ def test_capture_failure_names_the_option() -> None:
             raise RuntimeError("operation not permitted when stream is capturing")
 
     module = Doubler()
-    apply_cuda_graph(module, fastdit.Compile(cuda_graph=True, graph_warmup=1), new_graph=Failing)
+    apply_cuda_graph(module, fastdit.CudaGraph(warmup=1), new_graph=Failing)
     module(torch.ones(2))
-    with pytest.raises(RuntimeError, match=r"Compile\.cuda_graph.*stream is capturing"):
+    with pytest.raises(RuntimeError, match=r"CudaGraph.*stream is capturing"):
         module(torch.ones(2))
 
 
@@ -115,24 +122,26 @@ def test_tiny_flux_pipeline_is_bit_identical_and_undo_restores() -> None:
     pipe, tiny = build_tiny("flux")
     steps = 4  # replays past the capturing call read new inputs
     baseline = run_tiny(pipe, tiny, num_inference_steps=steps)
-    undo = _graphed(pipe.transformer, graph_warmup=1)
+    undo = _graphed(pipe.transformer, warmup=1)
     graphed = run_tiny(pipe, tiny, num_inference_steps=steps)
-    assert graph_stats(pipe.transformer) == {"graphs": 1, "replays": steps - 1, "eager_calls": 1}
+    assert undo.state.stats() == {"graphs": 1, "replays": steps - 1, "eager_calls": 1}
     np.testing.assert_array_equal(graphed, baseline)
     undo()
-    assert graph_stats(pipe.transformer) is None
+    assert layers.stack_of(pipe.transformer) is None
     np.testing.assert_array_equal(run_tiny(pipe, tiny, seed=1), run_tiny(build_tiny("flux")[0], tiny, seed=1))
 
 
 def test_accelerate_refuses_cpu_model_and_whole_call_graphs_with_a_cache() -> None:
     pipe, _ = build_tiny("flux")
-    with pytest.raises(ValueError, match=r"Compile\.cuda_graph=True: the transformer must be on a CUDA device"):
-        fastdit.accelerate(pipe, compile=fastdit.Compile(cuda_graph=True, backend="eager"))
-    assert getattr(pipe, "_fastdit_state", None) is None
-    assert graph_stats(pipe.transformer) is None
+    with pytest.raises(ValueError, match=r"CudaGraph: the transformer must be on a CUDA device"):
+        fastdit.accelerate(pipe, cuda_graph=fastdit.CudaGraph())
+    assert context_of(pipe) is None
+    assert layers.stack_of(pipe.transformer) is None
     whole_call = fastdit.Compile(cuda_graph=True, graph_scope="call")
-    with pytest.raises(ValueError, match=r"graph_scope='call'.*cache"):
+    with pytest.raises(ValueError, match=r"scope='call'.*cache"):
         fastdit.accelerate(pipe, cache=fastdit.FBCache(), compile=whole_call)
+    with pytest.raises(ValueError, match=r"scope='call'.*cache"):
+        fastdit.accelerate(pipe, cache=fastdit.FBCache(), cuda_graph=fastdit.CudaGraph(scope="call"))
 
 
 def test_block_graphs_run_inside_the_cache_hooks() -> None:
@@ -144,11 +153,11 @@ def test_block_graphs_run_inside_the_cache_hooks() -> None:
     fastdit.accelerate(pipe, cache=cache)
     expected = run_tiny(pipe, tiny, num_inference_steps=steps)
     expected_computed = fastdit.summary(pipe).transformers["transformer"]["cache"]["blocks_computed"]
-    config = fastdit.Compile(cuda_graph=True, graph_warmup=1)
-    undo = apply_cuda_graph(pipe.transformer, config, adapter=get_family("flux"), cached=True, new_graph=RecordingGraph)
+    config = fastdit.CudaGraph(warmup=1)
+    undo = apply_cuda_graph(pipe.transformer, config, blocks=_blocks(pipe), cached=True, new_graph=RecordingGraph)
     try:
         graphed = run_tiny(pipe, tiny, num_inference_steps=steps)
-        stats = graph_stats(pipe.transformer)
+        stats = undo.state.stats()
         computed = fastdit.summary(pipe).transformers["transformer"]["cache"]["blocks_computed"]
     finally:
         undo()
@@ -162,9 +171,9 @@ def test_block_graphs_run_inside_the_cache_hooks() -> None:
 
 def test_data_dependent_attention_lengths_refuse_graphs_before_anything() -> None:
     pipe, _ = build_tiny("mochi")
-    with pytest.raises(ValueError, match=r"cuda_graph=True.*mochi.*depend on the data"):
+    with pytest.raises(ValueError, match=r"cuda_graph=CudaGraph.*mochi.*depend on the data"):
         fastdit.accelerate(pipe, parallel=fastdit.Parallel(ulysses=2), compile=fastdit.Compile(cuda_graph=True))
-    assert getattr(pipe, "_fastdit_state", None) is None
+    assert context_of(pipe) is None
 
 
 @pytest.mark.parametrize(
@@ -187,7 +196,7 @@ def test_cuda_graph_pipeline_matches_eager_on_gpu() -> None:
     pipe, tiny = build_tiny("flux")
     pipe.to("cuda")
     baseline = run_tiny(pipe, tiny)
-    fastdit.accelerate(pipe, compile=fastdit.Compile(cuda_graph=True, backend="eager", graph_warmup=1))
+    fastdit.accelerate(pipe, cuda_graph=fastdit.CudaGraph(warmup=1))
     graphed = run_tiny(pipe, tiny)
     assert fastdit.summary(pipe).transformers["transformer"]["cuda_graph"]["replays"] > 0
     np.testing.assert_allclose(graphed, baseline, atol=1e-5)
@@ -202,7 +211,7 @@ def test_block_graphs_with_a_cache_match_the_cache_alone_on_gpu() -> None:
     fastdit.accelerate(pipe, cache=cache)
     expected = run_tiny(pipe, tiny, num_inference_steps=6)
     fastdit.disable(pipe)
-    fastdit.accelerate(pipe, cache=cache, compile=fastdit.Compile(cuda_graph=True, backend="eager", graph_warmup=1))
+    fastdit.accelerate(pipe, cache=cache, cuda_graph=fastdit.CudaGraph(warmup=1))
     graphed = run_tiny(pipe, tiny, num_inference_steps=6)
     info = fastdit.summary(pipe).transformers["transformer"]
     assert info["cuda_graph"]["replays"] == info["cache"]["blocks_computed"] - 3
@@ -219,11 +228,11 @@ def test_block_graphs_stay_outside_compiled_blocks() -> None:
     pipe, tiny = build_tiny("flux")
     expected = run_tiny(pipe, tiny, num_inference_steps=3)
     fastdit.accelerate(pipe, compile=fastdit.Compile(backend="eager"))
-    config = fastdit.Compile(backend="eager", cuda_graph=True, graph_scope="blocks", graph_warmup=1)
-    undo = apply_cuda_graph(pipe.transformer, config, adapter=get_family("flux"), new_graph=RecordingGraph)
+    config = fastdit.CudaGraph(scope="blocks", warmup=1)
+    undo = apply_cuda_graph(pipe.transformer, config, blocks=_blocks(pipe), new_graph=RecordingGraph)
     try:
         graphed = run_tiny(pipe, tiny, num_inference_steps=3)
-        stats = graph_stats(pipe.transformer)
+        stats = undo.state.stats()
     finally:
         undo()
         fastdit.disable(pipe)

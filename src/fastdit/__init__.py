@@ -23,6 +23,7 @@ _EXPORTS = {
     "summary": "fastdit.api",
     "Attention": "fastdit.config",
     "Compile": "fastdit.config",
+    "CudaGraph": "fastdit.config",
     "DBCache": "fastdit.config",
     "DBPrune": "fastdit.config",
     "FBCache": "fastdit.config",
@@ -39,6 +40,7 @@ __all__ = [
     "Attention",
     "BlockGroup",
     "Compile",
+    "CudaGraph",
     "DBCache",
     "DBPrune",
     "FBCache",
@@ -58,7 +60,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from fastdit.api import Summary, accelerate, disable, reset, summary
-    from fastdit.config import Attention, Compile, DBCache, DBPrune, FBCache, Parallel, StepMask, TaylorSeer
+    from fastdit.config import Attention, Compile, CudaGraph, DBCache, DBPrune, FBCache, Parallel, StepMask, TaylorSeer
     from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter
     from fastdit.models.registry import register
 

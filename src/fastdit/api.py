@@ -1,43 +1,31 @@
 """The public entry points: :func:`accelerate`, :func:`disable`, :func:`summary`, :func:`reset`.
 
-``accelerate`` resolves the adapter of every transformer in a pipeline (or of a bare transformer), validates the
-requested combination once, then applies the techniques in one fixed order:
+``accelerate`` walks the target's components (denoisers, text encoders, VAEs), checks every requested technique
+before touching any module, creates the parallel runtime once, then applies :data:`fastdit.techniques.TECHNIQUES`
+in their one order:
 
     tensor parallel → context parallel → CFG parallel → cache hooks → compile → CUDA graphs
 
-(text-encoder and VAE parallelism act on their own modules). Each step returns an undo function; ``disable`` runs
-them in reverse order, restoring the exact original behaviour.
+(text-encoder and VAE parallelism act on their own modules). What was applied is one :class:`~fastdit.context.Context`
+per target; ``disable`` undoes its records in reverse, restoring the exact original behaviour. How the hooks of
+different techniques nest on a module is fixed by the layer table of :mod:`fastdit.hooks.layers`, not by this order.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from fastdit.cache import apply_cache, cache_engine, cache_summary
-from fastdit.cache.policy import Reducer
-from fastdit.config import Attention, Compile, DBCache, DBPrune, Parallel
-from fastdit.cuda_graph import graph_stats
+from fastdit.components import walk
+from fastdit.config import Attention, Compile, CudaGraph, DBCache, DBPrune, Parallel
+from fastdit.context import Context, Request, attach, context_of, detach
 from fastdit.models.base import ModelAdapter
-from fastdit.models.registry import adapter_for
+from fastdit.techniques import check_all, check_request
 
 __all__ = ["Summary", "accelerate", "disable", "find_transformers", "reset", "summary"]
-
-_STATE_ATTR = "_fastdit_state"
-
-
-@dataclass
-class _Applied:
-    transformers: dict[str, torch.nn.Module]
-    cache: DBCache | DBPrune | None
-    parallel: Parallel | None
-    compile: Compile | None
-    undo: list[Callable[[], None]] = field(default_factory=list)
-    runtime: Any = None  # ParallelRuntime when parallelism is active
 
 
 def find_transformers(
@@ -52,100 +40,52 @@ def find_transformers(
     Raises:
         ValueError: if no component has an adapter.
     """
-    if isinstance(target, torch.nn.Module):
-        found = adapter or adapter_for(target)
-        if found is None:
-            raise ValueError(
-                f"no adapter is registered for {type(target).__module__}.{type(target).__qualname__}; "
-                "pass adapter=ModelAdapter(...) or register one (docs/adding_a_model.md)"
-            )
-        return {"transformer": (target, found)}
-    components = getattr(target, "components", None)
-    if not isinstance(components, dict):
-        raise ValueError(f"target={type(target).__name__}: expected a diffusers pipeline or a torch.nn.Module")
-    out = {}
-    for name, module in components.items():
-        if isinstance(module, torch.nn.Module):
-            found = adapter if adapter is not None and _serves(adapter, module) else adapter_for(module)
-            if found is not None:
-                out[name] = (module, found)
-    if not out:
-        names = {k: type(v).__name__ for k, v in components.items() if isinstance(v, torch.nn.Module)}
-        raise ValueError(f"no component of {type(target).__name__} has a fastdit adapter: {names}")
-    return out
+    return {c.name: (c.module, c.adapter) for c in walk(target, adapter).denoisers}
 
 
-def _serves(adapter: ModelAdapter, module: torch.nn.Module) -> bool:
-    return f"{type(module).__module__}.{type(module).__qualname__}" in adapter.transformer_classes
-
-
-def _validate(cache: Any, parallel: Any, compile: Any, attention: Any) -> None:
+def _request(cache: Any, parallel: Any, compile: Any, cuda_graph: Any, attention: Any) -> Request:
+    """Type-check the arguments and normalise them into one :class:`Request`."""
     if cache is not None and not isinstance(cache, (DBCache, DBPrune)):
         raise TypeError(f"cache={cache!r}: expected DBCache, FBCache(...), DBPrune or None")
     if parallel is not None and not isinstance(parallel, Parallel):
         raise TypeError(f"parallel={parallel!r}: expected Parallel or None")
-    if compile is not None and not isinstance(compile, (Compile, bool)):
+    if compile is not None and compile is not False and not isinstance(compile, (Compile, bool)):
         raise TypeError(f"compile={compile!r}: expected Compile, True or None")
+    if cuda_graph is not None and not isinstance(cuda_graph, CudaGraph):
+        raise TypeError(f"cuda_graph={cuda_graph!r}: expected CudaGraph or None")
     if attention is not None and not isinstance(attention, Attention):
         raise TypeError(f"attention={attention!r}: expected Attention or None")
-    if parallel is not None:
-        missing = [name for name in ("tp", "cfg") if getattr(parallel, name) > 1]
-        missing += [name for name in ("text_encoder", "vae") if getattr(parallel, name)]
-        if missing:
-            raise NotImplementedError(
-                f"parallel={parallel}: {', '.join(missing)} parallelism is not available in this version of fastdit"
-            )
-    if isinstance(compile, Compile) and compile.cuda_graph and compile.graph_scope == "call" and cache is not None:
+    compile_config = Compile() if compile is True else (compile or None)
+    from_compile = CudaGraph.from_compile(compile_config) if compile_config is not None else None
+    if cuda_graph is not None and from_compile is not None:
         raise ValueError(
-            f"compile=Compile(cuda_graph=True, graph_scope='call') with cache={cache!r}: a step cache decides on the "
-            "host between blocks, which a CUDA graph of the whole call cannot do; use graph_scope='blocks' or 'auto'"
+            f"cuda_graph={cuda_graph} and compile={compile_config}: ask for CUDA graphs once "
+            "(cuda_graph=CudaGraph(...))"
         )
-    if attention is not None and attention != Attention() and not _context_parallel(parallel):
+    request = Request(
+        cache=cache,
+        parallel=parallel,
+        compile=compile_config,
+        cuda_graph=cuda_graph or from_compile,
+        attention=attention,
+    )
+    if attention is not None and attention != Attention() and not request.context_parallel:
         raise NotImplementedError(
             f"attention={attention}: attention backends other than the default are only available with "
             "context parallelism (Parallel(ulysses=...) or Parallel(ring=...))"
         )
+    return request
 
 
-def _check_graphs(
-    transformers: dict[str, tuple[torch.nn.Module, ModelAdapter]], parallel: Parallel | None, compile: Compile | None
-) -> None:
-    """CUDA graphs freeze every host value of a call: refuse plans whose attention lengths change with the data."""
-    if compile is None or not compile.cuda_graph or not _context_parallel(parallel):
-        return
-    for name, (_, found) in transformers.items():
-        if found.cp_plan is not None and found.cp_plan.attention.exchange_lengths:
-            raise ValueError(
-                f"compile=Compile(cuda_graph=True) with parallel={parallel}: {name} ({found.family}) exchanges "
-                "attention lengths that depend on the data at every call, which a CUDA graph would freeze; use "
-                "cuda_graph=False"
-            )
-
-
-def _context_parallel(parallel: Parallel | None) -> bool:
-    return parallel is not None and parallel.ulysses * parallel.ring > 1
-
-
-def _apply_context_parallel(
-    transformers: dict[str, tuple[torch.nn.Module, ModelAdapter]],
-    parallel: Parallel,
-    attention: Attention | None,
-    applied: _Applied,
-) -> Reducer:
-    """Context parallel on every transformer; returns the reducer that keeps cache decisions equal on all ranks."""
-    from fastdit.parallel.context_parallel import apply_context_parallel, context_parallel_group, cp_reducer
+def _runtime(request: Request, context: Context) -> Any:
+    """The process groups and mesh, created once before any technique (``None`` on one process)."""
+    if not request.distributed:
+        return None
     from fastdit.parallel.runtime import ParallelRuntime
 
-    for name, (_, found) in transformers.items():
-        if found.cp_plan is None:  # before any process group or hook exists
-            raise ValueError(f"{name}: model family {found.family!r} has no context-parallel plan")
-    first = next(iter(transformers.values()))[0]
+    first = context.components.denoisers[0].module
     param = next(first.parameters(), None)
-    runtime = ParallelRuntime.from_config(parallel, device=None if param is None else param.device)
-    applied.runtime = runtime
-    for module, found in transformers.values():
-        applied.undo.append(apply_context_parallel(module, found, parallel, runtime, attention=attention))
-    return cp_reducer(context_parallel_group(runtime))
+    return ParallelRuntime.from_config(request.parallel, device=None if param is None else param.device)
 
 
 def accelerate(
@@ -154,6 +94,7 @@ def accelerate(
     cache: DBCache | DBPrune | None = None,
     parallel: Parallel | None = None,
     compile: Compile | bool | None = None,
+    cuda_graph: CudaGraph | None = None,
     attention: Attention | None = None,
     adapter: ModelAdapter | None = None,
 ) -> Any:
@@ -164,69 +105,52 @@ def accelerate(
         cache: Step caching (``DBCache``, ``FBCache(...)``, ``DBPrune``), or ``None``.
         parallel: Parallel layout, or ``None`` for one device.
         compile: ``True`` or a :class:`Compile` to ``torch.compile`` the transformer blocks.
+        cuda_graph: A :class:`CudaGraph` to replay transformer (or block) calls from CUDA graphs; works with or
+            without ``compile``.
         attention: Attention backend selection.
         adapter: Adapter for a transformer class that is not registered (third-party models).
 
     Returns:
         ``target`` itself.
+
+    Raises:
+        TypeError, ValueError, NotImplementedError: before any module is touched, naming the argument.
     """
-    _validate(cache, parallel, compile, attention)
-    if getattr(target, _STATE_ATTR, None) is not None:
+    request = _request(cache, parallel, compile, cuda_graph, attention)
+    check_request(request)
+    if context_of(target) is not None:
         raise ValueError(f"{type(target).__name__} is already accelerated; call fastdit.disable first")
-    transformers = find_transformers(target, adapter)
-    compile_config = Compile() if compile is True else (compile or None)
-    _check_graphs(transformers, parallel, compile_config)
-    applied = _Applied({k: m for k, (m, _) in transformers.items()}, cache, parallel, compile_config)
+    components = walk(target, adapter)
+    techniques = check_all(request, components)
+    context = Context(request, components)
     try:
-        reducer = None
-        if _context_parallel(parallel):
-            # Context parallel before the cache hooks, so the cache wraps the split model and sees its shards.
-            reducer = _apply_context_parallel(transformers, parallel, attention, applied)
-        for module, found in transformers.values():
-            if cache is not None:
-                applied.undo.append(apply_cache(module, found, cache, reducer=reducer))
-            if compile_config is not None:
-                from fastdit.compile import apply_compile
-
-                applied.undo.append(apply_compile(module, found, compile_config))
-            if compile_config is not None and compile_config.cuda_graph:
-                from fastdit.cuda_graph import apply_cuda_graph
-                from fastdit.parallel.context_parallel import layout_key
-
-                # Last: a whole-call graph records every hook; block graphs sit inside the cache's block hooks.
-                applied.undo.append(
-                    apply_cuda_graph(
-                        module, compile_config, adapter=found, cached=cache is not None, context_key=layout_key(module)
-                    )
-                )
+        context.runtime = _runtime(request, context)
+        for technique in techniques:
+            technique.apply(context)
     except BaseException:
-        for undo in reversed(applied.undo):
-            undo()
+        context.undo_all()
         raise
-    setattr(target, _STATE_ATTR, applied)
+    attach(target, context)
     return target
 
 
 def disable(target: Any) -> Any:
     """Undo :func:`accelerate`: every hook and patch is removed; the model behaves exactly as before."""
-    applied: _Applied | None = getattr(target, _STATE_ATTR, None)
-    if applied is None:
+    context = detach(target)
+    if context is None:
         raise ValueError(f"{type(target).__name__} is not accelerated by fastdit")
-    for undo in reversed(applied.undo):
-        undo()
-    delattr(target, _STATE_ATTR)
+    context.undo_all()
     return target
 
 
 def reset(target: Any) -> None:
     """Forget all cached state now (the next call starts a fresh run). Runs also reset by themselves."""
-    applied: _Applied | None = getattr(target, _STATE_ATTR, None)
-    if applied is None:
+    context = context_of(target)
+    if context is None:
         return
-    for module in applied.transformers.values():
-        engine = cache_engine(module)
-        if engine is not None:
-            engine.tracker.reset()
+    for record in context.applied():
+        if record.technique == "cache":
+            record.state.tracker.reset()
 
 
 @dataclass
@@ -284,20 +208,23 @@ class Summary:
 
 def summary(target: Any) -> Summary:
     """Statistics of the last run of an accelerated pipeline or transformer."""
-    applied: _Applied | None = getattr(target, _STATE_ATTR, None)
-    if applied is None:
+    from fastdit.cache import cache_summary
+
+    context = context_of(target)
+    if context is None:
         raise ValueError(f"{type(target).__name__} is not accelerated by fastdit")
     out: dict[str, dict[str, Any]] = {}
-    for name, module in applied.transformers.items():
-        info: dict[str, Any] = {"class": type(module).__name__}
-        runtime = applied.runtime
+    for item in context.components.denoisers:
+        info: dict[str, Any] = {"class": type(item.module).__name__}
+        runtime = context.runtime
         if runtime is not None:
             info["parallel"] = {"rank": runtime.rank, "world_size": runtime.world_size, "layout": repr(runtime)}
-        stats = cache_summary(module)
-        if stats is not None:
-            info["cache"] = stats
-        graphs = graph_stats(module)
+        info["techniques"] = [r.technique for r in context.applied(item.name)]
+        engine = context.state("cache", item.name)
+        if engine is not None:
+            info["cache"] = cache_summary(engine)
+        graphs = context.state("cuda_graph", item.name)
         if graphs is not None:
-            info["cuda_graph"] = graphs
-        out[name] = info
+            info["cuda_graph"] = graphs.stats()
+        out[item.name] = info
     return Summary(out)

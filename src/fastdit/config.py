@@ -12,6 +12,7 @@ from typing import Any, Literal
 __all__ = [
     "Attention",
     "Compile",
+    "CudaGraph",
     "DBCache",
     "DBPrune",
     "FBCache",
@@ -302,3 +303,38 @@ class Attention:
     def __post_init__(self) -> None:
         _check(self.backend in ATTENTION_BACKENDS, "Attention", "backend", self.backend, f"one of {ATTENTION_BACKENDS}")
         _check(self.gqa in ("auto", "native", "repeat"), "Attention", "gqa", self.gqa, "one of auto, native, repeat")
+
+
+GRAPH_SCOPES = ("auto", "call", "blocks")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CudaGraph:
+    """CUDA graphs: capture calls once per input signature and replay them (CUDA only; no ``torch.compile`` needed).
+
+    Graphs remove CPU launch overhead, which dominates when each GPU's share of the work is small (context
+    parallelism, small images, compiled kernels). With :class:`Compile` as well, the compiled blocks are graphed.
+    """
+
+    scope: str = _doc(
+        "'call': one graph per transformer call (hooks and collectives included); 'blocks': one per block call, "
+        "beneath the cache's block hooks so cache decisions stay on the host; 'auto': 'blocks' with a cache, else "
+        "'call'.",
+        "auto",
+    )
+    warmup: int = _doc("Calls per input signature run normally before the graph is captured.", 2)
+    max_graphs: int = _doc(
+        "Input signatures captured per transformer (or block); later new ones run without a graph.", 8
+    )
+
+    def __post_init__(self) -> None:
+        _check(self.scope in GRAPH_SCOPES, "CudaGraph", "scope", self.scope, f"one of {GRAPH_SCOPES}")
+        _check_int("CudaGraph", "warmup", self.warmup, 1)
+        _check_int("CudaGraph", "max_graphs", self.max_graphs, 1)
+
+    @classmethod
+    def from_compile(cls, compile: Compile) -> CudaGraph | None:
+        """The graphs a ``Compile(cuda_graph=True, graph_*=...)`` asks for (``None`` without ``cuda_graph``)."""
+        if not compile.cuda_graph:
+            return None
+        return cls(scope=compile.graph_scope, warmup=compile.graph_warmup, max_graphs=compile.max_graphs)

@@ -12,7 +12,9 @@ later call copies its tensors into those inputs, replays, and returns copies of 
 one call's output while the next call replays).
 
 What cannot be captured: host reads of tensor values inside the call (``.item()``, data-dependent shapes), which is why
-a step cache — deciding on the host between blocks — is refused together with graphs. Code inside a call can ask
+a step cache — deciding on the host between blocks — takes graphs per block instead (scope ``"blocks"``: the graphs
+are the ``graphs`` stage of each block's :class:`~fastdit.hooks.blocks.BlockRunner`, beneath the cache's hooks).
+Code inside a call can ask
 :func:`current_call_signature` and remember host values per signature instead: context parallelism over uneven shards
 exchanges shard lengths in the first call of a signature (a warm-up) and recalls them in the capture.
 """
@@ -20,33 +22,32 @@ exchanges shard lengths in the first call of a signature (a warm-up) and recalls
 from __future__ import annotations
 
 import contextvars
-import functools
 import logging
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol
 
 import torch
-from diffusers.hooks import HookRegistry, ModelHook
 from torch.utils import _pytree as pytree
 
-from fastdit.cache.hooks import BLOCK_HOOK
-from fastdit.config import Compile
-from fastdit.models.base import ModelAdapter
-from fastdit.models.validate import block_lists
+from fastdit.config import GRAPH_SCOPES, CudaGraph
+from fastdit.hooks import blocks as block_runner
+from fastdit.hooks import layers
+from fastdit.hooks.state import Applied
 
 __all__ = [
     "GRAPH_HOOK",
     "GRAPH_SCOPES",
     "CapturedGraph",
+    "GraphSet",
     "GraphedCalls",
     "apply_cuda_graph",
     "current_call_signature",
-    "graph_stats",
+    "resolve_scope",
 ]
 
 logger = logging.getLogger(__name__)
 
-GRAPH_HOOK = "fastdit.cuda_graph"
+GRAPH_HOOK = "cuda_graph"
 # Signatures counted towards their warm-up at once; bounds memory when some argument changes on every call.
 _MAX_PENDING = 64
 
@@ -99,7 +100,7 @@ def _signature(leaves: list[Any], spec: pytree.TreeSpec) -> tuple:
             hash(leaf)
         except TypeError:
             raise TypeError(
-                f"Compile.cuda_graph: argument leaf {i} of type {type(leaf).__name__} is neither a tensor nor "
+                f"CudaGraph: argument leaf {i} of type {type(leaf).__name__} is neither a tensor nor "
                 "hashable, so calls cannot be matched to a captured graph"
             ) from None
         parts.append((type(leaf), leaf))
@@ -126,7 +127,7 @@ class _Entry:
             output = graph.capture(lambda: fn(*args, **kwargs))
         except RuntimeError as error:
             raise RuntimeError(
-                f"Compile.cuda_graph: capturing a call of the {what} failed — something in it reads tensor values on "
+                f"CudaGraph: capturing a call of the {what} failed — something in it reads tensor values on "
                 f"the host or synchronises; run without cuda_graph. Cause: {error}"
             ) from error
         out_leaves, out_spec = pytree.tree_flatten(output)
@@ -146,7 +147,7 @@ class GraphedCalls:
     """Serves calls of one function from CUDA graphs, one per input signature (see the module docstring).
 
     Args:
-        config: ``Compile`` with ``cuda_graph=True`` (warm-up count and graph limit).
+        config: The warm-up count and graph limit.
         new_graph: Makes an empty graph.
         what: Names the function in messages (``"transformer"``, ``"block transformer_blocks.3"``).
         context_key: Adds to every signature (see :func:`apply_cuda_graph`).
@@ -154,13 +155,13 @@ class GraphedCalls:
 
     def __init__(
         self,
-        config: Compile,
+        config: CudaGraph,
         new_graph: Callable[[], CapturedGraph],
         what: str,
         context_key: Callable[[], Hashable] | None = None,
     ) -> None:
         self.context_key = context_key
-        self.warmup = config.graph_warmup
+        self.warmup = config.warmup
         self.max_graphs = config.max_graphs
         self.new_graph = new_graph
         self.what = what
@@ -204,8 +205,7 @@ class GraphedCalls:
         if len(self.entries) >= self.max_graphs:
             if not self._warned_full:
                 logger.warning(
-                    "Compile.cuda_graph: %d input signatures of the %s are captured (max_graphs); new ones run "
-                    "without a graph",
+                    "CudaGraph: %d input signatures of the %s are captured (max_graphs); new ones run without a graph",
                     self.max_graphs,
                     self.what,
                 )
@@ -217,136 +217,96 @@ class GraphedCalls:
         return entry
 
 
-class CudaGraphHook(ModelHook):
-    """Serves a module's calls (its whole forward, hooks inside it included) from :class:`GraphedCalls`."""
+class CudaGraphHook(layers.LayerHook):
+    """Serves a module's calls (every layer beneath it included) from :class:`GraphedCalls` (at ``Layer.GRAPH``)."""
 
     def __init__(self, graphs: GraphedCalls) -> None:
-        super().__init__()
         self.graphs = graphs
 
-    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return self.graphs(self.fn_ref.original_forward, *args, **kwargs)
+    def around(self, inner: Callable[..., Any], module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return self.graphs(inner, *args, **kwargs)
 
 
-GRAPH_SCOPES = ("auto", "call", "blocks")
+class GraphSet(list):
+    """The graphed calls of one transformer (one entry per call site: the transformer, or each block)."""
+
+    def stats(self) -> dict[str, int]:
+        """Graphs captured, replays and calls run without a graph (summed over call sites)."""
+        return {
+            "graphs": sum(len(g.entries) for g in self),
+            "replays": sum(g.replays for g in self),
+            "eager_calls": sum(g.eager_calls for g in self),
+        }
+
+
+def resolve_scope(config: CudaGraph, cached: bool) -> str:
+    """The scope ``config`` means for a transformer with (``cached``) or without a step cache."""
+    return config.scope if config.scope != "auto" else ("blocks" if cached else "call")
 
 
 def apply_cuda_graph(
     transformer: torch.nn.Module,
-    config: Compile,
+    config: CudaGraph,
     *,
-    adapter: ModelAdapter | None = None,
+    blocks: Sequence[tuple[str, torch.nn.Module]] | None = None,
     cached: bool = False,
     context_key: Callable[[], Hashable] | None = None,
     new_graph: Callable[[], CapturedGraph] | None = None,
-) -> Callable[[], None]:
+) -> Applied:
     """Serve ``transformer``'s calls, or each of its blocks' calls, from CUDA graphs; return the undo.
 
-    Installed after every other technique. Scope ``"call"``: one hook outermost on the transformer records the whole
-    call. Scope ``"blocks"``: each block's own computation is graphed *inside* the cache's block hook (so cache
-    decisions stay on the host between blocks), or, for blocks without one, around the block's (compiled) call.
-    ``"auto"`` picks ``"blocks"`` when a cache is installed (``cached``), else ``"call"``.
+    Scope ``"call"``: one hook outermost on the transformer (``Layer.GRAPH``) records the whole call, every hook and
+    collective inside it included. Scope ``"blocks"``: each block's own computation (compiled or not) is graphed as
+    the ``graphs`` stage of its block runner, beneath every layer, so cache decisions stay on the host between
+    blocks. ``"auto"`` picks ``"blocks"`` when a step cache is installed (``cached``), else ``"call"``.
 
     Args:
         transformer: A transformer whose parameters live on a CUDA device.
-        adapter: Its adapter (the block lists; needed for scope ``"blocks"``).
-        config: ``Compile`` with ``cuda_graph=True``.
+        config: Scope, warm-up count and graph limit.
+        blocks: ``(name, block)`` of every block (needed for scope ``"blocks"``).
         cached: Whether a step cache is installed on ``transformer``.
         context_key: For block graphs, a function giving state that is equal on every rank and determines the
             blocks' local shapes (the context-parallel split layout): added to each block call's signature, so all
             ranks warm up, capture and replay at the same calls even when uneven shards collide on one rank.
         new_graph: Graph factory (tests substitute a recorder that replays on CPU).
 
+    Returns:
+        The undo; its ``state`` is the :class:`GraphSet` (``state.stats()`` counts captures and replays).
+
     Raises:
         ValueError: the parameters are not on a CUDA device, scope ``"call"`` with a cache, or scope ``"blocks"``
-            without an adapter.
+            without blocks.
     """
-    scope = config.graph_scope if config.graph_scope != "auto" else ("blocks" if cached else "call")
+    scope = resolve_scope(config, cached)
     if scope == "call" and cached:
         raise ValueError(
-            "Compile.graph_scope='call' with a cache: the cache decides on the host between blocks; use 'blocks'"
+            "CudaGraph.scope='call' with a cache: the cache decides on the host between blocks; use 'blocks'"
         )
-    if scope == "blocks" and adapter is None:
-        raise ValueError("Compile.graph_scope='blocks': the transformer's adapter (its block lists) is needed")
+    if scope == "blocks" and not blocks:
+        raise ValueError("CudaGraph.scope='blocks': the transformer's blocks are needed")
     new_graph = new_graph or _cuda_graph_factory(transformer)
+    graphs = GraphSet()
+    undo: list[Callable[[], None]] = []
     if scope == "call":
-        graphs = [GraphedCalls(config, new_graph, "transformer")]
-        undo = [_hook(transformer, CudaGraphHook(graphs[0]))]
+        graphs.append(GraphedCalls(config, new_graph, "transformer"))
+        undo.append(layers.install(transformer, layers.Layer.GRAPH, GRAPH_HOOK, CudaGraphHook(graphs[0])))
     else:
-        graphs, undo = _graph_blocks(transformer, adapter, config, new_graph, context_key)
-    transformer._fastdit_graphs = graphs
+        for name, block in blocks:
+            calls = GraphedCalls(config, new_graph, f"block {name}", context_key)
+            graphs.append(calls)
+            undo.append(block_runner.set_stage(block, "graphs", calls))
 
     def remove() -> None:
         for fn in reversed(undo):
             fn()
-        del transformer._fastdit_graphs
 
-    return remove
+    return Applied(remove, graphs)
 
 
 def _cuda_graph_factory(transformer: torch.nn.Module) -> Callable[[], CapturedGraph]:
     param = next(transformer.parameters(), None)
     device = None if param is None else param.device
     if device is None or device.type != "cuda":
-        raise ValueError(f"Compile.cuda_graph=True: the transformer must be on a CUDA device, found {device}")
+        raise ValueError(f"CudaGraph: the transformer must be on a CUDA device, found {device}")
     pool = torch.cuda.graph_pool_handle()  # one pool: graphs of a transformer never replay at the same time
     return lambda: _CudaGraph(pool)
-
-
-def _hook(module: torch.nn.Module, hook: ModelHook) -> Callable[[], None]:
-    registry = HookRegistry.check_if_exists_or_initialize(module)
-    registry.register_hook(hook, GRAPH_HOOK)
-    return lambda: registry.remove_hook(GRAPH_HOOK, recurse=False)
-
-
-def _graph_blocks(
-    transformer: torch.nn.Module,
-    adapter: ModelAdapter,
-    config: Compile,
-    new_graph: Callable[[], CapturedGraph],
-    context_key: Callable[[], Hashable] | None,
-) -> tuple[list[GraphedCalls], list[Callable[[], None]]]:
-    graphs: list[GraphedCalls] = []
-    undo: list[Callable[[], None]] = []
-    for group, blocks in block_lists(transformer, adapter):
-        for i, block in enumerate(blocks):
-            calls = GraphedCalls(config, new_graph, f"block {group.path}.{i}", context_key)
-            graphs.append(calls)
-            registry = getattr(block, "_diffusers_hook", None)
-            cache_hook = registry.get_hook(BLOCK_HOOK) if isinstance(registry, HookRegistry) else None
-            if cache_hook is None:
-                undo.append(_graph_module_call(block, calls))
-                continue
-            # Inside the cache hook: it decides, then its compute function (compiled or not) replays a graph.
-            previous = cache_hook.compute_fn
-            compute = previous or cache_hook.fn_ref.original_forward
-            cache_hook.compute_fn = functools.partial(calls, compute)
-            undo.append(lambda hook=cache_hook, previous=previous: setattr(hook, "compute_fn", previous))
-    return graphs, undo
-
-
-def _graph_module_call(block: torch.nn.Module, calls: GraphedCalls) -> Callable[[], None]:
-    """Serve ``block``'s calls from ``calls`` around its compiled call (or its plain call), never inside it.
-
-    A hook on the block would run inside ``block.compile()``'s compiled call, where dynamo would trace the graph
-    bookkeeping; ``nn.Module.__call__`` goes through ``_compiled_call_impl`` when it is set, so the graphs wrap that.
-    """
-    previous = block._compiled_call_impl
-    block._compiled_call_impl = functools.partial(calls, previous or block._call_impl)
-
-    def undo() -> None:
-        block._compiled_call_impl = previous
-
-    return undo
-
-
-def graph_stats(transformer: torch.nn.Module) -> dict[str, int] | None:
-    """Graphs captured, replays and calls run without a graph (summed over blocks), or ``None`` without graphs."""
-    graphs: list[GraphedCalls] | None = getattr(transformer, "_fastdit_graphs", None)
-    if graphs is None:
-        return None
-    return {
-        "graphs": sum(len(g.entries) for g in graphs),
-        "replays": sum(g.replays for g in graphs),
-        "eager_calls": sum(g.eager_calls for g in graphs),
-    }

@@ -30,15 +30,17 @@ def _cached_run(pipe, tiny, adapter) -> tuple[np.ndarray, list[int]]:
     return out, counts
 
 
-def test_patch_skips_discarded_temporal_blocks_without_changing_outputs() -> None:
+def test_interleaved_temporal_blocks_skipped_when_discarded_without_changing_outputs() -> None:
     pipe, tiny = build_tiny("latte")
     baseline = run_tiny(pipe, tiny)
     patched, patched_counts = _cached_run(pipe, tiny, ADAPTER)
-    plain, plain_counts = _cached_run(pipe, tiny, dataclasses.replace(ADAPTER, patch=None))
+    (group,) = ADAPTER.block_groups
+    undeclared = dataclasses.replace(ADAPTER, block_groups=(dataclasses.replace(group, interleaved=None),))
+    plain, plain_counts = _cached_run(pipe, tiny, undeclared)
     np.testing.assert_array_equal(patched, plain)
     # 2 steps, one CFG-batched call each: the cached step skips temporal block 1 only (its output is replaced by
     # the segment residual at spatial block 2); temporal block 2 follows the segment and runs.
     assert plain_counts == [2, 2, 2]
     assert patched_counts == [2, 1, 2]
     assert not np.array_equal(patched, baseline)  # the cached step did reuse the residual
-    np.testing.assert_array_equal(run_tiny(pipe, tiny), baseline)  # disable removes the patch's hooks
+    np.testing.assert_array_equal(run_tiny(pipe, tiny), baseline)  # disable removes the interleaved hooks

@@ -170,8 +170,7 @@ def _uneven_exchanges(rank: int, world_size: int, graphed: bool) -> dict[str, An
     transformer = tiny_transformer(0)
     fastdit.accelerate(transformer, parallel=fastdit.Parallel(ulysses=world_size))
     if graphed:  # a graph stand-in that runs on CPU: warm-up call, capture, replay
-        config = fastdit.Compile(cuda_graph=True, graph_warmup=1)
-        undo_graph = apply_cuda_graph(transformer, config, new_graph=RecordingGraph)
+        undo_graph = apply_cuda_graph(transformer, fastdit.CudaGraph(warmup=1), new_graph=RecordingGraph)
     counted = mock.Mock(side_effect=comm.gather_lengths)
     counts, outputs = [], []
     try:
@@ -204,22 +203,24 @@ def _flux_inputs(tokens: int) -> dict[str, torch.Tensor]:
 
 def _block_graphs_uneven(rank: int, world_size: int) -> dict[str, Any]:
     """Block graphs over 9 and 10 image tokens in turn: rank 0 holds 5 of either, rank 1 holds 4 or 5."""
-    from fastdit.cuda_graph import apply_cuda_graph, graph_stats
-    from fastdit.models.flux import ADAPTER, tiny_transformer
-    from fastdit.parallel.context_parallel import layout_key
+    from fastdit.components import walk
+    from fastdit.context import context_of
+    from fastdit.cuda_graph import apply_cuda_graph
+    from fastdit.models.flux import tiny_transformer
     from fastdit.testing.graphs import RecordingGraph
 
     transformer = tiny_transformer(0)
     fastdit.accelerate(transformer, parallel=fastdit.Parallel(ulysses=world_size))
-    config = fastdit.Compile(cuda_graph=True, graph_scope="blocks", graph_warmup=1)
-    key = layout_key(transformer)
-    undo = apply_cuda_graph(transformer, config, adapter=ADAPTER, context_key=key, new_graph=RecordingGraph)
+    config = fastdit.CudaGraph(scope="blocks", warmup=1)
+    key = context_of(transformer).state("context_parallel", "transformer").signature
+    blocks = walk(transformer).denoisers[0].blocks()
+    undo = apply_cuda_graph(transformer, config, blocks=blocks, context_key=key, new_graph=RecordingGraph)
     outputs = []
     try:
         with torch.no_grad():
             for tokens in (9, 10, 9, 10, 9):
                 outputs.append(transformer(**_flux_inputs(tokens)).sample)
-        stats = graph_stats(transformer)
+        stats = undo.state.stats()
     finally:
         undo()
         fastdit.disable(transformer)

@@ -53,7 +53,8 @@ def _run(
     if parallel is None:
         return np.asarray(pipe(**kwargs).frames), {}
     config = Parallel(**parallel)
-    undo = apply_context_parallel(pipe.transformer, _adapter(local), config, ParallelRuntime.from_config(config))
+    runtime = ParallelRuntime.from_config(config)
+    undo = apply_context_parallel(pipe.transformer, _adapter(local).cp_plan, config, runtime)
     try:
         marked = {n: "_parallel_config" in vars(p) for n, p in attention_processors(pipe.transformer).items()}
         return np.asarray(pipe(**kwargs).frames), marked

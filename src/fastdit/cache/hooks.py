@@ -14,40 +14,25 @@ reads ``transformer_blocks`` still finds the original modules.
 
 from __future__ import annotations
 
-import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from diffusers.hooks import HookRegistry, ModelHook
-from diffusers.hooks.hooks import BaseState, StateManager
 
 from fastdit.cache.policy import Reducer, decide
 from fastdit.cache.state import BranchState, RunTracker, SegmentMemory
 from fastdit.cache.taylorseer import taylor_predict, taylor_update
 from fastdit.config import DBCache
+from fastdit.hooks import layers
+from fastdit.hooks.args import ForwardArgs
 from fastdit.models.base import BlockGroup, ForwardPattern
 
 __all__ = ["BLOCK_HOOK", "TRANSFORMER_HOOK", "BlockSlot", "CacheEngine"]
 
-TRANSFORMER_HOOK = "fastdit_cache_transformer"
-BLOCK_HOOK = "fastdit_cache_block"
-
-
-class _NoState(BaseState):
-    def reset(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-
-class _ContextProbe(StateManager):
-    """Receives the context diffusers pipelines announce with ``transformer.cache_context(name, ...)``."""
-
-    def __init__(self) -> None:
-        super().__init__(_NoState)
-
-    @property
-    def name(self) -> str:
-        return self._context.name if self._context is not None else "default"
+TRANSFORMER_HOOK = "cache.transformer"
+BLOCK_HOOK = "cache.block"
+INTERLEAVED_HOOK = "cache.interleaved"
 
 
 @dataclass(frozen=True)
@@ -61,19 +46,10 @@ class BlockSlot:
     last_in_segment: bool = False
     last_front: bool = False
 
-
-class _ArgReader:
-    """Reads named arguments from a block call, whether passed by position or keyword."""
-
-    def __init__(self, block: torch.nn.Module, names: tuple[str, ...]) -> None:
-        params = list(inspect.signature(type(block).forward).parameters)[1:]
-        self._positions = {name: params.index(name) for name in names if name in params}
-
-    def get(self, name: str, args: tuple, kwargs: dict) -> Any:
-        if name in kwargs:
-            return kwargs[name]
-        position = self._positions.get(name)
-        return args[position] if position is not None and position < len(args) else None
+    @property
+    def passes_through(self) -> bool:
+        """Whether a cached step passes this block's input through (a middle block that is not its segment's last)."""
+        return self.role == "middle" and not self.last_in_segment
 
 
 class CacheEngine:
@@ -98,85 +74,76 @@ class CacheEngine:
         decide(self.config, state, residual, self.reducer)
 
 
-class TransformerCacheHook(ModelHook):
-    """Tells the engine where each transformer call begins (context, branch, step, new run)."""
+class TransformerCacheHook(layers.LayerHook):
+    """Tells the engine where each transformer call begins (context, branch, step, new run).
 
-    _is_stateful = True
+    Sits at :attr:`~fastdit.hooks.layers.Layer.TRACK`: outside the parallel splits, so every rank reads the same
+    global timestep and shapes and counts steps alike.
+    """
 
-    def __init__(self, engine: CacheEngine, timestep_arg: str | None) -> None:
-        super().__init__()
+    def __init__(self, engine: Any, module: torch.nn.Module, timestep_arg: str | None) -> None:
         self.engine = engine
-        self.probe = _ContextProbe()
         self.timestep_arg = timestep_arg
-        self._reader: _ArgReader | None = None
+        self._reader = ForwardArgs(module, (timestep_arg,) if timestep_arg else ())
 
-    def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
-        self._reader = _ArgReader(module, (self.timestep_arg,) if self.timestep_arg else ())
-        return module
+    def _timestep(self, args: tuple, kwargs: dict) -> float | None:
+        value = self._reader.get(self.timestep_arg, args, kwargs) if self.timestep_arg else None
+        if isinstance(value, torch.Tensor):
+            # Some pipelines pass one timestep per token or frame, with conditioning tokens pinned at 0: the
+            # largest entry is the one that follows the schedule.
+            return float(value.max())
+        if isinstance(value, (int, float)):
+            return float(value)
+        return None
 
-    def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
-        timestep = None
-        if self.timestep_arg:
-            value = self._reader.get(self.timestep_arg, args, kwargs)
-            if isinstance(value, torch.Tensor):
-                # Some pipelines pass one timestep per token or frame, with conditioning tokens pinned at 0: the
-                # largest entry is the one that follows the schedule.
-                timestep = float(value.max())
-            elif isinstance(value, (int, float)):
-                timestep = float(value)
+    def around(self, inner: Callable[..., Any], module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         signature = tuple(tuple(a.shape) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
-        self.engine.begin_call(self.probe.name, timestep, signature)
-        return args, kwargs
+        self.engine.begin_call(layers.announced_context(module), self._timestep(args, kwargs), signature)
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            self.engine.tracker.end_call()
 
-    def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
-        self.engine.tracker.end_call()
-        return output
-
-    def reset_state(self, module: torch.nn.Module) -> torch.nn.Module:
+    def reset(self) -> None:
         self.engine.tracker.reset()
-        return module
 
 
-class BlockCacheHook(ModelHook):
-    """Runs, skips or repairs one block according to its :class:`BlockSlot` and the step's decision."""
+class BlockCacheHook(layers.LayerHook):
+    """Runs, skips or repairs one block according to its :class:`BlockSlot` and the step's decision.
 
-    def __init__(self, engine: CacheEngine, slot: BlockSlot) -> None:
-        super().__init__()
+    Sits at :attr:`~fastdit.hooks.layers.Layer.SKIP`: on a cached step it returns without calling what it wraps,
+    so it nests inside every parallel transform on the block (a gather at the last block still runs).
+    """
+
+    may_skip = True
+
+    def __init__(self, engine: CacheEngine, slot: BlockSlot, module: torch.nn.Module) -> None:
         self.engine = engine
         self.slot = slot
-        self.compute_fn: Any = None  # set by apply_compile; None runs the original forward
-        self._reader: _ArgReader | None = None
+        self._reader = ForwardArgs(module, (slot.group.hidden_arg, slot.group.encoder_arg))
 
-    def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
-        self._reader = _ArgReader(module, (self.slot.group.hidden_arg, self.slot.group.encoder_arg))
-        return module
-
-    def _compute(self, state: BranchState, args: tuple, kwargs: dict) -> Any:
-        state.blocks_computed += 1
-        return (self.compute_fn or self.fn_ref.original_forward)(*args, **kwargs)
-
-    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    def around(self, inner: Callable[..., Any], module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         state = self.engine.tracker.active
         if state is None:  # called outside a transformer forward: nothing to cache
-            return (self.compute_fn or self.fn_ref.original_forward)(*args, **kwargs)
+            return inner(*args, **kwargs)
         slot = self.slot
         group = slot.group
         hidden = self._reader.get(group.hidden_arg, args, kwargs)
         if slot.role == "front":
             if state.front_entered_step != state.step:  # first front block called in this step
                 state.front_hidden_in, state.front_entered_step = hidden, state.step
-            output = self._compute(state, args, kwargs)
+            output = _compute(state, inner, args, kwargs)
             if slot.last_front:
                 self._decide(state, output)
             return output
         if slot.role == "back":
-            return self._compute(state, args, kwargs)
+            return _compute(state, inner, args, kwargs)
         encoder = self._reader.get(group.encoder_arg, args, kwargs) if group.pattern.takes_encoder else None
         memory = state.segment(slot.segment)
         if memory.entered_step != state.step:  # first middle block of this segment called in this step
             memory.hidden_in, memory.encoder_in, memory.entered_step = hidden, encoder, state.step
         if state.computing:
-            output = self._compute(state, args, kwargs)
+            output = _compute(state, inner, args, kwargs)
             state.block_memory[slot.index] = group.pattern.extras(output)
             if slot.last_in_segment:
                 self._remember(state, memory, output)
@@ -263,29 +230,91 @@ def plan_slots(groups: list[tuple[BlockGroup, torch.nn.ModuleList]], fn: int, bn
     return slots
 
 
+def _compute(state: BranchState, inner: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    state.blocks_computed += 1
+    return inner(*args, **kwargs)
+
+
+class InterleavedSkipHook(layers.LayerHook):
+    """A block of an interleaved list (:attr:`BlockGroup.interleaved`) whose output a cached step discards.
+
+    The loop runs block ``i`` of the interleaved list right after block ``i`` of the cached group. When the group's
+    block passes its input through on a cached step, the segment's last block replaces the stream by ``input +
+    residual``, so whatever the interleaved block computed in between is thrown away: it passes its input through
+    too (the same output, less compute).
+    """
+
+    may_skip = True
+
+    def __init__(self, engine: CacheEngine, slot: BlockSlot, group: BlockGroup, module: torch.nn.Module) -> None:
+        self.engine = engine
+        self.slot = slot
+        self.group = group
+        self._reader = ForwardArgs(module, (group.hidden_arg, group.encoder_arg))
+
+    def around(self, inner: Callable[..., Any], module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        state = self.engine.tracker.active
+        if state is None or state.computing or not self.slot.passes_through:
+            return inner(*args, **kwargs)
+        pattern = self.group.pattern
+        hidden = self._reader.get(self.group.hidden_arg, args, kwargs)
+        encoder = self._reader.get(self.group.encoder_arg, args, kwargs) if pattern.takes_encoder else None
+        return pattern.pack(hidden, encoder)
+
+
+Groups = list[tuple[BlockGroup, torch.nn.ModuleList]]
+
+
 def install(
     transformer: torch.nn.Module,
-    groups: list[tuple[BlockGroup, torch.nn.ModuleList]],
+    groups: Groups,
     config: DBCache,
     timestep_arg: str | None,
     reducer: Reducer | None = None,
-) -> CacheEngine:
-    """Register the transformer hook and one block hook per block; return the engine."""
+    interleaved: Groups | None = None,
+) -> tuple[CacheEngine, Callable[[], None]]:
+    """Install the transformer hook and one block hook per block; return the engine and the undo.
+
+    Args:
+        transformer: The denoiser.
+        groups: Its block lists (resolved), in execution order.
+        config: The cache settings.
+        timestep_arg: The ``forward`` parameter carrying the timestep.
+        reducer: Sums small tensors across the ranks that share a sample.
+        interleaved: Per group, the resolved :attr:`BlockGroup.interleaved` list (or ``None``), same order.
+    """
     slots = plan_slots(groups, config.fn, config.bn)
     engine = CacheEngine(config, slots, reducer)
-    registry = HookRegistry.check_if_exists_or_initialize(transformer)
-    registry.register_hook(TransformerCacheHook(engine, timestep_arg), TRANSFORMER_HOOK)
+    undo = [
+        layers.install(
+            transformer, layers.Layer.TRACK, TRANSFORMER_HOOK, TransformerCacheHook(engine, transformer, timestep_arg)
+        )
+    ]
     blocks = [block for _, group_blocks in groups for block in group_blocks]
     for slot, block in zip(slots, blocks, strict=True):
-        HookRegistry.check_if_exists_or_initialize(block).register_hook(BlockCacheHook(engine, slot), BLOCK_HOOK)
-    if hasattr(registry, "invalidate_child_registries_cache"):
-        registry.invalidate_child_registries_cache()  # so cache_context reaches hooks registered after it ran
-    return engine
+        undo.append(layers.install(block, layers.Layer.SKIP, BLOCK_HOOK, BlockCacheHook(engine, slot, block)))
+    undo += _install_interleaved(engine, groups, interleaved or [None] * len(groups), slots)
+    return engine, _undo_all(undo)
 
 
-def uninstall(transformer: torch.nn.Module, groups: list[tuple[BlockGroup, torch.nn.ModuleList]]) -> None:
-    """Remove every hook :func:`install` registered."""
-    HookRegistry.check_if_exists_or_initialize(transformer).remove_hook(TRANSFORMER_HOOK, recurse=False)
-    for _, blocks in groups:
-        for block in blocks:
-            HookRegistry.check_if_exists_or_initialize(block).remove_hook(BLOCK_HOOK, recurse=False)
+def _install_interleaved(
+    engine: CacheEngine, groups: Groups, interleaved: list, slots: list[BlockSlot]
+) -> list[Callable[[], None]]:
+    undo = []
+    start = 0
+    for (_, blocks), companion in zip(groups, interleaved, strict=True):
+        if companion is not None:
+            group, companion_blocks = companion
+            for i, block in enumerate(companion_blocks):
+                hook = InterleavedSkipHook(engine, slots[start + i], group, block)
+                undo.append(layers.install(block, layers.Layer.SKIP, INTERLEAVED_HOOK, hook))
+        start += len(blocks)
+    return undo
+
+
+def _undo_all(undo: list[Callable[[], None]]) -> Callable[[], None]:
+    def remove() -> None:
+        for fn in reversed(undo):
+            fn()
+
+    return remove

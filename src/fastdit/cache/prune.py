@@ -7,19 +7,20 @@ residual re-added. Front and back blocks always compute, as in DBCache.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from diffusers.hooks import HookRegistry, ModelHook
 
-from fastdit.cache.hooks import BLOCK_HOOK, TRANSFORMER_HOOK, BlockSlot, TransformerCacheHook, _ArgReader, plan_slots
+from fastdit.cache.hooks import BLOCK_HOOK, TRANSFORMER_HOOK, BlockSlot, Groups, TransformerCacheHook, plan_slots
 from fastdit.cache.policy import Reducer, relative_l1
 from fastdit.cache.state import BranchState, RunTracker
 from fastdit.config import DBPrune
-from fastdit.models.base import BlockGroup
+from fastdit.hooks import layers
+from fastdit.hooks.args import ForwardArgs
 
-__all__ = ["PruneEngine", "install", "uninstall"]
+__all__ = ["PruneEngine", "install"]
 
 
 @dataclass
@@ -58,22 +59,17 @@ class PruneEngine:
         return relative_l1(hidden, memory.hidden_in, self.reducer) < config.threshold
 
 
-class BlockPruneHook(ModelHook):
-    """Computes a middle block, or re-adds its remembered residual."""
+class BlockPruneHook(layers.LayerHook):
+    """Computes a middle block, or re-adds its remembered residual (at ``Layer.SKIP``: it may skip the call)."""
 
-    def __init__(self, engine: PruneEngine, slot: BlockSlot) -> None:
-        super().__init__()
+    may_skip = True
+
+    def __init__(self, engine: PruneEngine, slot: BlockSlot, module: torch.nn.Module) -> None:
         self.engine = engine
         self.slot = slot
-        self.compute_fn: Any = None
-        self._reader: _ArgReader | None = None
+        self._reader = ForwardArgs(module, (slot.group.hidden_arg, slot.group.encoder_arg))
 
-    def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
-        self._reader = _ArgReader(module, (self.slot.group.hidden_arg, self.slot.group.encoder_arg))
-        return module
-
-    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        forward = self.compute_fn or self.fn_ref.original_forward
+    def around(self, forward: Callable[..., Any], module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         state = self.engine.tracker.active
         if state is None:
             return forward(*args, **kwargs)
@@ -105,25 +101,22 @@ class BlockPruneHook(ModelHook):
 
 def install(
     transformer: torch.nn.Module,
-    groups: list[tuple[BlockGroup, torch.nn.ModuleList]],
+    groups: Groups,
     config: DBPrune,
     timestep_arg: str | None,
     reducer: Reducer | None = None,
-) -> PruneEngine:
-    """Register the transformer hook and one prune hook per block."""
+) -> tuple[PruneEngine, Callable[[], None]]:
+    """Install the transformer hook and one prune hook per block; return the engine and the undo."""
     slots = plan_slots(groups, config.fn, config.bn)
     engine = PruneEngine(config, slots, reducer)
-    HookRegistry.check_if_exists_or_initialize(transformer).register_hook(
-        TransformerCacheHook(engine, timestep_arg), TRANSFORMER_HOOK
-    )
+    track = TransformerCacheHook(engine, transformer, timestep_arg)
+    undo = [layers.install(transformer, layers.Layer.TRACK, TRANSFORMER_HOOK, track)]
     blocks = [block for _, group_blocks in groups for block in group_blocks]
     for slot, block in zip(slots, blocks, strict=True):
-        HookRegistry.check_if_exists_or_initialize(block).register_hook(BlockPruneHook(engine, slot), BLOCK_HOOK)
-    return engine
+        undo.append(layers.install(block, layers.Layer.SKIP, BLOCK_HOOK, BlockPruneHook(engine, slot, block)))
 
+    def remove() -> None:
+        for fn in reversed(undo):
+            fn()
 
-def uninstall(transformer: torch.nn.Module, groups: list[tuple[BlockGroup, torch.nn.ModuleList]]) -> None:
-    """Remove the hooks :func:`install` registered."""
-    from fastdit.cache.hooks import uninstall as uninstall_cache
-
-    uninstall_cache(transformer, groups)
+    return engine, remove

@@ -39,7 +39,7 @@ from fastdit.cli.options import (
     resolve_dtype,
     resolve_source,
 )
-from fastdit.config import ATTENTION_BACKENDS, Attention, Compile
+from fastdit.config import ATTENTION_BACKENDS, Attention, Compile, CudaGraph
 from fastdit.generate import (
     Case,
     Generator,
@@ -201,8 +201,10 @@ def _acceleration(args: argparse.Namespace, num_steps: int | None) -> dict[str, 
             options["parallel"] = parse_parallel(args.parallel, process_count())
         except ValueError as error:  # a malformed WORLD_SIZE
             raise CLIError(str(error)) from None
-    if args.compile or args.cuda_graph:
-        options["compile"] = Compile(backend="inductor" if args.compile else "eager", cuda_graph=args.cuda_graph)
+    if args.compile:
+        options["compile"] = Compile()
+    if args.cuda_graph:  # graphs without dynamo unless --compile is given too
+        options["cuda_graph"] = CudaGraph()
     if args.attention is not None:
         try:
             options["attention"] = Attention(backend=args.attention)
@@ -279,8 +281,8 @@ _MESSAGE_FLAGS = (
     ("DBCache", "--cache"),
     ("DBPrune", "--cache"),
     ("parallel=", "--parallel"),
-    ("compile=Compile(cuda_graph=True)", "--cuda-graph"),
-    ("Compile.cuda_graph", "--cuda-graph"),
+    ("cuda_graph=", "--cuda-graph"),
+    ("CudaGraph", "--cuda-graph"),
     ("compile=", "--compile"),
     ("attention=", "--attention"),
 )

@@ -16,7 +16,7 @@ import torch
 if TYPE_CHECKING:
     from fastdit.parallel.plan import ContextParallelPlan
 
-__all__ = ["BlockGroup", "ForwardPattern", "ModelAdapter", "ModelPreset", "TinyPipeline"]
+__all__ = ["BlockGroup", "CachePlan", "ForwardPattern", "ModelAdapter", "ModelPreset", "TinyPipeline"]
 
 
 class ForwardPattern(enum.IntEnum):
@@ -92,17 +92,24 @@ class BlockGroup:
         pattern: The blocks' :class:`ForwardPattern`.
         hidden_arg: Name of the hidden-states parameter in the block's ``forward``.
         encoder_arg: Name of the encoder-states parameter (patterns 0-2 only).
+        interleaved: Another block list whose block ``i`` the model's loop runs right after block ``i`` of this one
+            (e.g. Latte's temporal blocks between its spatial blocks). It is not a cache group of its own: a cached
+            step that passes block ``i`` of this list through passes block ``i`` of that list through too, since the
+            segment's cached residual replaces whatever it computed. Same length as this list.
     """
 
     path: str
     pattern: ForwardPattern
     hidden_arg: str = "hidden_states"
     encoder_arg: str = "encoder_hidden_states"
+    interleaved: BlockGroup | None = None
 
     def __post_init__(self) -> None:
         if not self.path or any(not part for part in self.path.split(".")):
             raise ValueError(f"BlockGroup.path={self.path!r}: must be a dotted attribute path")
         object.__setattr__(self, "pattern", ForwardPattern(self.pattern))
+        if self.interleaved is not None and self.interleaved.interleaved is not None:
+            raise ValueError(f"BlockGroup.interleaved of {self.path!r}: an interleaved list cannot nest another")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,6 +151,21 @@ class ModelPreset:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CachePlan:
+    """What step caching needs of a family: its block lists and where the timestep arrives.
+
+    Attributes:
+        family: Family name (for messages).
+        block_groups: The block lists, in execution order.
+        timestep_arg: The transformer ``forward`` parameter carrying the timestep (``None``: not read).
+    """
+
+    family: str
+    block_groups: tuple[BlockGroup, ...]
+    timestep_arg: str | None = "timestep"
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelAdapter:
     """Everything fastdit needs to know about one transformer family.
 
@@ -182,6 +204,11 @@ class ModelAdapter:
         names = [t.name for t in self.tiny_pipelines]
         if len(set(names)) != len(names):
             raise ValueError(f"ModelAdapter.tiny_pipelines for {self.family!r}: duplicate names {names}")
+
+    @property
+    def cache_plan(self) -> CachePlan:
+        """The part of this adapter step caching reads."""
+        return CachePlan(family=self.family, block_groups=self.block_groups, timestep_arg=self.timestep_arg)
 
     def tiny(self, name: str | None = None) -> TinyPipeline:
         """Return the tiny pipeline called ``name`` (the first one if ``None``)."""

@@ -15,16 +15,11 @@ The cache engine runs block groups one after the other, so the two lists cannot 
 the spatial blocks as the one group and the temporal blocks as work of the loop body, like the per-block work other
 families do between blocks: the segment residual (input of the first middle spatial block to output of the last)
 spans the temporal blocks in between. A step that reuses the residual would still run those temporal blocks and
-then discard their output; :func:`_patch` (the adapter's patch, active only while a cache is installed) makes such a
+then discard their output; the group declares the temporal list as ``interleaved``, so the cache makes such a
 temporal block return its input instead, which leaves outputs unchanged and saves their compute.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from typing import Any
-
-import torch
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
@@ -34,7 +29,6 @@ from fastdit.testing.components.encoders import build, t5_encoder
 TRANSFORMER = "diffusers.models.transformers.latte_transformer_3d.LatteTransformer3DModel"
 
 _TEXT_DIM = 32
-_SKIP_HOOK = "fastdit_latte_temporal_skip"
 
 
 def tiny_transformer(seed: int = 0, *, video_length: int = 4):
@@ -79,45 +73,6 @@ def tiny_t2v(seed: int = 0):
     )
 
 
-def _patch(transformer: torch.nn.Module) -> Callable[[], None]:
-    """Let a temporal block whose output a cached step discards return its input instead of computing.
-
-    On a step that reuses the residual, spatial block ``i`` of the middle segment (not its last) passes its input
-    through, and the segment's last spatial block replaces the stream by ``input + residual``: whatever temporal
-    blocks ``i`` computed in between is thrown away. Those temporal blocks therefore pass through too (exactly the
-    same output, less compute). Temporal blocks after the segment's last spatial block always run. Read from the
-    installed cache engine's slots and the active branch's decision; a no-op with any other engine (DBPrune).
-    """
-    from diffusers.hooks import HookRegistry, ModelHook
-
-    from fastdit.cache import cache_engine
-    from fastdit.cache.hooks import CacheEngine
-
-    class _TemporalSkip(ModelHook):
-        def __init__(self, spatial_index: int) -> None:
-            super().__init__()
-            self.spatial_index = spatial_index
-
-        def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-            engine = cache_engine(transformer)
-            if isinstance(engine, CacheEngine):
-                state = engine.tracker.active
-                slot = engine.slots[self.spatial_index]
-                if state is not None and not state.computing and slot.role == "middle" and not slot.last_in_segment:
-                    return args[0] if args else kwargs["hidden_states"]
-            return self.fn_ref.original_forward(*args, **kwargs)
-
-    temporal = list(transformer.temporal_transformer_blocks)
-    for index, block in enumerate(temporal):
-        HookRegistry.check_if_exists_or_initialize(block).register_hook(_TemporalSkip(index), _SKIP_HOOK)
-
-    def undo() -> None:
-        for block in temporal:
-            HookRegistry.check_if_exists_or_initialize(block).remove_hook(_SKIP_HOOK, recurse=False)
-
-    return undo
-
-
 _CALL = {
     "prompt": "a cat walking on the grass",
     "height": 32,
@@ -133,8 +88,13 @@ ADAPTER = register(
     ModelAdapter(
         family="latte",
         transformer_classes=(TRANSFORMER,),
-        block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P2),),
-        patch=_patch,
+        block_groups=(
+            BlockGroup(
+                path="transformer_blocks",
+                pattern=ForwardPattern.P2,
+                interleaved=BlockGroup(path="temporal_transformer_blocks", pattern=ForwardPattern.P3),
+            ),
+        ),
         tiny_pipelines=(TinyPipeline(name="t2v", build=tiny_t2v, call_kwargs=_CALL),),
         presets=(
             ModelPreset(
@@ -154,8 +114,8 @@ ADAPTER = register(
             "Spatial (`transformer_blocks`, pattern 2) and temporal (`temporal_transformer_blocks`, pattern 3) "
             "blocks run interleaved with reshapes between them; the cache groups the spatial blocks only and treats "
             "each temporal block as loop-body work (fn/bn count spatial blocks; the residual of the middle segment "
-            "spans the temporal blocks inside it, which a cached step skips through the family patch). CFG is "
-            "batched. Context parallelism is not supported: a split of the N tokens of a frame (exact for both "
+            "spans the temporal blocks inside it, which a cached step skips: the group declares them as "
+            "interleaved). CFG is batched. Context parallelism is not supported: a split of the N tokens of a frame (exact for both "
             "block kinds) must also split the temporal blocks' `timestep`, which forward repeats to (B·N, 6·D) "
             "before the loop from the full N; for B > 1 (CFG) a rank's rows are N-strided, not one contiguous "
             "slice, and the plan vocabulary has no such split. Splitting the frames instead meets the temporal "

@@ -8,7 +8,7 @@ block receives and returns during a real forward and compare it with the declare
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +16,16 @@ import torch
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, resolve_attr
 
-__all__ = ["AdapterError", "PatternReport", "bind_block_args", "block_lists", "check_adapter", "probe_patterns"]
+__all__ = [
+    "AdapterError",
+    "PatternReport",
+    "bind_block_args",
+    "block_lists",
+    "check_adapter",
+    "probe_patterns",
+    "resolve_block_groups",
+    "resolve_interleaved",
+]
 
 
 class AdapterError(ValueError):
@@ -25,20 +34,46 @@ class AdapterError(ValueError):
 
 def block_lists(transformer: torch.nn.Module, adapter: ModelAdapter) -> list[tuple[BlockGroup, torch.nn.ModuleList]]:
     """Resolve every block group of ``adapter`` on ``transformer``."""
-    out = []
-    for group in adapter.block_groups:
-        try:
-            blocks = resolve_attr(transformer, group.path)
-        except (AttributeError, IndexError) as exc:
+    return resolve_block_groups(transformer, adapter.block_groups, adapter.family)
+
+
+def resolve_block_groups(
+    transformer: torch.nn.Module, groups: Sequence[BlockGroup], owner: str
+) -> list[tuple[BlockGroup, torch.nn.ModuleList]]:
+    """Resolve ``groups`` on ``transformer`` (``owner`` names the family in errors)."""
+    return [(group, _resolve_list(transformer, group, owner)) for group in groups]
+
+
+def resolve_interleaved(
+    transformer: torch.nn.Module, groups: Sequence[BlockGroup], owner: str
+) -> list[tuple[BlockGroup, torch.nn.ModuleList] | None]:
+    """Per group, its :attr:`BlockGroup.interleaved` list resolved (``None`` where it has none)."""
+    out: list[tuple[BlockGroup, torch.nn.ModuleList] | None] = []
+    for group in groups:
+        if group.interleaved is None:
+            out.append(None)
+            continue
+        main = _resolve_list(transformer, group, owner)
+        companion = _resolve_list(transformer, group.interleaved, owner)
+        if len(companion) != len(main):
             raise AdapterError(
-                f"{adapter.family}: block group path={group.path!r} does not exist on {type(transformer).__name__}"
-            ) from exc
-        if not isinstance(blocks, torch.nn.ModuleList):
-            raise AdapterError(
-                f"{adapter.family}: block group path={group.path!r} is a {type(blocks).__name__}, not a ModuleList"
+                f"{owner}: block group {group.path!r} ({len(main)} blocks) is interleaved with "
+                f"{group.interleaved.path!r}, which has {len(companion)}; they must have the same length"
             )
-        out.append((group, blocks))
+        out.append((group.interleaved, companion))
     return out
+
+
+def _resolve_list(transformer: torch.nn.Module, group: BlockGroup, owner: str) -> torch.nn.ModuleList:
+    try:
+        blocks = resolve_attr(transformer, group.path)
+    except (AttributeError, IndexError) as exc:
+        raise AdapterError(
+            f"{owner}: block group path={group.path!r} does not exist on {type(transformer).__name__}"
+        ) from exc
+    if not isinstance(blocks, torch.nn.ModuleList):
+        raise AdapterError(f"{owner}: block group path={group.path!r} is a {type(blocks).__name__}, not a ModuleList")
+    return blocks
 
 
 def _forward_signature(block: torch.nn.Module) -> inspect.Signature:

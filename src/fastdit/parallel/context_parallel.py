@@ -2,13 +2,14 @@
 
 :func:`apply_context_parallel` reads the adapter's :class:`~fastdit.parallel.plan.ContextParallelPlan` and installs
 
-* a hook on the transformer (diffusers ``HookRegistry``, name ``fastdit_cp_root``) that starts a forward (forgets
-  the previous forward's split record) and splits the root ``forward`` arguments the plan names;
-* for plan paths below the root, a split of the named ``forward`` arguments. It is a PyTorch forward pre-hook, so it
-  runs *before* every diffusers hook on that module: a cache hook installed later on ``blocks.0`` then sees the
-  split tensors, exactly as if the model's own loop had passed them. Leading-token counts (:class:`LeadingCount`)
-  are adjusted by pre-hooks registered after every split hook, so they see this forward's split record;
-* on modules whose output is split or gathered, a ``HookRegistry`` hook (``fastdit_cp_output``);
+* a hook on the transformer (layer ``PARALLEL_INPUT``, name ``cp.root``) that starts a forward (forgets the previous
+  forward's split record) and splits the root ``forward`` arguments the plan names;
+* for plan paths below the root, a split of the named ``forward`` arguments (layer ``PARALLEL_INPUT``): it nests
+  outside a cache hook on the same module (``Layer.SKIP``), so a cache hook on ``blocks.0`` sees the split tensors,
+  exactly as if the model's own loop had passed them. Leading-token counts (:class:`LeadingCount`) are adjusted by
+  hooks installed after every split hook (same layer, later in order), so they see this forward's split record;
+* on modules whose output is split or gathered, a hook at ``PARALLEL_OUTPUT`` (``cp.output``): outside every hook
+  that may skip the call, so a cached last block still gathers;
 * the attention routing (:mod:`fastdit.parallel.attention.dispatch`: ``dispatch_attention_fn`` and/or the ``F``
   of processors that call SDPA themselves); the processors of the attention modules the
   plan lists as ``local`` stay unmarked and run ordinary attention.
@@ -19,17 +20,17 @@ line says so). Every decision that leads to a collective depends only on global 
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from diffusers.hooks import HookRegistry, ModelHook
 
 from fastdit.config import Attention, Parallel
-from fastdit.models.base import ModelAdapter
+from fastdit.hooks import layers
+from fastdit.hooks.args import ForwardArgs
+from fastdit.hooks.state import Applied
 from fastdit.parallel.attention.comm import gather_lengths, shard_sizes
 from fastdit.parallel.attention.dispatch import (
     ContextParallelAttention,
@@ -56,10 +57,11 @@ from fastdit.parallel.plan import (
 from fastdit.parallel.runtime import ParallelRuntime
 from fastdit.parallel.token_mixing import install_halos, install_token_sums
 
-__all__ = ["OUTPUT_HOOK", "ROOT_HOOK", "apply_context_parallel", "context_parallel_group", "cp_reducer"]
+__all__ = ["OUTPUT_HOOK", "ROOT_HOOK", "apply_context_parallel", "context_parallel_group"]
 
-ROOT_HOOK = "fastdit_cp_root"
-OUTPUT_HOOK = "fastdit_cp_output"
+ROOT_HOOK = "cp.root"
+OUTPUT_HOOK = "cp.output"
+INPUT_HOOK = "cp.input"
 
 logger = logging.getLogger(__name__)
 
@@ -75,17 +77,6 @@ def context_parallel_group(runtime: ParallelRuntime) -> dist.ProcessGroup | None
         return runtime.group("ring")
     # USP: the split runs over both dims; a flattened sub-mesh gives the ring-major rank order USP expects.
     return runtime.mesh["ring", "ulysses"]._flatten("fastdit_cp").get_group()
-
-
-def cp_reducer(group: dist.ProcessGroup | None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A reducer that sums a small tensor over ``group`` (for cache decisions identical on every rank)."""
-
-    def reduce(t: torch.Tensor) -> torch.Tensor:
-        out = t.detach().clone().contiguous()
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-        return out
-
-    return reduce
 
 
 class _Splitter:
@@ -202,34 +193,28 @@ _Spec = SplitInput | LeadingCount | LocalExtent
 
 
 class _ArgPositions:
-    """Where a module's ``forward`` expects each named argument when passed by position."""
+    """Splits the named arguments of one module's calls per their specs."""
 
     def __init__(self, module: torch.nn.Module, specs: Mapping[str, _Spec]) -> None:
-        params = list(inspect.signature(type(module).forward).parameters)[1:]
-        self.params = params
         # A name absent from the signature arrives through *args at the position the plan gives (validated).
-        self.positions = {
-            name: params.index(name) if name in params else getattr(spec, "position", None)
-            for name, spec in specs.items()
-        }
+        self.args = ForwardArgs(module, specs, {name: getattr(spec, "position", None) for name, spec in specs.items()})
 
     def split(self, args: tuple, kwargs: dict, specs: Mapping[str, _Spec], splitter: _Splitter) -> tuple:
         args = list(args)
         for name, spec in specs.items():
-            unit = self._unit(spec, args, kwargs)
-            if name in kwargs:
-                kwargs[name] = _adjust_arg(kwargs[name], spec, splitter, name, unit)
-            elif self.positions[name] is not None and self.positions[name] < len(args):
-                i = self.positions[name]
-                args[i] = _adjust_arg(args[i], spec, splitter, name, unit)
+            if not self.args.passed(name, args, kwargs):
+                continue
+            value = self.args.get(name, args, kwargs)
+            self.args.replace(
+                name, _adjust_arg(value, spec, splitter, name, self._unit(spec, args, kwargs)), args, kwargs
+            )
         return tuple(args), kwargs
 
     def _unit(self, spec: _Spec, args: list, kwargs: dict) -> int:
         """The product of the integer arguments a ``SplitInput.unit`` names (1 without a unit)."""
         unit = 1
         for name in getattr(spec, "unit", ()):
-            i = self.params.index(name)  # validated: a forward parameter
-            value = kwargs[name] if name in kwargs else args[i] if i < len(args) else None
+            value = self.args.param(name, args, kwargs)  # validated: a forward parameter
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"context parallel: split unit {name!r} is {value!r}, not an int")
             unit *= value
@@ -280,36 +265,42 @@ def _split_arg(value: Any, spec: SplitInput, splitter: _Splitter, name: str, uni
     return type(value)(items)
 
 
-class _RootHook(ModelHook):
+class _RootHook(layers.LayerHook):
     """Begins a forward (fresh split record) and splits the root's inputs."""
 
-    def __init__(self, specs: Mapping[str, _Spec], splitter: _Splitter) -> None:
-        super().__init__()
+    def __init__(self, module: torch.nn.Module, specs: Mapping[str, _Spec], splitter: _Splitter) -> None:
         splits, counts = _splits_then_counts(specs)
         self.specs = {**splits, **counts}  # counts after the splits they read
         self.splitter = splitter
-        self._args: _ArgPositions | None = None
-
-    def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
         self._args = _ArgPositions(module, self.specs)
-        return module
 
-    def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+    def pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self.splitter.layout.reset()
         return self._args.split(args, kwargs, self.specs, self.splitter)
 
 
-class _OutputHook(ModelHook):
+class _InputHook(layers.LayerHook):
+    """Splits (or, for counts, narrows) a sub-module's named arguments."""
+
+    def __init__(self, module: torch.nn.Module, specs: Mapping[str, _Spec], splitter: _Splitter) -> None:
+        self.specs = dict(specs)
+        self.splitter = splitter
+        self._args = _ArgPositions(module, self.specs)
+
+    def pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return self._args.split(args, dict(kwargs), self.specs, self.splitter)
+
+
+class _OutputHook(layers.LayerHook):
     """Splits or gathers a module's output."""
 
     def __init__(self, path: str, splits: tuple[SplitOutput, ...], gather: GatherOutput | None, splitter: _Splitter):
-        super().__init__()
         self.path = path
         self.splits = splits
         self.gather = gather
         self.splitter = splitter
 
-    def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
+    def post(self, module: torch.nn.Module, output: Any) -> Any:
         for spec in self.splits:
             name = self.path if spec.index is None else f"{self.path}[{spec.index}]"
             if spec.index is None:
@@ -324,48 +315,31 @@ class _OutputHook(ModelHook):
         return output
 
 
-def _input_splitter(module: torch.nn.Module, specs: Mapping[str, _Spec], splitter: _Splitter) -> Callable:
-    """A forward pre-hook splitting (or, for counts, narrowing) ``module``'s named arguments."""
-    positions = _ArgPositions(module, specs)
-    specs = dict(specs)
-
-    def pre_hook(mod: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return positions.split(args, kwargs, specs, splitter)
-
-    return pre_hook
-
-
 def _install_hooks(transformer: torch.nn.Module, plan: ContextParallelPlan, splitter: _Splitter) -> Callable[[], None]:
-    installed: list[tuple[HookRegistry, str]] = []
-    handles: list[Any] = []
-    root = HookRegistry.check_if_exists_or_initialize(transformer)
-    root.register_hook(_RootHook(dict(plan.inputs.get("", {})), splitter), ROOT_HOOK)
-    installed.append((root, ROOT_HOOK))
-    # Two passes: pre-hooks run in registration order, so on any module the counts (and segment-wise splits) follow
-    # every plain split (from any path matching it) and read this forward's split record.
+    undo: list[Callable[[], None]] = []
+    root = _RootHook(transformer, dict(plan.inputs.get("", {})), splitter)
+    undo.append(layers.install(transformer, layers.Layer.PARALLEL_INPUT, ROOT_HOOK, root))
+    # Two passes: hooks of one layer run in installation order, so on any module the counts (and segment-wise
+    # splits) follow every plain split (from any path matching it) and read this forward's split record.
     for which in (0, 1):
         for path, all_specs in plan.inputs.items():
             specs = _splits_then_counts(all_specs)[which]
             if path == "" or not specs:
                 continue
             for _, module in match_modules(transformer, path):
-                hook = _input_splitter(module, specs, splitter)
-                handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+                hook = _InputHook(module, specs, splitter)
+                undo.append(layers.install(module, layers.Layer.PARALLEL_INPUT, f"{INPUT_HOOK}.{which}.{path}", hook))
     for path in dict.fromkeys([*plan.outputs, *plan.gather]):
         for _, module in match_modules(transformer, path):
-            # One hook object per module: a hook keeps a reference to the forward it wraps.
+            # One hook object per module and path.
             hook = _OutputHook(path, plan.outputs.get(path, ()), plan.gather.get(path), splitter)
-            registry = HookRegistry.check_if_exists_or_initialize(module)
-            registry.register_hook(hook, OUTPUT_HOOK)
-            installed.append((registry, OUTPUT_HOOK))
+            undo.append(layers.install(module, layers.Layer.PARALLEL_OUTPUT, f"{OUTPUT_HOOK}.{path}", hook))
 
-    def undo() -> None:
-        for handle in handles:
-            handle.remove()
-        for registry, name in reversed(installed):
-            registry.remove_hook(name, recurse=False)
+    def remove() -> None:
+        for fn in reversed(undo):
+            fn()
 
-    return undo
+    return remove
 
 
 def _marker(
@@ -418,46 +392,36 @@ def _install_routing(
         undo.append(mark_attention_modules(transformer, marker, local_paths))
 
 
-def layout_key(transformer: torch.nn.Module) -> Callable[[], tuple] | None:
-    """A function giving the current forward's splits (equal on every rank), or ``None`` without context parallel.
-
-    Code keyed on a rank's local shapes inside the forward (CUDA graphs per block) adds it to stay consistent across
-    ranks: under uneven splits two global layouts can give one rank the same shard but not another.
-    """
-    layout: ForwardLayout | None = getattr(transformer, "_fastdit_cp_layout", None)
-    return None if layout is None else layout.signature
-
-
 def apply_context_parallel(
     transformer: torch.nn.Module,
-    adapter: ModelAdapter,
+    plan: ContextParallelPlan,
     parallel: Parallel,
     runtime: ParallelRuntime,
     *,
     attention: Attention | None = None,
-) -> Callable[[], None]:
-    """Split ``transformer``'s sequence over the ring × Ulysses ranks of ``runtime`` per ``adapter.cp_plan``.
+    family: str = "model",
+) -> Applied:
+    """Split ``transformer``'s sequence over the ring × Ulysses ranks of ``runtime`` per ``plan``.
 
     Args:
         transformer: The denoiser (its weights already on this rank's device).
-        adapter: Its adapter; ``adapter.cp_plan`` must be set.
+        plan: Its context-parallel plan (:attr:`ModelAdapter.cp_plan`).
         parallel: The parallel layout (``ulysses`` and/or ``ring`` > 1).
         runtime: Process groups of this run.
         attention: Local attention backend (default SDPA).
+        family: The family's name, for messages.
 
     Returns:
-        A function that removes every hook and routing again.
+        The undo (removes every hook and routing again); its ``state`` is the forward's split layout
+        (:class:`ForwardLayout`, whose ``signature`` is equal on every rank).
 
     Raises:
-        ValueError: the family has no plan, or the plan does not fit the module tree (nothing is installed).
+        ValueError: the plan does not fit the module tree (nothing is installed).
     """
-    plan = getattr(adapter, "cp_plan", None)
-    if plan is None:
-        raise ValueError(f"model family {adapter.family!r} has no context-parallel plan (ModelAdapter.cp_plan)")
     validate_plan(transformer, plan, parallel.ulysses)
     if plan.attention.exchange_lengths and parallel.ulysses > 1 and parallel.ring > 1:
         raise ValueError(
-            f"parallel={parallel}: model family {adapter.family!r} has attention lengths that depend on the data "
+            f"parallel={parallel}: model family {family!r} has attention lengths that depend on the data "
             "(AttentionRouting.exchange_lengths), which USP (ulysses and ring together) cannot take; use one of them"
         )
     group = context_parallel_group(runtime)
@@ -467,8 +431,6 @@ def apply_context_parallel(
     try:
         _install_routing(transformer, plan, marker, group, undo)
         undo.append(_install_hooks(transformer, plan, splitter))
-        transformer._fastdit_cp_layout = marker.forward
-        undo.append(lambda: delattr(transformer, "_fastdit_cp_layout"))
     except BaseException:
         for fn in reversed(undo):
             fn()
@@ -478,4 +440,4 @@ def apply_context_parallel(
         for fn in reversed(undo):
             fn()
 
-    return remove
+    return Applied(remove, marker.forward)

@@ -9,6 +9,7 @@ so code can ask for ``group("ulysses")`` without first checking which techniques
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -17,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fastdit.config import Parallel
 
-__all__ = ["MESH_DIMS", "ParallelRuntime"]
+__all__ = ["MESH_DIMS", "ParallelRuntime", "sum_reducer"]
 
 # Outermost to innermost: ranks adjacent in number (same node, fastest links) share the innermost dims, which carry
 # the most traffic (tensor parallel every layer, Ulysses all-to-all every attention); CFG ranks exchange almost nothing.
@@ -207,6 +208,26 @@ class ParallelRuntime:
         _check_dim(dim)
         return None if self.mesh is None else self.mesh.get_group(dim)
 
+    def sample_group(self) -> dist.ProcessGroup | None:
+        """The ranks that compute the same sample together (every mesh dim but ``cfg``), or ``None`` if just one.
+
+        Decisions taken on host values inside a transformer call (a cache skipping blocks) must be equal on these
+        ranks, since they meet in collectives inside the call; CFG ranks run different branches and never do.
+        """
+        if self.mesh is None:
+            return None
+        dims = tuple(d for d in MESH_DIMS if d != "cfg" and self.size(d) > 1)
+        if not dims:
+            return None
+        if len(dims) == 1:
+            return self.mesh.get_group(dims[0])
+        return self.mesh[dims]._flatten("fastdit_" + "_".join(dims)).get_group()
+
+    def sample_reducer(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """A function summing a small tensor over :meth:`sample_group` (``None`` when the group has one rank)."""
+        group = self.sample_group()
+        return None if group is None else sum_reducer(group)
+
     def barrier(self) -> None:
         """Wait until every rank reaches this point (no-op in a single process)."""
         if self.mesh is None:
@@ -228,6 +249,17 @@ class ParallelRuntime:
     def __repr__(self) -> str:
         layout = "×".join(f"{name}{getattr(self.parallel, name)}" for name in MESH_DIMS)
         return f"ParallelRuntime(rank={self.rank}/{self.world_size}, device={self.device}, mesh={layout})"
+
+
+def sum_reducer(group: dist.ProcessGroup | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A function that sums a small tensor over ``group`` (every rank of the group must call it alike)."""
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        out = t.detach().clone().contiguous()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        return out
+
+    return reduce
 
 
 def _check_dim(dim: str) -> None:

@@ -1,0 +1,214 @@
+"""The techniques fastdit applies, as one ordered tuple, :data:`TECHNIQUES`.
+
+Each entry declares which request field turns it on, its checks (run for every requested technique before any
+module is touched) and its ``apply`` (which records an undo, and any state it keeps, in the :class:`Context`).
+:func:`fastdit.accelerate` walks the tuple in order; :func:`fastdit.disable` undoes the records in reverse.
+
+The order is the *application* order: tensor parallel → context parallel → CFG parallel → cache → compile → CUDA
+graphs, then the text-encoder and VAE techniques on their own modules. Later entries may read what earlier ones
+recorded (the cache reads the split layout's process groups through the runtime, graphs key block calls on the
+split layout). How the hooks of different techniques *nest* on one module does not depend on this order: that is
+the layer table of :mod:`fastdit.hooks.layers`.
+
+Adding a technique is one entry here plus its own module with an ``apply_<technique>(module, plan, config)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from fastdit.components import Components
+    from fastdit.context import Context, Request
+
+__all__ = ["TECHNIQUES", "Technique", "check_all", "check_request", "technique_names"]
+
+
+class Technique(Protocol):
+    """One technique: its name, when it is requested, its up-front checks and its application."""
+
+    name: str
+    needs_components: bool  # False: check() reads the request only (and runs before the target is walked)
+
+    def requested(self, request: Request) -> bool:
+        """Whether ``request`` asks for this technique."""
+        ...
+
+    def check(self, request: Request, components: Components) -> None:
+        """Raise (``ValueError``/``NotImplementedError`` naming the field) if the request cannot be applied."""
+        ...
+
+    def apply(self, context: Context) -> None:
+        """Apply to the context's components; record every undo in ``context`` as soon as it exists."""
+        ...
+
+
+def _not_available(what: str, request: Request) -> NotImplementedError:
+    return NotImplementedError(
+        f"parallel={request.parallel}: {what} parallelism is not available in this version of fastdit"
+    )
+
+
+@dataclass(frozen=True)
+class _Unavailable:
+    """A technique of the list that is not built yet: requesting it raises before anything is touched."""
+
+    name: str
+    what: str
+    field: str
+    needs_components = False  # refused from the request alone, before the target is even walked
+
+    def requested(self, request: Request) -> bool:
+        value = getattr(request.parallel, self.field, None) if request.parallel is not None else None
+        if isinstance(value, bool):  # a switch (text_encoder, vae); True == 1 must not read as "degree 1"
+            return value
+        return isinstance(value, int) and value > 1
+
+    def check(self, request: Request, components: Components) -> None:
+        raise _not_available(self.what, request)
+
+    def apply(self, context: Context) -> None:  # pragma: no cover - check always raises
+        raise _not_available(self.what, context.request)
+
+
+class _ContextParallel:
+    name = "context_parallel"
+    needs_components = True
+
+    def requested(self, request: Request) -> bool:
+        return request.context_parallel
+
+    def check(self, request: Request, components: Components) -> None:
+        for item in components.denoisers:
+            if item.adapter.cp_plan is None:
+                raise ValueError(f"{item.name}: model family {item.adapter.family!r} has no context-parallel plan")
+            if request.cuda_graph is not None and item.adapter.cp_plan.attention.exchange_lengths:
+                raise ValueError(
+                    f"cuda_graph={request.cuda_graph} with parallel={request.parallel}: {item.name} "
+                    f"({item.adapter.family}) exchanges attention lengths that depend on the data at every call, "
+                    "which a CUDA graph would freeze; run without CUDA graphs"
+                )
+
+    def apply(self, context: Context) -> None:
+        from fastdit.parallel.context_parallel import apply_context_parallel
+
+        request = context.request
+        for item in context.components.denoisers:
+            applied = apply_context_parallel(
+                item.module,
+                item.adapter.cp_plan,
+                request.parallel,
+                context.runtime,
+                attention=request.attention,
+                family=item.adapter.family,
+            )
+            context.add(self.name, item.name, applied.undo, applied.state)
+
+
+class _Cache:
+    needs_components = True
+    name = "cache"
+
+    def requested(self, request: Request) -> bool:
+        return request.cache is not None
+
+    def check(self, request: Request, components: Components) -> None:
+        from fastdit.cache.hooks import plan_slots
+        from fastdit.models.validate import block_lists, check_adapter, resolve_interleaved
+
+        for item in components.denoisers:
+            check_adapter(item.module, item.adapter)
+            resolve_interleaved(item.module, item.adapter.block_groups, item.adapter.family)
+            plan_slots(block_lists(item.module, item.adapter), request.cache.fn, request.cache.bn)
+
+    def apply(self, context: Context) -> None:
+        from fastdit.cache import apply_cache
+
+        reducer = context.sample_reducer()
+        for item in context.components.denoisers:
+            applied = apply_cache(item.module, item.adapter.cache_plan, context.request.cache, reducer=reducer)
+            context.add(self.name, item.name, applied.undo, applied.state)
+            if item.adapter.patch is not None:  # the family's PatchFunctor, active while a cache is installed
+                context.add("patch", item.name, item.adapter.patch(item.module))
+
+
+class _Compile:
+    needs_components = True
+    name = "compile"
+
+    def requested(self, request: Request) -> bool:
+        return request.compile is not None
+
+    def check(self, request: Request, components: Components) -> None:
+        pass  # Compile validates itself; graph breaks surface at the first call
+
+    def apply(self, context: Context) -> None:
+        from fastdit.compile import apply_compile
+
+        for item in context.components.denoisers:
+            applied = apply_compile([block for _, block in item.blocks()], context.request.compile)
+            context.add(self.name, item.name, applied.undo)
+
+
+class _CudaGraph:
+    needs_components = True
+    name = "cuda_graph"
+
+    def requested(self, request: Request) -> bool:
+        return request.cuda_graph is not None
+
+    def check(self, request: Request, components: Components) -> None:
+        if request.cuda_graph.scope == "call" and request.cache is not None:
+            raise ValueError(
+                f"cuda_graph={request.cuda_graph} with cache={request.cache}: a step cache decides on the host "
+                "between blocks, which a CUDA graph of the whole call cannot do; use scope='blocks' or 'auto'"
+            )
+
+    def apply(self, context: Context) -> None:
+        from fastdit.cuda_graph import apply_cuda_graph
+
+        for item in context.components.denoisers:
+            layout = context.state("context_parallel", item.name)
+            applied = apply_cuda_graph(
+                item.module,
+                context.request.cuda_graph,
+                blocks=item.blocks(),
+                cached=context.request.cache is not None,
+                context_key=None if layout is None else layout.signature,
+            )
+            context.add(self.name, item.name, applied.undo, applied.state)
+
+
+TECHNIQUES: tuple[Technique, ...] = (
+    _Unavailable("tensor_parallel", "tp", "tp"),
+    _ContextParallel(),
+    _Unavailable("cfg_parallel", "cfg", "cfg"),
+    _Cache(),
+    _Compile(),
+    _CudaGraph(),
+    _Unavailable("text_encoder_parallel", "text_encoder", "text_encoder"),
+    _Unavailable("vae_parallel", "vae", "vae"),
+)
+"""Every technique, in application order."""
+
+
+def technique_names() -> tuple[str, ...]:
+    """The names of :data:`TECHNIQUES`, in order."""
+    return tuple(t.name for t in TECHNIQUES)
+
+
+def check_request(request: Request) -> None:
+    """Run the checks that need only the request (before the target is looked at)."""
+    for technique in TECHNIQUES:
+        if technique.requested(request) and not technique.needs_components:
+            technique.check(request, None)
+
+
+def check_all(request: Request, components: Components) -> list[Technique]:
+    """Run the checks of every requested technique (nothing is touched); return them in application order."""
+    requested = [t for t in TECHNIQUES if t.requested(request)]
+    for technique in requested:
+        if technique.needs_components:
+            technique.check(request, components)
+    return requested
