@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import pickle
 import types
 import typing
 from typing import Any
@@ -12,7 +13,7 @@ import pytest
 
 import fastdit
 from fastdit.config import Attention, Compile, DBCache, DBPrune, Parallel, StepMask, TaylorSeer, config_fields
-from fastdit.errors import FieldError
+from fastdit.errors import FieldError, FieldsError
 
 CONFIG_CLASSES: tuple[type, ...] = (TaylorSeer, StepMask, DBCache, DBPrune, Parallel, Compile, Attention)
 FIELDS = [(cls, f.name) for cls in CONFIG_CLASSES for f in dataclasses.fields(cls)]
@@ -168,3 +169,12 @@ def test_a_field_without_a_check_is_a_programming_error() -> None:
 
     with pytest.raises(TypeError, match="forgotten"):
         _check_fields(Partial(), checked=_integer(0))
+
+
+def test_a_refused_combination_names_every_field() -> None:
+    with pytest.raises(FieldsError, match=r"^Compile\(mode='max-autotune', cuda_graph=True\): ") as info:
+        Compile(mode="max-autotune", cuda_graph=True)
+    assert info.value.fields == {"mode": "max-autotune", "cuda_graph": True}
+    assert (info.value.owner, info.value.field) == ("Compile", "mode")  # still a FieldError: its first field
+    copy = pickle.loads(pickle.dumps(info.value))  # errors cross worker processes
+    assert (type(copy), str(copy), copy.fields) == (FieldsError, str(info.value), info.value.fields)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from fastdit.errors import FieldError
+from fastdit.errors import FieldError, FieldsError
 
 __all__ = [
     "Attention",
@@ -328,11 +328,11 @@ class Compile:
             max_graphs=_integer(1),
         )
         if self.cuda_graph and self.mode in _GRAPHING_MODES:
-            raise FieldError(
+            raise FieldsError(
                 "Compile",
-                "mode",
-                self.mode,
-                f"must not be one of {_GRAPHING_MODES} together with cuda_graph=True (both would capture CUDA graphs)",
+                {"mode": self.mode, "cuda_graph": self.cuda_graph},
+                f"a mode among {_GRAPHING_MODES} captures CUDA graphs itself, so does cuda_graph=True; "
+                "use one of them (e.g. mode='max-autotune-no-cudagraphs')",
             )
 
 

@@ -31,6 +31,7 @@ from torch.utils import _pytree as pytree
 
 from fastdit.cache.hooks import BLOCK_HOOK
 from fastdit.config import Compile
+from fastdit.errors import FieldError
 from fastdit.models.base import ModelAdapter
 from fastdit.models.validate import block_lists
 
@@ -259,7 +260,8 @@ def apply_cuda_graph(
 
     Raises:
         ValueError: the parameters are not on a CUDA device, scope ``"call"`` with a cache, or scope ``"blocks"``
-            without an adapter.
+            without an adapter (the device and adapter cases as a :class:`~fastdit.errors.FieldError` on the Compile
+            field).
     """
     scope = config.graph_scope if config.graph_scope != "auto" else ("blocks" if cached else "call")
     if scope == "call" and cached:
@@ -267,7 +269,7 @@ def apply_cuda_graph(
             "Compile.graph_scope='call' with a cache: the cache decides on the host between blocks; use 'blocks'"
         )
     if scope == "blocks" and adapter is None:
-        raise ValueError("Compile.graph_scope='blocks': the transformer's adapter (its block lists) is needed")
+        raise FieldError("Compile", "graph_scope", "blocks", "the transformer's adapter (its block lists) is needed")
     new_graph = new_graph or _cuda_graph_factory(transformer)
     if scope == "call":
         graphs = [GraphedCalls(config, new_graph, "transformer")]
@@ -288,7 +290,7 @@ def _cuda_graph_factory(transformer: torch.nn.Module) -> Callable[[], CapturedGr
     param = next(transformer.parameters(), None)
     device = None if param is None else param.device
     if device is None or device.type != "cuda":
-        raise ValueError(f"Compile.cuda_graph=True: the transformer must be on a CUDA device, found {device}")
+        raise FieldError("Compile", "cuda_graph", True, f"the transformer must be on a CUDA device, found {device}")
     pool = torch.cuda.graph_pool_handle()  # one pool: graphs of a transformer never replay at the same time
     return lambda: _CudaGraph(pool)
 
