@@ -89,7 +89,8 @@ def parse_value(hint: Any, text: str) -> Any:
     """Read a config field's value from text, following its type hint.
 
     ``int``, ``float``, ``bool`` (true/false/yes/no/on/off/1/0) and ``X | None`` (``none``/``auto``/``off`` for
-    ``None``); :class:`TaylorSeer` fields take an order, :class:`StepMask` fields a preset name or step indices.
+    ``None``, but ``off`` is false for ``bool | None``); :class:`TaylorSeer` fields take an order,
+    :class:`StepMask` fields a preset name or step indices.
 
     Raises:
         ValueError: If ``text`` does not fit ``hint``.
