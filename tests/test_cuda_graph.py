@@ -16,8 +16,9 @@ import pytest
 import torch
 
 import fastdit
-from fastdit.cuda_graph import apply_cuda_graph
 from fastdit.context import context_of
+from fastdit.cuda_graph import apply_cuda_graph
+from fastdit.errors import FieldError
 from fastdit.hooks import layers
 from fastdit.testing.graphs import RecordingGraph
 from fastdit.testing.pipelines import build_tiny, run_tiny
@@ -57,7 +58,7 @@ def test_replays_with_new_inputs_after_warmup() -> None:
 @torch.no_grad()
 def test_outputs_are_copies_the_next_replay_cannot_overwrite() -> None:
     module = Doubler()
-    graphed = _graphed(module, warmup=1)
+    _graphed(module, warmup=1)
     module(torch.zeros(2))  # warm-up
     first = module(torch.ones(2))[0]
     second = module(torch.full((2,), 5.0))[0]
@@ -133,7 +134,7 @@ def test_tiny_flux_pipeline_is_bit_identical_and_undo_restores() -> None:
 
 def test_accelerate_refuses_cpu_model_and_whole_call_graphs_with_a_cache() -> None:
     pipe, _ = build_tiny("flux")
-    with pytest.raises(ValueError, match=r"CudaGraph: the transformer must be on a CUDA device"):
+    with pytest.raises(ValueError, match=r"CudaGraph.device=.cpu.: the transformer must be on a CUDA device"):
         fastdit.accelerate(pipe, cuda_graph=fastdit.CudaGraph())
     assert context_of(pipe) is None
     assert layers.stack_of(pipe.transformer) is None
@@ -187,8 +188,36 @@ def test_data_dependent_attention_lengths_refuse_graphs_before_anything() -> Non
     ],
 )
 def test_config_names_bad_field(kwargs: dict[str, Any], field: str) -> None:
-    with pytest.raises(ValueError, match=rf"Compile\.{field}"):
+    with pytest.raises(FieldError) as info:
         fastdit.Compile(**kwargs)
+    assert info.value.owner == "Compile"
+    assert field in getattr(info.value, "fields", {info.value.field: None})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"), [({"scope": "steps"}, "scope"), ({"warmup": 0}, "warmup"), ({"max_graphs": 1.0}, "max_graphs")]
+)
+def test_cuda_graph_config_names_bad_field(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(FieldError) as info:
+        fastdit.CudaGraph(**kwargs)
+    assert (info.value.owner, info.value.field) == ("CudaGraph", field)
+
+
+def test_graphs_without_compile_run_no_dynamo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CudaGraph alone graphs the eager blocks: torch.compile is never called."""
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: calls.append(a))
+    pipe, tiny = build_tiny("flux")
+    expected = run_tiny(pipe, tiny, num_inference_steps=3)
+    undo = apply_cuda_graph(
+        pipe.transformer, fastdit.CudaGraph(scope="blocks", warmup=1), blocks=_blocks(pipe), new_graph=RecordingGraph
+    )
+    try:
+        graphed = run_tiny(pipe, tiny, num_inference_steps=3)
+    finally:
+        undo()
+    np.testing.assert_array_equal(graphed, expected)
+    assert calls == [] and undo.state.stats()["replays"] == 6
 
 
 @pytest.mark.gpu

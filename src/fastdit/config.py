@@ -1,13 +1,19 @@
 """Frozen configuration dataclasses for every technique fastdit applies.
 
-Each config validates itself in ``__post_init__`` and raises ``ValueError`` naming the field and the offending value,
-so bad input is rejected before any model is touched.
+Each config checks every field in ``__post_init__`` (type first: ``True`` is not a block count, ``"no"`` is not
+``False``) and raises :class:`~fastdit.errors.FieldError` (a ``ValueError``) naming the class, the field and the
+offending value, so bad input is rejected before any model is touched and front ends can tell which field was wrong.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
+
+from fastdit.errors import FieldError, FieldsError
 
 __all__ = [
     "Attention",
@@ -23,24 +29,87 @@ __all__ = [
 ]
 
 
-def _check(condition: bool, owner: str, name: str, value: Any, requirement: str) -> None:
-    if not condition:
-        raise ValueError(f"{owner}.{name}={value!r}: {requirement}")
+@dataclass(frozen=True)
+class _Rule:
+    """What one field accepts: a test, and the phrase naming it in the error (``"an integer >= 1"``)."""
+
+    test: Callable[[Any], bool]
+    what: str
+
+    def check(self, owner: str, name: str, value: Any) -> None:
+        if not self.test(value):
+            raise FieldError(owner, name, value, f"must be {self.what}")
 
 
-def _check_int(owner: str, name: str, value: Any, minimum: int) -> None:
-    _check(
-        isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
-        owner,
-        name,
-        value,
-        f"must be an integer >= {minimum}",
-    )
+def _is_int(value: Any) -> bool:
+    # bool subclasses int, but True given as a block count is a mistake, not a 1; floats are refused too (1.0 would
+    # pass a range check and fail later in range() or indexing).
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _check_optional_int(owner: str, name: str, value: Any, minimum: int) -> None:
-    if value is not None:
-        _check_int(owner, name, value, minimum)
+def _is_number(value: Any) -> bool:
+    # NaN compares false with everything and inf passes any lower bound: neither is a usable threshold or ratio.
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _integer(minimum: int) -> _Rule:
+    return _Rule(lambda v: _is_int(v) and v >= minimum, f"an integer >= {minimum}")
+
+
+def _number(minimum: float, maximum: float | None = None) -> _Rule:
+    if maximum is None:
+        return _Rule(lambda v: _is_number(v) and v >= minimum, f"a finite number >= {minimum}")
+    return _Rule(lambda v: _is_number(v) and minimum <= v <= maximum, f"a number in [{minimum}, {maximum}]")
+
+
+def _same_kind(value: Any, choice: Any) -> bool:
+    if isinstance(choice, bool):
+        return isinstance(value, bool)
+    if isinstance(choice, int):
+        return _is_int(value)  # so neither True nor 1.0 counts as the choice 1
+    return isinstance(value, type(choice))
+
+
+def _one_of(*choices: Any) -> _Rule:
+    shown = [repr(c) for c in choices]
+    what = " or ".join(shown) if len(choices) <= 2 else f"one of {', '.join(shown)}"
+    return _Rule(lambda v: any(_same_kind(v, c) and v == c for c in choices), what)
+
+
+def _instance(cls: type) -> _Rule:
+    return _Rule(lambda v: isinstance(v, cls), f"a {cls.__name__}")
+
+
+def _optional(rule: _Rule) -> _Rule:
+    return _Rule(lambda v: v is None or rule.test(v), f"{rule.what} or None")
+
+
+_BOOL = _Rule(lambda v: isinstance(v, bool), "a bool")
+_TEXT = _Rule(lambda v: isinstance(v, str) and bool(v), "a non-empty string")
+_STEPS = _Rule(lambda v: isinstance(v, tuple) and all(_is_int(s) and s >= 0 for s in v), "non-negative integers")
+
+
+def _check_fields(config: Any, **rules: _Rule) -> None:
+    """Check each field of ``config`` against its rule, in declaration order.
+
+    Args:
+        config: A config dataclass instance.
+        **rules: One rule per field of ``config``, by field name.
+
+    Raises:
+        FieldError: For the first field whose value its rule refuses.
+        TypeError: If a field has no rule or a rule no field: every field is checked, so a new field cannot be
+            added without saying what it accepts.
+    """
+    owner = type(config).__name__
+    names = [f.name for f in fields(config)]
+    if set(names) != rules.keys():
+        raise TypeError(
+            f"{owner}: fields without a check: {sorted(set(names) - rules.keys())}, "
+            f"checks without a field: {sorted(rules.keys() - set(names))}"
+        )
+    for name in names:
+        rules[name].check(owner, name, getattr(config, name))
 
 
 def config_fields(cls: type) -> list[tuple[str, Any, str]]:
@@ -68,14 +137,7 @@ class TaylorSeer:
     )
 
     def __post_init__(self) -> None:
-        _check(self.order in (1, 2), "TaylorSeer", "order", self.order, "must be 1 or 2")
-        _check(
-            isinstance(self.forecast_decision, bool),
-            "TaylorSeer",
-            "forecast_decision",
-            self.forecast_decision,
-            "must be a bool",
-        )
+        _check_fields(self, order=_one_of(1, 2), forecast_decision=_BOOL)
 
 
 STEP_MASK_PRESETS = ("slow", "medium", "fast", "ultra")
@@ -93,16 +155,11 @@ class StepMask:
     policy: Literal["static", "dynamic"] = _doc("'static' caches every other step; 'dynamic' tests them.", "dynamic")
 
     def __post_init__(self) -> None:
-        steps = tuple(self.compute_steps)
-        object.__setattr__(self, "compute_steps", steps)
-        _check(
-            all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in steps),
-            "StepMask",
-            "compute_steps",
-            self.compute_steps,
-            "must be non-negative integers",
-        )
-        _check(self.policy in ("static", "dynamic"), "StepMask", "policy", self.policy, "must be 'static' or 'dynamic'")
+        steps = self.compute_steps
+        if isinstance(steps, Iterable) and not isinstance(steps, (str, bytes)):
+            # Lists and ranges are natural to write; the frozen config keeps a tuple so it stays hashable.
+            object.__setattr__(self, "compute_steps", tuple(steps))
+        _check_fields(self, compute_steps=_STEPS, policy=_one_of("static", "dynamic"))
 
     @classmethod
     def preset(cls, name: str, num_steps: int, *, policy: Literal["static", "dynamic"] = "static") -> StepMask:
@@ -116,8 +173,8 @@ class StepMask:
             num_steps: Number of denoising steps of the run.
             policy: ``static`` (the mask alone decides) or ``dynamic``.
         """
-        _check(name in STEP_MASK_PRESETS, "StepMask", "preset", name, f"must be one of {STEP_MASK_PRESETS}")
-        _check_int("StepMask", "num_steps", num_steps, 1)
+        _one_of(*STEP_MASK_PRESETS).check("StepMask", "preset", name)
+        _integer(1).check("StepMask", "num_steps", num_steps)
         head, every = {"slow": (4, 2), "medium": (4, 3), "fast": (3, 4), "ultra": (2, 6)}[name]
         head = min(head, num_steps)
         steps = set(range(head)) | set(range(head, num_steps, every)) | {num_steps - 1}
@@ -147,32 +204,18 @@ class DBCache:
     )
 
     def __post_init__(self) -> None:
-        _check_int("DBCache", "fn", self.fn, 1)
-        _check_int("DBCache", "bn", self.bn, 0)
-        _check(
-            isinstance(self.threshold, (int, float)) and not isinstance(self.threshold, bool) and self.threshold >= 0,
-            "DBCache",
-            "threshold",
-            self.threshold,
-            "must be a number >= 0",
-        )
-        _check_int("DBCache", "warmup_steps", self.warmup_steps, 0)
-        _check_int("DBCache", "warmup_interval", self.warmup_interval, 1)
-        _check_optional_int("DBCache", "max_cached_steps", self.max_cached_steps, 0)
-        _check_optional_int("DBCache", "max_continuous_cached_steps", self.max_continuous_cached_steps, 1)
-        _check(
-            self.taylorseer is None or isinstance(self.taylorseer, TaylorSeer),
-            "DBCache",
-            "taylorseer",
-            self.taylorseer,
-            "must be a TaylorSeer or None",
-        )
-        _check(
-            self.step_mask is None or isinstance(self.step_mask, StepMask),
-            "DBCache",
-            "step_mask",
-            self.step_mask,
-            "must be a StepMask or None",
+        _check_fields(
+            self,
+            fn=_integer(1),
+            bn=_integer(0),
+            threshold=_number(0),
+            warmup_steps=_integer(0),
+            warmup_interval=_integer(1),
+            max_cached_steps=_optional(_integer(0)),
+            max_continuous_cached_steps=_optional(_integer(1)),
+            taylorseer=_optional(_instance(TaylorSeer)),
+            step_mask=_optional(_instance(StepMask)),
+            separate_cfg=_optional(_BOOL),
         )
 
 
@@ -194,24 +237,15 @@ class DBPrune:
     max_continuous_pruned_steps: int | None = _doc("Cap on consecutive steps one block may be pruned.", None)
 
     def __post_init__(self) -> None:
-        _check_int("DBPrune", "fn", self.fn, 0)
-        _check_int("DBPrune", "bn", self.bn, 0)
-        _check(
-            isinstance(self.threshold, (int, float)) and not isinstance(self.threshold, bool) and self.threshold >= 0,
-            "DBPrune",
-            "threshold",
-            self.threshold,
-            "must be a number >= 0",
+        _check_fields(
+            self,
+            fn=_integer(0),
+            bn=_integer(0),
+            threshold=_number(0),
+            warmup_steps=_integer(0),
+            max_pruned_ratio=_number(0, 1),
+            max_continuous_pruned_steps=_optional(_integer(1)),
         )
-        _check_int("DBPrune", "warmup_steps", self.warmup_steps, 0)
-        _check(
-            isinstance(self.max_pruned_ratio, (int, float)) and 0 <= self.max_pruned_ratio <= 1,
-            "DBPrune",
-            "max_pruned_ratio",
-            self.max_pruned_ratio,
-            "must be in [0, 1]",
-        )
-        _check_optional_int("DBPrune", "max_continuous_pruned_steps", self.max_continuous_pruned_steps, 1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -234,9 +268,17 @@ class Parallel:
     )
 
     def __post_init__(self) -> None:
-        for name in ("ulysses", "ring", "tp", "ulysses_chunks"):
-            _check_int("Parallel", name, getattr(self, name), 1)
-        _check(self.cfg in (1, 2), "Parallel", "cfg", self.cfg, "must be 1 or 2")
+        _check_fields(
+            self,
+            ulysses=_integer(1),
+            ring=_integer(1),
+            tp=_integer(1),
+            cfg=_one_of(1, 2),
+            text_encoder=_BOOL,
+            vae=_BOOL,
+            ulysses_chunks=_integer(1),
+            comm_fp8=_BOOL,
+        )
 
     @property
     def world_size(self) -> int:
@@ -275,19 +317,24 @@ class Compile:
     max_graphs: int = _doc("Input signatures captured per transformer; later new signatures run without a graph.", 8)
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.backend, str) and bool(self.backend), "Compile", "backend", self.backend, "non-empty")
-        _check(isinstance(self.cuda_graph, bool), "Compile", "cuda_graph", self.cuda_graph, "a bool")
-        _check(self.graph_scope in ("auto", "call", "blocks"), "Compile", "graph_scope", self.graph_scope,
-               "one of 'auto', 'call', 'blocks'")  # fmt: skip
-        _check_int("Compile", "graph_warmup", self.graph_warmup, 1)
-        _check_int("Compile", "max_graphs", self.max_graphs, 1)
-        _check(
-            not (self.cuda_graph and self.mode in _GRAPHING_MODES),
-            "Compile",
-            "mode",
-            self.mode,
-            f"not one of {_GRAPHING_MODES} together with cuda_graph=True (both would capture CUDA graphs)",
+        _check_fields(
+            self,
+            backend=_TEXT,
+            mode=_optional(_TEXT),
+            fullgraph=_BOOL,
+            dynamic=_optional(_BOOL),
+            cuda_graph=_BOOL,
+            graph_scope=_one_of("auto", "call", "blocks"),
+            graph_warmup=_integer(1),
+            max_graphs=_integer(1),
         )
+        if self.cuda_graph and self.mode in _GRAPHING_MODES:
+            raise FieldsError(
+                "Compile",
+                {"mode": self.mode, "cuda_graph": self.cuda_graph},
+                f"a mode among {_GRAPHING_MODES} captures CUDA graphs itself, so does cuda_graph=True; "
+                "use one of them (e.g. mode='max-autotune-no-cudagraphs')",
+            )
 
 
 ATTENTION_BACKENDS = ("sdpa", "flash", "cudnn", "efficient", "math", "flash-attn", "sage")
@@ -301,8 +348,7 @@ class Attention:
     gqa: Literal["auto", "native", "repeat"] = _doc("GQA: 'native' (enable_gqa), 'repeat' K/V, or 'auto'.", "auto")
 
     def __post_init__(self) -> None:
-        _check(self.backend in ATTENTION_BACKENDS, "Attention", "backend", self.backend, f"one of {ATTENTION_BACKENDS}")
-        _check(self.gqa in ("auto", "native", "repeat"), "Attention", "gqa", self.gqa, "one of auto, native, repeat")
+        _check_fields(self, backend=_one_of(*ATTENTION_BACKENDS), gqa=_one_of("auto", "native", "repeat"))
 
 
 GRAPH_SCOPES = ("auto", "call", "blocks")
@@ -328,9 +374,7 @@ class CudaGraph:
     )
 
     def __post_init__(self) -> None:
-        _check(self.scope in GRAPH_SCOPES, "CudaGraph", "scope", self.scope, f"one of {GRAPH_SCOPES}")
-        _check_int("CudaGraph", "warmup", self.warmup, 1)
-        _check_int("CudaGraph", "max_graphs", self.max_graphs, 1)
+        _check_fields(self, scope=_one_of(*GRAPH_SCOPES), warmup=_integer(1), max_graphs=_integer(1))
 
     @classmethod
     def from_compile(cls, compile: Compile) -> CudaGraph | None:

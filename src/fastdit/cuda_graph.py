@@ -30,6 +30,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fastdit.config import GRAPH_SCOPES, CudaGraph
+from fastdit.errors import FieldError
 from fastdit.hooks import blocks as block_runner
 from fastdit.hooks import layers
 from fastdit.hooks.state import Applied
@@ -307,6 +308,6 @@ def _cuda_graph_factory(transformer: torch.nn.Module) -> Callable[[], CapturedGr
     param = next(transformer.parameters(), None)
     device = None if param is None else param.device
     if device is None or device.type != "cuda":
-        raise ValueError(f"CudaGraph: the transformer must be on a CUDA device, found {device}")
+        raise FieldError("CudaGraph", "device", str(device), "the transformer must be on a CUDA device")
     pool = torch.cuda.graph_pool_handle()  # one pool: graphs of a transformer never replay at the same time
     return lambda: _CudaGraph(pool)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["FieldError"]
+__all__ = ["FieldError", "FieldsError"]
 
 
 class FieldError(ValueError):
@@ -29,3 +30,28 @@ class FieldError(ValueError):
 
     def __reduce__(self) -> tuple:  # picklable across worker processes
         return (type(self), (self.owner, self.field, self.value, self.requirement))
+
+
+class FieldsError(FieldError):
+    """Values of several fields of one owner that are refused together: ``owner(a=1, b=2): requirement``.
+
+    Each value may be fine alone (``DBCache(fn=5, bn=5)`` on a model of 8 blocks leaves no middle block), so a front
+    end names the source of every one of :attr:`fields`. ``field`` and ``value`` are the first of them, so code that
+    reads a :class:`FieldError` still finds one field.
+
+    Attributes:
+        fields: The refused values by field name, in the order they are named.
+    """
+
+    def __init__(self, owner: str, fields: Mapping[str, Any], requirement: str) -> None:
+        if not fields:
+            raise TypeError("FieldsError needs at least one field")
+        first = next(iter(fields))
+        super().__init__(owner, first, fields[first], requirement)
+        self.fields = dict(fields)
+        # The message of a combination lists every value, in the shape of the owner's repr.
+        values = ", ".join(f"{name}={value!r}" for name, value in self.fields.items())
+        self.args = (f"{owner}({values}): {requirement}",)
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.owner, self.fields, self.requirement))

@@ -1,12 +1,19 @@
-"""``--parallel``: key=value pairs named after the fields of ``fastdit.Parallel``, checked against the process count."""
+"""Shared flags: ``--parallel`` key=value pairs, cache specs, and config errors blamed on the flags that set them."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+from pathlib import Path
+from typing import Any
+
 import pytest
 
-from fastdit.cli import CLIError
-from fastdit.cli.options import parse_parallel
-from fastdit.config import Parallel
+from fastdit.cli import CLIError, build_parser, main
+from fastdit.cli.options import cache_from_spec, check_cache_fits, field_error_message, parse_parallel, parse_value
+from fastdit.config import DBCache, DBPrune, Parallel, StepMask, TaylorSeer
+from fastdit.errors import FieldError, FieldsError
+from fastdit.testing.pipelines import build_tiny
 
 
 @pytest.mark.parametrize(
@@ -32,9 +39,115 @@ def test_parse_parallel(text: str, processes: int, expected: Parallel) -> None:
         ("ulysses", 2, "'ulysses'"),
         ("ulysses=two", 2, "'ulysses=two'"),
         ("ulysses=2,ulysses_chunks=0", 2, "ulysses_chunks"),
+        ("ulysses=2,ulysses-chunks=0", 2, "argument --parallel ulysses-chunks=0: Parallel.ulysses_chunks=0"),
+        ("ulysses=2,ulysses=1", 2, "'ulysses=1' in 'ulysses=2,ulysses=1': ulysses is given twice"),
+        ("ulysses=2,ulysses_chunks=2,ulysses-chunks=2", 2, "ulysses_chunks is given twice"),
+        ("ulysses=2,vae,vae=false", 2, "vae is given twice"),
     ],
 )
 def test_parse_parallel_rejects(text: str, processes: int, needle: str) -> None:
     with pytest.raises(CLIError, match="--parallel") as info:
         parse_parallel(text, processes)
     assert needle in str(info.value)
+
+
+def test_cache_spec_refuses_a_repeated_field() -> None:
+    with pytest.raises(CLIError, match=r"'fn=2' in 'fn=1,fn=2': fn is given twice"):
+        cache_from_spec("fn=1,fn=2", 10)
+
+
+def test_optional_bool_off_is_false_not_automatic() -> None:
+    assert parse_value(bool | None, "off") is False
+    assert parse_value(bool | None, "auto") is None
+    assert parse_value(int | None, "off") is None  # for a cap, off means no cap
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["generate", *argv])
+
+
+def _expected_flag(cls: type, name: str) -> str:
+    """The flag naming convention of the cache flags (written out here, so that a field without a flag fails)."""
+    if cls is TaylorSeer:
+        return "--taylorseer" if name == "order" else f"--taylorseer-{name.replace('_', '-')}"
+    if cls is StepMask:
+        return "--step-mask" if name == "compute_steps" else f"--step-mask-{name.replace('_', '-')}"
+    return {"taylorseer": "--taylorseer", "step_mask": "--step-mask"}.get(name, f"--cache-{name.replace('_', '-')}")
+
+
+CACHE_FIELDS = [(cls, f.name) for cls in (DBCache, DBPrune, TaylorSeer, StepMask) for f in dataclasses.fields(cls)]
+
+
+@pytest.mark.parametrize(("cls", "name"), CACHE_FIELDS, ids=[f"{c.__name__}.{n}" for c, n in CACHE_FIELDS])
+def test_every_cache_field_error_names_its_flag(cls: type, name: str) -> None:
+    flag = _expected_flag(cls, name)
+    error = FieldError(cls.__name__, name, "v", "must be good")
+    assert field_error_message(error, _args(flag, "v")) == f"argument {flag} v: {error}"
+    # Not passed: the preset that chose the value is blamed.
+    assert field_error_message(error, _args("--cache", "fast")) == f"argument --cache fast: {error}"
+
+
+@pytest.mark.parametrize(
+    ("error", "argv", "prefix"),
+    [
+        (
+            FieldsError("DBCache", {"fn": 5, "bn": 5}, "leaves no middle block"),
+            ["--cache-fn", "5", "--cache-bn", "5", "--cache-threshold", "0.2"],
+            "arguments --cache-fn 5, --cache-bn 5: ",
+        ),
+        (FieldsError("DBCache", {"fn": 7, "bn": 1}, "no middle"), ["--cache-fn", "7"], "argument --cache-fn 7: "),
+        (FieldsError("DBCache", {"fn": 8, "bn": 0}, "no middle"), ["--cache", "dbcache"], "argument --cache dbcache: "),
+        (FieldError("Compile", "cuda_graph", True, "needs CUDA"), ["--cuda-graph"], "argument --cuda-graph: "),
+        (
+            FieldsError("Compile", {"mode": "max-autotune", "cuda_graph": True}, "both graph"),
+            ["--compile", "--cuda-graph"],
+            "argument --cuda-graph: ",
+        ),
+        (FieldError("Compile", "max_graphs", 0, "must be >= 1"), ["--compile"], "argument --compile: "),
+        (
+            FieldError("Parallel", "ulysses", 0, "must be >= 1"),
+            ["--parallel", "ulysses=0"],
+            "argument --parallel ulysses=0: ",
+        ),
+        (FieldError("Attention", "backend", "x", "unknown"), ["--attention", "x"], "argument --attention x: "),
+        (FieldError("DBCache", "fn", 0, "must be >= 1"), [], ""),  # nothing passed set it: the error alone
+    ],
+)
+def test_field_errors_name_the_flags_passed(error: FieldError, argv: list[str], prefix: str) -> None:
+    assert field_error_message(error, _args(*argv)) == f"{prefix}{error}"
+
+
+def test_check_cache_fits_names_fn_and_bn() -> None:
+    pipe, _ = build_tiny("flux")  # 3 transformer blocks
+    check_cache_fits(pipe, DBCache(fn=1, bn=1))
+    check_cache_fits(pipe, DBPrune(fn=2, bn=1))  # DBPrune is not checked: it has no such rule
+    check_cache_fits(pipe, None)
+    with pytest.raises(FieldsError, match=r"^DBCache\(fn=2, bn=1\): leaves no middle block .*3 blocks") as info:
+        check_cache_fits(pipe, DBCache(fn=2, bn=1))
+    assert (info.value.owner, info.value.fields) == ("DBCache", {"fn": 2, "bn": 1})
+
+
+TINY = ["--prompt", "a", "--height", "32", "--width", "32", "--steps", "2", "--quiet"]
+
+
+@pytest.mark.usefixtures("single_process")
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (
+            ["--cache-fn", "2", "--cache-bn", "1"],
+            "fastdit: error: arguments --cache-fn 2, --cache-bn 1: DBCache(fn=2, bn=1): leaves no middle block",
+        ),
+        (["--cache", "dbcache"], "fastdit: error: argument --cache dbcache: DBCache(fn=8, bn=0): leaves no middle"),
+        (["--cuda-graph"], "fastdit: error: argument --cuda-graph: CudaGraph.device='cpu': the transformer must be"),
+    ],
+)
+def test_generate_blames_the_flags_passed_after_loading(
+    argv: list[str], line: str, tiny_flux_dir: Path, tmp_path: Path, capsys: Any
+) -> None:
+    out = tmp_path / "out" / "x.png"
+    assert main(["generate", "--model-path", str(tiny_flux_dir), *TINY, *argv, "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    errors = [text for text in captured.err.splitlines() if text.startswith("fastdit: error:")]
+    assert len(errors) == 1 and errors[0].startswith(line), captured.err
+    assert captured.out == "" and not out.parent.exists()

@@ -2,7 +2,9 @@
 
 A command module ``fastdit.cli.<name>`` exposes ``add_parser(subparsers) -> argparse.ArgumentParser`` and
 ``run(args) -> int``. Bad user input is reported by raising :class:`CLIError`, which :func:`main` turns into one line
-``fastdit: error: <message>`` on stderr and exit code 2 — the same code argparse uses for usage errors.
+``fastdit: error: <message>`` on stderr and exit code 2 — the same code argparse uses for usage errors. A
+:class:`~fastdit.errors.FieldError` that leaves a command (a config value refused once the model is loaded) is reported
+the same way, naming the flags that set its field (found by its owner and field, not by its message).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import argparse
 import importlib
 import sys
 from collections.abc import Callable
+
+from fastdit.errors import FieldError
 
 __all__ = ["COMMANDS", "EXIT_USAGE", "CLIError", "build_parser", "main"]
 
@@ -74,4 +78,11 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     except CLIError as error:
         print(f"fastdit: error: {_one_line(str(error))}", file=sys.stderr)
+        return EXIT_USAGE
+    except FieldError as error:
+        # Here, not in the command: only the parsed arguments tell which of the flags that can set the field were
+        # passed. Commands apply their configs before writing anything, so this is bad input like a CLIError.
+        from fastdit.cli.options import field_error_message
+
+        print(f"fastdit: error: {_one_line(field_error_message(error, args))}", file=sys.stderr)
         return EXIT_USAGE

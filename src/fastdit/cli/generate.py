@@ -30,6 +30,7 @@ from fastdit.cli.options import (
     add_model_arguments,
     cache_from_args,
     call_values,
+    check_cache_fits,
     check_call_numbers,
     check_positive,
     check_size,
@@ -40,6 +41,7 @@ from fastdit.cli.options import (
     resolve_source,
 )
 from fastdit.config import ATTENTION_BACKENDS, Attention, Compile, CudaGraph
+from fastdit.errors import FieldError
 from fastdit.generate import (
     Case,
     Generator,
@@ -275,11 +277,9 @@ def plan_from_args(args: argparse.Namespace) -> GeneratePlan:
     )
 
 
-# How fastdit.accelerate's messages begin → the flag that asked for it.
+# How fastdit.accelerate's own (non-field) messages begin → the flag that asked for it.
 _MESSAGE_FLAGS = (
     ("cache=", "--cache"),
-    ("DBCache", "--cache"),
-    ("DBPrune", "--cache"),
     ("parallel=", "--parallel"),
     ("cuda_graph=", "--cuda-graph"),
     ("CudaGraph", "--cuda-graph"),
@@ -290,7 +290,10 @@ _MESSAGE_FLAGS = (
 
 def _accelerate(generator: Generator, plan: GeneratePlan) -> None:
     try:
+        check_cache_fits(generator.pipe, plan.acceleration.get("cache"))
         generator.accelerate(**plan.acceleration)
+    except FieldError:
+        raise  # fastdit.cli.main names the flags that set the field, from the parsed arguments
     except (NotImplementedError, ValueError) as error:
         message = str(error)
         flag = next((flag for start, flag in _MESSAGE_FLAGS if message.startswith(start)), None)

@@ -4,7 +4,9 @@ One cache flag per field of :class:`~fastdit.config.DBCache` and :class:`~fastdi
 (``--cache-fn``, ``--cache-threshold``, ``--cache-warmup-steps``, ..., plus ``--taylorseer ORDER`` and
 ``--step-mask PRESET|LIST``); ``--parallel`` takes ``key=value`` pairs named after the fields of
 :class:`~fastdit.config.Parallel`. Values are read as text and checked in the command, so a bad value is reported as
-one line naming the flag (exit code 2) rather than as an argparse usage dump.
+one line naming the flag (exit code 2) rather than as an argparse usage dump. A value a config refuses comes back as a
+:class:`~fastdit.errors.FieldError`; :func:`field_error_message` names the flags the user passed for its
+``(owner, field)``, never by reading the message.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from functools import cache
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -23,6 +26,7 @@ import torch
 from fastdit.cache.presets import CACHE_PRESETS, DEFAULT_CACHE_PRESET, NO_CACHE, cache_config, get_cache_preset
 from fastdit.cli import CLIError
 from fastdit.config import STEP_MASK_PRESETS, DBCache, DBPrune, Parallel, StepMask, TaylorSeer, config_fields
+from fastdit.errors import FieldError, FieldsError
 from fastdit.generate import (
     ModelSource,
     call_parameters,
@@ -41,10 +45,12 @@ __all__ = [
     "cache_from_args",
     "cache_from_spec",
     "call_values",
+    "check_cache_fits",
     "check_call_numbers",
     "check_positive",
     "check_size",
     "configure_threads",
+    "field_error_message",
     "parse_parallel",
     "parse_value",
     "resolve_device",
@@ -83,7 +89,8 @@ def parse_value(hint: Any, text: str) -> Any:
     """Read a config field's value from text, following its type hint.
 
     ``int``, ``float``, ``bool`` (true/false/yes/no/on/off/1/0) and ``X | None`` (``none``/``auto``/``off`` for
-    ``None``); :class:`TaylorSeer` fields take an order, :class:`StepMask` fields a preset name or step indices.
+    ``None``, but ``off`` is false for ``bool | None``); :class:`TaylorSeer` fields take an order,
+    :class:`StepMask` fields a preset name or step indices.
 
     Raises:
         ValueError: If ``text`` does not fit ``hint``.
@@ -91,7 +98,8 @@ def parse_value(hint: Any, text: str) -> Any:
     text = text.strip()
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         members = [m for m in typing.get_args(hint) if m is not type(None)]
-        if text.lower() in _NONE:
+        # For ``bool | None``, "off" is False: reading it as None (automatic) could mean the opposite.
+        if text.lower() in _NONE and not (members == [bool] and text.lower() in _FALSE):
             return None
         hint = members[0]
     try:
@@ -199,6 +207,21 @@ def _field_flag(name: str) -> CacheFlag | None:
     return next((f for f in cache_flags() if f.field == name), None)
 
 
+@cache
+def _cache_field_flags() -> Mapping[tuple[str, str], CacheFlag]:
+    """``(config class name, field)`` → the cache flag that sets it, for DBCache, DBPrune and their nested configs."""
+    table: dict[tuple[str, str], CacheFlag] = {}
+    for flag in cache_flags():
+        if flag.parent is not None:
+            table[(_NESTED[flag.parent][1].__name__, flag.subfield or "")] = flag
+            continue
+        table.update({(owner, flag.field): flag for owner in flag.owners})
+        if flag.field in _NESTED:  # ``--taylorseer ORDER`` and ``--step-mask LIST`` set the nested main field
+            _, cls, main_field = _NESTED[flag.field]
+            table[(cls.__name__, main_field)] = flag
+    return MappingProxyType(table)
+
+
 def _defaults(cls: type) -> dict[str, Any]:
     return {f.name: f.default for f in fields(cls)}
 
@@ -264,11 +287,19 @@ def _build(preset: str, overrides: dict[str, tuple[str, Any]], num_steps: int | 
         applied[name] = value
         try:
             config = cache_config(preset, num_steps=num_steps, **applied)
-        except ValueError as error:
+        except FieldError as error:
+            raise CLIError(f"argument {_blame(error, overrides, option)}: {error}") from None
+        except ValueError as error:  # a short form cache_config cannot read: the override just applied
             raise CLIError(f"argument {label}: {error}") from None
     for name, (label, value) in nested.items():
         config = _set_nested(config, _field_flag(name), label, value)
     return config
+
+
+def _blame(error: FieldError, overrides: Mapping[str, tuple[str, Any]], option: str) -> str:
+    """The override that set the refused field, by ``(owner, field)``; the preset (``option``) when none did."""
+    flag = _cache_field_flags().get((error.owner, error.field))
+    return overrides[flag.field][0] if flag is not None and flag.field in overrides else option
 
 
 def _set_nested(config: Any, flag: CacheFlag, label: str, value: Any) -> Any:
@@ -281,7 +312,7 @@ def _set_nested(config: Any, flag: CacheFlag, label: str, value: Any) -> Any:
         raise CLIError(f"argument {label}: {parent} is off in this configuration; turn it on with {_NESTED[parent][0]}")
     try:
         return replace(config, **{parent: replace(current, **{sub: value})})
-    except ValueError as error:
+    except FieldError as error:
         raise CLIError(f"argument {label}: {error}") from None
 
 
@@ -329,7 +360,7 @@ def cache_from_spec(spec: str, num_steps: int | None, option: str = "--configs")
     ``taylorseer``, ``step_mask``, ...); without a preset the fields override :data:`DEFAULT_CACHE_PRESET`.
 
     Raises:
-        CLIError: On an unknown preset or field, or an invalid value.
+        CLIError: On an unknown preset, an unknown or repeated field, or an invalid value.
     """
     pieces = _assignments(spec)
     if not pieces:
@@ -345,6 +376,8 @@ def cache_from_spec(spec: str, num_steps: int | None, option: str = "--configs")
         if not sep or flag is None:
             known = ", ".join(f.field for f in cache_flags())
             raise CLIError(f"argument {option}: {piece!r} in {spec!r} is not field=value with a field in: {known}")
+        if name in overrides:  # the later one would silently win
+            raise CLIError(f"argument {option}: {piece!r} in {spec!r}: {name} is given twice")
         try:
             overrides[name] = (f"{option} {spec!r}", parse_value(flag.hint, text))
         except ValueError as error:
@@ -358,11 +391,12 @@ def parse_parallel(text: str, num_processes: int) -> Parallel:
     """Read ``--parallel ulysses=2,ring=1`` (keys are :class:`Parallel` fields; ``vae`` alone means ``vae=true``).
 
     Raises:
-        CLIError: On bad syntax, an unknown key, an invalid degree, or degrees whose product differs from the number
-            of processes.
+        CLIError: On bad syntax, an unknown or repeated key, an invalid degree, or degrees whose product differs from
+            the number of processes.
     """
     hints = typing.get_type_hints(Parallel)
     values: dict[str, Any] = {}
+    pieces: dict[str, str] = {}
     for piece in (p.strip() for p in text.split(",")):
         key, sep, value = piece.partition("=")
         key = key.strip().replace("-", "_")
@@ -370,20 +404,123 @@ def parse_parallel(text: str, num_processes: int) -> Parallel:
             raise CLIError(
                 f"argument --parallel: {piece!r} in {text!r} is not key=value with a key in: {', '.join(hints)}"
             )
+        if key in values:  # ``ulysses=2,ulysses=1``: the later one would silently win
+            raise CLIError(f"argument --parallel: {piece!r} in {text!r}: {key} is given twice ({pieces[key]!r})")
         try:
             values[key] = parse_value(hints[key], value) if sep else True
         except ValueError as error:
             raise CLIError(f"argument --parallel: {piece!r} in {text!r}: {error}") from None
+        pieces[key] = piece
     try:
         parallel = Parallel(**values)
-    except ValueError as error:
-        raise CLIError(f"argument --parallel {text}: {error}") from None
+    except FieldError as error:
+        raise CLIError(f"argument --parallel {pieces.get(error.field, text)}: {error}") from None
     if parallel.world_size != num_processes:
         raise CLIError(
             f"argument --parallel {text}: needs {parallel.world_size} processes (cfg × ring × ulysses × tp), "
             f"this run has {num_processes}; launch with torchrun --nproc-per-node {parallel.world_size}"
         )
     return parallel
+
+
+# Fields set by the acceleration flags of ``generate`` (cli/generate.py builds Compile, CudaGraph and Attention
+# from them).
+_ACCELERATION_FIELD_FLAGS: Mapping[tuple[str, str], str] = MappingProxyType(
+    {
+        **{("Parallel", name): "--parallel" for name, _default, _doc in config_fields(Parallel)},
+        ("Compile", "backend"): "--compile",
+        ("Compile", "cuda_graph"): "--cuda-graph",
+        **{("CudaGraph", name): "--cuda-graph" for name in ("device", "scope", "warmup", "max_graphs")},
+        ("Attention", "backend"): "--attention",
+    }
+)
+
+# Flags that choose a whole config: blamed when the user passed no flag of the refused field itself (the value then
+# came from a preset or a default that those flags selected).
+_CONFIG_FLAGS: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        **{cls.__name__: ("--cache", "--configs") for cls in (DBCache, DBPrune, TaylorSeer, StepMask)},
+        "Parallel": ("--parallel",),
+        "Compile": ("--compile", "--cuda-graph"),
+        "CudaGraph": ("--cuda-graph",),
+        "Attention": ("--attention",),
+    }
+)
+
+
+def _field_flag_name(owner: str, name: str) -> str | None:
+    cache_flag = _cache_field_flags().get((owner, name))
+    return cache_flag.flag if cache_flag is not None else _ACCELERATION_FIELD_FLAGS.get((owner, name))
+
+
+def _given(args: argparse.Namespace, flag: str) -> str | None:
+    """How the user gave ``flag`` (``"--cache-fn 5"``, ``"--cuda-graph"``), or ``None`` if they did not."""
+    value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
+    if value is None or value is False:
+        return None
+    return flag if value is True else f"{flag} {value}"
+
+
+def field_error_message(error: FieldError, args: argparse.Namespace) -> str:
+    """The one-line message for a config value refused after the command built its configs.
+
+    The flags are found from ``(error.owner, error.field)`` (every field of a :class:`~fastdit.errors.FieldsError`):
+    those of the refused fields that the user passed, else the ones that chose the whole config (``--cache PRESET``).
+
+    Args:
+        error: The refused value.
+        args: The command's parsed arguments (which flags were passed, and how).
+
+    Returns:
+        ``argument FLAG VALUE: <error>``, ``arguments FLAG VALUE, FLAG VALUE: <error>``, or the error alone when no
+        flag the user passed set the field.
+    """
+    names = list(error.fields) if isinstance(error, FieldsError) else [error.field]
+    flags = [flag for name in names if (flag := _field_flag_name(error.owner, name)) is not None]
+    given = [text for flag in dict.fromkeys(flags) if (text := _given(args, flag)) is not None]
+    if not given:
+        given = [text for flag in _CONFIG_FLAGS.get(error.owner, ()) if (text := _given(args, flag)) is not None]
+    if not given:
+        return str(error)
+    return f"argument{'s' * (len(given) > 1)} {', '.join(given)}: {error}"
+
+
+def check_cache_fits(pipe: Any, cache: DBCache | DBPrune | None) -> None:
+    """Refuse a :class:`DBCache` whose front and back blocks leave no middle block in a transformer of ``pipe``.
+
+    Accelerating refuses it too (``fastdit.cache.hooks.plan_slots``, same rule), but with a plain ``ValueError``;
+    checking first gives a :class:`~fastdit.errors.FieldsError` that names both fields, so the command line can
+    blame ``--cache-fn`` and ``--cache-bn`` rather than a flag the user never passed. The block count is known only
+    once the model is built, so this runs after loading, before accelerating.
+
+    Args:
+        pipe: The loaded pipeline.
+        cache: The cache configuration to install (anything but a DBCache is not checked).
+
+    Raises:
+        FieldsError: Owner ``DBCache``, fields ``fn`` and ``bn``.
+    """
+    if not isinstance(cache, DBCache):
+        return
+    from fastdit.api import find_transformers
+    from fastdit.models.validate import block_lists
+
+    try:
+        transformers = find_transformers(pipe)
+    except ValueError:  # no adapter: accelerating reports it
+        return
+    for name, (module, adapter) in transformers.items():
+        try:
+            total = sum(len(blocks) for _group, blocks in block_lists(module, adapter))
+        except ValueError:  # an adapter that does not fit: accelerating reports it
+            continue
+        if cache.fn + cache.bn >= total:
+            raise FieldsError(
+                "DBCache",
+                {"fn": cache.fn, "bn": cache.bn},
+                f"leaves no middle block to cache in {name} ({type(module).__name__}, {total} blocks): "
+                f"fn + bn must be below {total}",
+            )
 
 
 def check_positive(option: str, value: int | float | None, *, allow_zero: bool = False) -> None:

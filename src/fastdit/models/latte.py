@@ -111,16 +111,16 @@ ADAPTER = register(
             ),
         ),
         notes=(
-            "Spatial (`transformer_blocks`, pattern 2) and temporal (`temporal_transformer_blocks`, pattern 3) "
-            "blocks run interleaved with reshapes between them; the cache groups the spatial blocks only and treats "
-            "each temporal block as loop-body work (fn/bn count spatial blocks; the residual of the middle segment "
-            "spans the temporal blocks inside it, which a cached step skips: the group declares them as "
-            "interleaved). CFG is batched. Context parallelism is not supported: a split of the N tokens of a frame (exact for both "
-            "block kinds) must also split the temporal blocks' `timestep`, which forward repeats to (B·N, 6·D) "
-            "before the loop from the full N; for B > 1 (CFG) a rank's rows are N-strided, not one contiguous "
-            "slice, and the plan vocabulary has no such split. Splitting the frames instead meets the temporal "
-            "position table, a (1, video_length, D) buffer added in forward (no input to split). The latent frame "
-            "count must equal the model's `video_length` (16)."
+            "Spatial (`transformer_blocks`, pattern 2) and temporal (`temporal_transformer_blocks`, pattern 3) blocks"
+            " run interleaved with reshapes between them; the cache groups the spatial blocks only and treats each "
+            "temporal block as loop-body work (fn/bn count spatial blocks; the residual of the middle segment spans "
+            "the temporal blocks inside it, which a cached step skips: the group declares them as interleaved). CFG "
+            "is batched. Context parallelism is not supported: a split of the N tokens of a frame (exact for both "
+            "block kinds) must also split the temporal blocks' `timestep`, which forward repeats to (B·N, 6·D) before"
+            " the loop from the full N; for B > 1 (CFG) a rank's rows are N-strided, not one contiguous slice, and "
+            "the plan vocabulary has no such split. Splitting the frames instead meets the temporal position table, a"
+            " (1, video_length, D) buffer added in forward (no input to split). The latent frame count must equal the"
+            " model's `video_length` (16)."
         ),
     )
 )
