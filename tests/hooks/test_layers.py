@@ -1,0 +1,132 @@
+"""The nesting contract: hooks nest by layer whatever the installation order, and skipping hooks stay innermost."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from fastdit.hooks import layers
+from fastdit.hooks.blocks import runner_of, set_stage
+from fastdit.hooks.layers import Layer, LayerHook
+
+
+class Linear(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+
+class Recorder(LayerHook):
+    def __init__(self, name: str, log: list[str], skip: bool = False) -> None:
+        self.name, self.log, self.skip = name, log, skip
+        self.may_skip = skip
+
+    def around(self, inner: Callable[..., Any], module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        self.log.append(f"enter {self.name}")
+        out = args[0] if self.skip else inner(*args, **kwargs)
+        self.log.append(f"leave {self.name}")
+        return out
+
+
+ORDER = [Layer.GRAPH, Layer.TRACK, Layer.PARALLEL_INPUT, Layer.PARALLEL_OUTPUT, Layer.SKIP]
+
+
+@pytest.mark.parametrize("permutation", list(itertools.permutations(range(len(ORDER))))[::17])
+def test_nesting_follows_the_table_not_the_installation_order(permutation: tuple[int, ...]) -> None:
+    module, log = Linear(), []
+    undo = [
+        layers.install(module, ORDER[i], ORDER[i].name, Recorder(ORDER[i].name, log, skip=ORDER[i] is Layer.SKIP))
+        for i in permutation
+    ]
+    module(torch.zeros(1))
+    assert log == [f"enter {layer.name}" for layer in ORDER] + [f"leave {layer.name}" for layer in reversed(ORDER)]
+    assert [name for _, name in layers.stack_of(module).names()] == [layer.name for layer in ORDER]
+    for fn in undo:
+        fn()
+    assert layers.stack_of(module) is None
+    assert torch.equal(module(torch.zeros(1)), torch.ones(1))
+
+
+def test_a_skipping_hook_never_hides_a_transform_that_must_run() -> None:
+    """A gather installed before the cache still runs on a step the cache skips (the cache × CP bug)."""
+    module, log = Linear(), []
+    layers.install(module, Layer.PARALLEL_OUTPUT, "gather", Recorder("gather", log))
+    layers.install(module, Layer.SKIP, "cache", Recorder("cache", log, skip=True))
+    assert torch.equal(module(torch.zeros(1)), torch.zeros(1))  # skipped the computation...
+    assert log == ["enter gather", "enter cache", "leave cache", "leave gather"]  # ...not the gather
+
+
+@pytest.mark.parametrize("layer", [Layer.GRAPH, Layer.TRACK, Layer.PARALLEL_INPUT, Layer.PARALLEL_OUTPUT])
+def test_a_hook_that_may_skip_is_refused_outside_the_skip_layer(layer: Layer) -> None:
+    module = Linear()
+    with pytest.raises(ValueError, match=r"may skip the call.*Layer\.SKIP"):
+        layers.install(module, layer, "cache", Recorder("cache", [], skip=True))
+    assert layers.stack_of(module) is None or not layers.stack_of(module).entries
+
+
+def test_same_layer_keeps_installation_order_and_names_are_unique() -> None:
+    module, log = Linear(), []
+    layers.install(module, Layer.PARALLEL_INPUT, "split", Recorder("split", log))
+    layers.install(module, Layer.PARALLEL_INPUT, "count", Recorder("count", log))
+    module(torch.zeros(1))
+    assert log[:2] == ["enter split", "enter count"]
+    with pytest.raises(ValueError, match="already installed"):
+        layers.install(module, Layer.TRACK, "split", Recorder("x", log))
+
+
+def test_runner_stages_sit_beneath_every_layer_and_undo_in_any_order() -> None:
+    module, log = Linear(), []
+    layers.install(module, Layer.SKIP, "cache", Recorder("cache", log))
+
+    def graphs(fn: Callable[..., Any], *args: Any) -> Any:
+        log.append("graph")
+        return fn(*args)
+
+    def compiled(x: torch.Tensor) -> torch.Tensor:
+        log.append("compiled")
+        return x + 1
+
+    undo_compile = set_stage(module, "compiled", compiled)
+    undo_graph = set_stage(module, "graphs", graphs)
+    assert torch.equal(module(torch.zeros(1)), torch.ones(1))
+    assert log == ["enter cache", "graph", "compiled", "leave cache"]
+    undo_compile()
+    assert runner_of(module) is not None
+    undo_graph()
+    assert runner_of(module) is None
+
+
+def test_pipeline_context_and_reset_reach_the_stack() -> None:
+    from diffusers import FluxTransformer2DModel
+
+    from fastdit.models.flux import tiny_transformer
+
+    module: FluxTransformer2DModel = tiny_transformer(0)
+    seen, resets = [], []
+
+    class Probe(LayerHook):
+        def around(self, inner: Callable[..., Any], mod: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            seen.append(layers.announced_context(mod))
+            return inner(*args, **kwargs)
+
+        def reset(self) -> None:
+            resets.append(True)
+
+    layers.install(module, Layer.TRACK, "probe", Probe())
+    inputs = {
+        "hidden_states": torch.randn(1, 4, 16),
+        "encoder_hidden_states": torch.randn(1, 3, 32),
+        "pooled_projections": torch.randn(1, 32),
+        "timestep": torch.tensor([0.5]),
+        "img_ids": torch.zeros(4, 3),
+        "txt_ids": torch.zeros(3, 3),
+    }
+    with torch.no_grad(), module.cache_context("uncond"):
+        module(**inputs)
+    with torch.no_grad():
+        module(**inputs)
+    module._reset_stateful_cache()
+    assert seen == ["uncond", "default"] and resets == [True]
