@@ -125,12 +125,19 @@ class _Cache:
     def apply(self, context: Context) -> None:
         from fastdit.cache import apply_cache
 
+        from fastdit.cache.runs import reset_on_new_schedule
+
         reducer = context.sample_reducer()
+        trackers = []
         for item in context.components.denoisers:
             applied = apply_cache(item.module, item.adapter.cache_plan, context.request.cache, reducer=reducer)
             context.add(self.name, item.name, applied.undo, applied.state)
+            trackers.append(applied.state.tracker)
             if item.adapter.patch is not None:  # the family's PatchFunctor, active while a cache is installed
                 context.add("patch", item.name, item.adapter.patch(item.module))
+        undo = reset_on_new_schedule(context.components.pipeline, trackers)
+        if undo is not None:
+            context.add("cache.runs", "scheduler", undo)
 
 
 class _Compile:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import fastdit
 from fastdit.testing.pipelines import build_tiny, run_tiny
@@ -57,3 +58,26 @@ def test_each_pipeline_call_starts_a_fresh_run() -> None:
     np.testing.assert_array_equal(first, second)  # nothing stale from the first call
     assert third.shape[1:3] == (48, 48)
     assert stats["branches"]["cond"]["steps"] == 5
+
+
+def test_an_interrupted_call_leaves_no_state_behind() -> None:
+    """KeyboardInterrupt in a step callback: the next call equals a fresh run (no phantom branch, no stale residual)."""
+    pipe, tiny = build_tiny("flux")
+    mask = fastdit.StepMask(compute_steps=(0,), policy="static")
+    fastdit.accelerate(pipe, cache=fastdit.DBCache(fn=1, bn=0, warmup_steps=0, step_mask=mask))
+    try:
+        fresh = run_tiny(pipe, tiny, num_inference_steps=3, seed=1)
+
+        def interrupt(*args, **kwargs):
+            raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            run_tiny(pipe, tiny, num_inference_steps=3, seed=0, callback_on_step_end=interrupt)
+        again = run_tiny(pipe, tiny, num_inference_steps=3, seed=1)
+        branches = fastdit.summary(pipe).transformers["transformer"]["cache"]["branches"]
+    finally:
+        fastdit.disable(pipe)
+    np.testing.assert_array_equal(again, fresh)
+    ((name, branch),) = branches.items()  # one branch, no phantom "cond/1"
+    assert "/" not in name and branch["num_cached_steps"] == 2
+    assert "set_timesteps" not in vars(pipe.scheduler)  # disable took the run boundary off the scheduler

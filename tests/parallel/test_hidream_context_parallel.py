@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import fastdit
+from fastdit.hooks import layers
 from fastdit.testing.distributed import WorkerPool
 from fastdit.testing.pipelines import build_tiny, run_tiny
 
@@ -39,13 +40,27 @@ def _lengths(rank: int, world_size: int) -> dict[str, list[Any]]:
 
     fastdit.accelerate(pipe, parallel=fastdit.Parallel(ulysses=world_size))
     double, single = transformer.double_stream_blocks[0], transformer.single_stream_blocks[0]
-    # Registered after the plan's pre-hooks, so these see what the blocks compute on.
+
+    class Probe(layers.LayerHook):
+        """At Layer.SKIP, where a cache hook sits: sees what the block's own computation receives."""
+
+        def __init__(self, key: str) -> None:
+            self.key = key
+
+        def pre(self, module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            seen[self.key].append(lengths(kwargs))
+            return args, kwargs
+
+    probed = [
+        (double, "double_wrapper"),
+        (double.block, "double"),
+        (single, "single_wrapper"),
+        (single.block, "single"),
+    ]
+    undo = [layers.install(m, layers.Layer.SKIP, "probe", Probe(key)) for m, key in probed]
+    # PyTorch forward hooks run outside the whole layer stack: they see the module's final output.
     handles = [
-        double.register_forward_pre_hook(lambda m, a, k: seen["double_wrapper"].append(lengths(k)), with_kwargs=True),
-        double.block.register_forward_pre_hook(lambda m, a, k: seen["double"].append(lengths(k)), with_kwargs=True),
         double.register_forward_hook(lambda m, a, out: seen["double_out"].append(tuple(t.shape[1] for t in out))),
-        single.register_forward_pre_hook(lambda m, a, k: seen["single_wrapper"].append(lengths(k)), with_kwargs=True),
-        single.block.register_forward_pre_hook(lambda m, a, k: seen["single"].append(lengths(k)), with_kwargs=True),
         single.register_forward_hook(lambda m, a, out: seen["single_out"].append(out.shape[1])),
     ]
     try:
@@ -53,6 +68,8 @@ def _lengths(rank: int, world_size: int) -> dict[str, list[Any]]:
     finally:
         for handle in handles:
             handle.remove()
+        for fn in undo:
+            fn()
         fastdit.disable(pipe)
     return seen
 

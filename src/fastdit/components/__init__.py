@@ -44,9 +44,15 @@ class Component:
 
 @dataclass(frozen=True)
 class Components:
-    """Every module component of a target, in the pipeline's order."""
+    """Every module component of a target, in the pipeline's order.
+
+    Attributes:
+        items: The module components.
+        pipeline: The pipeline they belong to (``None`` when the target is a bare module).
+    """
 
     items: tuple[Component, ...]
+    pipeline: Any = None
 
     def of(self, kind: str) -> list[Component]:
         """The components of ``kind``."""
@@ -94,7 +100,7 @@ def walk(target: Any, adapter: ModelAdapter | None = None) -> Components:
     if not isinstance(components, dict):
         raise ValueError(f"target={type(target).__name__}: expected a diffusers pipeline or a torch.nn.Module")
     items = tuple(_classify(n, m, adapter) for n, m in components.items() if isinstance(m, torch.nn.Module))
-    result = Components(items)
+    result = Components(items, pipeline=target)
     if not result.denoisers:
         names = {c.name: type(c.module).__name__ for c in items}
         raise ValueError(f"no component of {type(target).__name__} has a fastdit adapter: {names}")
