@@ -124,7 +124,6 @@ class _Cache:
 
     def apply(self, context: Context) -> None:
         from fastdit.cache import apply_cache
-
         from fastdit.cache.runs import reset_on_new_schedule
 
         reducer = context.sample_reducer()
