@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from fastdit import session
 from fastdit.cache.presets import CACHE_PRESETS, DEFAULT_CACHE_PRESET, NO_CACHE, cache_config, get_cache_preset
 from fastdit.cli import CLIError
 from fastdit.cli.fields import CALL_FLAGS, cli_error
@@ -27,6 +26,7 @@ from fastdit.config import STEP_MASK_PRESETS, DBCache, DBPrune, Parallel, StepMa
 from fastdit.errors import FieldError
 from fastdit.process import choose_device
 from fastdit.session import ModelSource, call_parameters, import_pipeline_class, resolve_model
+from fastdit.session import check_size as check_call_size
 
 __all__ = [
     "DTYPES",
@@ -529,6 +529,6 @@ def check_size(pipe: Any, kwargs: Mapping[str, Any]) -> None:
     See :func:`fastdit.session.check_size`.
     """
     try:
-        session.check_size(pipe, kwargs)
+        check_call_size(pipe, kwargs)
     except FieldError as error:
         raise cli_error(error) from None
