@@ -18,22 +18,23 @@ rows merge into one JSON file:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
+from typing import Any
 
-import numpy as np
 import torch
 
 import fastdit
-from fastdit.metrics import psnr, ssim
-from fastdit.reference import REFERENCE_DEFAULTS, digit_prompt, load_reference_pipeline
+from fastdit.bench import RunResult, compare_outputs, json_ready, markdown_table, run
+from fastdit.io import write_json
+from fastdit.reference import REFERENCE_DEFAULTS, digit_prompt
+from fastdit.session import Case, Session, call_arguments, resolve_model
 
 
 @dataclass
@@ -64,46 +65,38 @@ class BlockCounter:
         self.count += 1
 
 
-def generate(
-    pipe, cases: list[tuple[int, int]], steps: int, true_cfg: float, batch: int
-) -> tuple[list[np.ndarray], float]:
-    """Generate every (digit, seed) case, ``batch`` at a time (per-sample seeded generators); images and seconds."""
-    images: list[np.ndarray] = []
-    extra = {"negative_prompt": "", "true_cfg_scale": true_cfg} if true_cfg > 1 else {}
-    start = time.perf_counter()
-    for i in range(0, len(cases), batch):
-        chunk = cases[i : i + batch]
-        out = pipe(
-            prompt=[digit_prompt(d) for d, _ in chunk],
-            num_inference_steps=steps,
-            height=REFERENCE_DEFAULTS["height"],
-            width=REFERENCE_DEFAULTS["width"],
-            max_sequence_length=REFERENCE_DEFAULTS["max_sequence_length"],
-            generator=[torch.Generator().manual_seed(s) for _, s in chunk],
-            output_type="np",
-            **extra,
-        ).images
-        images.extend(out)
-    return images, time.perf_counter() - start
+@dataclass
+class Bench:
+    """The pipeline, its call and cases, the block counter, and the uncached run every configuration is scored on."""
+
+    session: Session
+    counter: BlockCounter
+    cases: list[Case]
+    kwargs: dict[str, Any]
+    batch: int
+    baseline: RunResult | None = None
+    base_blocks: int = 0
+
+    def generate(self) -> RunResult:
+        """One timed pass over every case, ``batch`` per pipeline call (cache decisions are per call)."""
+        return run(self.session, self.cases, self.kwargs, batch=self.batch)
 
 
-def measure(name, library, pipe, counter, cases, steps, true_cfg, batch, baseline, base_blocks, paired) -> Result:
+def measure(bench: Bench, name: str, library: str, paired: float) -> Result:
     print(f"running {library}: {name}", flush=True)
-    counter.count = 0
-    images, seconds = generate(pipe, cases, steps, true_cfg, batch)
-    p = [psnr(a, b) for a, b in zip(images, baseline, strict=True)]
-    s = [ssim(a, b) for a, b in zip(images, baseline, strict=True)]
-    finite = [v for v in p if np.isfinite(v)] or [float("inf")]
+    bench.counter.count = 0
+    result = bench.generate()
+    quality = compare_outputs(bench.baseline.outputs, result.outputs)
     return Result(
         name=name,
         library=library,
-        seconds=round(seconds, 3),
+        seconds=round(result.median_seconds, 3),
         baseline_seconds=round(paired, 3),
-        blocks_fraction=round(counter.count / base_blocks, 4),
-        psnr_mean=round(statistics.fmean(finite), 2) if len(finite) == len(p) else float("inf"),
-        psnr_min=round(min(p), 2),
-        ssim_mean=round(statistics.fmean(s), 4),
-        ssim_min=round(min(s), 4),
+        blocks_fraction=round(bench.counter.count / bench.base_blocks, 4),
+        psnr_mean=round(quality.psnr, 2),
+        psnr_min=round(quality.psnr_min, 2),
+        ssim_mean=round(quality.ssim, 4),
+        ssim_min=round(quality.ssim_min, 4),
     )
 
 
@@ -132,15 +125,13 @@ def fastdit_configs(steps: int) -> dict[str, fastdit.DBCache]:
 Config = tuple[str, str, Callable[[], None], Callable[[], None]]
 
 
-def fastdit_runs(pipe, steps: int, num_blocks: int) -> list[Config]:
+def fastdit_runs(session: Session, steps: int, num_blocks: int) -> list[Config]:
     runs = []
     for name, kwargs in fastdit_configs(steps).items():
         if kwargs["fn"] + kwargs.get("bn", 0) >= num_blocks:
             continue  # leaves no middle block on this model
         config = fastdit.DBCache(**kwargs)
-        runs.append(
-            (name, "fastdit", lambda c=config: fastdit.accelerate(pipe, cache=c), lambda: fastdit.disable(pipe))
-        )
+        runs.append((name, "fastdit", lambda c=config: session.accelerate(cache=c), session.disable))
     return runs
 
 
@@ -185,18 +176,22 @@ def diffusers_runs(pipe) -> list[Config]:
 
 
 def table(results: list[Result]) -> str:
-    lines = [
-        "| library | configuration | blocks computed | speed-up (blocks) | wall s | speed-up (wall, paired) "
-        "| PSNR mean / min | SSIM mean / min |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        lines.append(
-            f"| {r.library} | {r.name} | {r.blocks_fraction:.1%} | {1 / r.blocks_fraction:.2f}× | {r.seconds:.2f} | "
-            f"{r.baseline_seconds / r.seconds:.2f}× | {r.psnr_mean:.1f} / {r.psnr_min:.1f} "
-            f"| {r.ssim_mean:.3f} / {r.ssim_min:.3f} |"
+    header = ("library", "configuration", "blocks computed", "speed-up (blocks)", "wall s", "speed-up (wall, paired)",
+              "PSNR mean / min", "SSIM mean / min")  # fmt: skip
+    rows = [
+        (
+            r.library,
+            r.name,
+            f"{r.blocks_fraction:.1%}",
+            f"{1 / r.blocks_fraction:.2f}×",
+            f"{r.seconds:.2f}",
+            f"{r.baseline_seconds / r.seconds:.2f}×",
+            f"{r.psnr_mean:.1f} / {r.psnr_min:.1f}",
+            f"{r.ssim_mean:.3f} / {r.ssim_min:.3f}",
         )
-    return "\n".join(lines)
+        for r in results
+    ]
+    return markdown_table(header, rows)
 
 
 def main() -> None:
@@ -214,53 +209,48 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    pipe = load_reference_pipeline()
-    pipe.set_progress_bar_config(disable=True)
-    counter = BlockCounter(pipe.transformer)
-    num_blocks = len(counter.handles)
-    cases = [(d, s) for s in range(args.seeds) for d in range(10)]
-    generate(pipe, cases[:1], args.steps, args.true_cfg, 1)  # warm-up
-    counter.count = 0
-    baseline, base_seconds = generate(pipe, cases, args.steps, args.true_cfg, args.batch)
-    base_blocks = counter.count
-
+    bench = setup(args)
     libraries = {name.strip() for name in args.libraries.split(",") if name.strip()}
     runs: list[Config] = []
     if "fastdit" in libraries:
         runs.append(("no cache (baseline again)", "—", lambda: None, lambda: None))
-        runs += fastdit_runs(pipe, args.steps, num_blocks)
+        runs += fastdit_runs(bench.session, args.steps, len(bench.counter.handles))
     if "cache-dit" in libraries:
-        runs += cache_dit_runs(pipe)
+        runs += cache_dit_runs(bench.session.pipe)
     if "diffusers" in libraries:
-        runs += diffusers_runs(pipe)
+        runs += diffusers_runs(bench.session.pipe)
     results = []
     for name, library, install, remove in runs:
         # Time the uncached pipeline right before each configuration: on a shared machine the load drifts, and the
         # wall speed-up is only meaningful against a baseline measured under the same load.
-        _, paired = generate(pipe, cases, args.steps, args.true_cfg, args.batch)
+        paired = bench.generate().median_seconds
         install()
         try:
-            results.append(
-                measure(
-                    name,
-                    library,
-                    pipe,
-                    counter,
-                    cases,
-                    args.steps,
-                    args.true_cfg,
-                    args.batch,
-                    baseline,
-                    base_blocks,
-                    paired,
-                )
-            )
+            results.append(measure(bench, name, library, paired))
         finally:
             remove()
-    print(f"baseline: {base_seconds:.2f} s for {len(cases)} images, {args.steps} steps, true_cfg {args.true_cfg}")
-    print(table(results))
+    base_seconds = bench.baseline.median_seconds
+    print(f"baseline: {base_seconds:.2f} s for {len(bench.cases)} images, {args.steps} steps, true_cfg {args.true_cfg}")
+    print(table(results), end="")
     if args.out:
-        write_results(args, len(cases), base_seconds, results)
+        write_results(args, len(bench.cases), base_seconds, results)
+
+
+def setup(args: argparse.Namespace) -> Bench:
+    """Load the reference pipeline, warm it up, and run the uncached baseline."""
+    source = resolve_model(None, None)
+    session = Session.load(source, device="cpu", dtype=torch.float32)
+    overrides: dict[str, Any] = {"num_inference_steps": args.steps}
+    if args.true_cfg > 1:
+        overrides.update(negative_prompt="", true_cfg_scale=args.true_cfg)
+    cases = [Case(digit_prompt(d), seed=s) for s in range(args.seeds) for d in range(10)]
+    kwargs = call_arguments(session.pipeline_class, source.defaults, overrides)
+    bench = Bench(session, BlockCounter(session.pipe.transformer), cases, kwargs, args.batch)
+    run(session, cases[:1], kwargs)  # warm-up, before the blocks are counted
+    bench.counter.count = 0
+    bench.baseline = bench.generate()
+    bench.base_blocks = bench.counter.count
+    return bench
 
 
 def write_results(args: argparse.Namespace, num_cases: int, base_seconds: float, results: list[Result]) -> None:
@@ -278,13 +268,10 @@ def write_results(args: argparse.Namespace, num_cases: int, base_seconds: float,
             "true_cfg": args.true_cfg,
             "batch": args.batch,
             "baseline_seconds": round(base_seconds, 3),
-            "results": kept + [r.__dict__ for r in results],
+            "results": kept + [dataclasses.asdict(r) for r in results],
         }
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload, indent=1))
-    tmp.replace(args.out)
+    write_json(args.out, json_ready(payload), indent=1)
 
 
 if __name__ == "__main__":

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -33,10 +31,20 @@ for _name in ("NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS", "TORCH_SYMM_MEM_DISABL
 
 import numpy as np  # noqa: E402 - after the NCCL environment
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 import fastdit  # noqa: E402
-from fastdit.metrics import psnr, ssim  # noqa: E402
+from fastdit.bench import compare_outputs, device_name, json_ready, markdown_table, time_calls  # noqa: E402
+from fastdit.io import write_json  # noqa: E402
+from fastdit.metrics import psnr  # noqa: E402
+from fastdit.process import (  # noqa: E402
+    choose_device,
+    join_process_group,
+    max_across_processes,
+    process_count,
+    process_group_scope,
+    process_rank,
+    synchronize,
+)
 
 FLUX_DEV = {
     "patch_size": 1,
@@ -99,14 +107,9 @@ def _valid_mode(mode: str) -> bool:
 
 def setup() -> tuple[int, int, torch.device]:
     """Join the torchrun process group (NCCL on GPUs, gloo on CPU); a plain run is one process."""
-    if "WORLD_SIZE" not in os.environ:
-        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(dist.get_default_backend_for_device(device))
-    return dist.get_rank(), dist.get_world_size(), device
+    device = choose_device()
+    join_process_group(device)
+    return process_rank(), process_count(), device
 
 
 def build_pipeline(tiny: bool, device: torch.device, dtype: torch.dtype, seed: int) -> Any:
@@ -165,28 +168,10 @@ def generate(pipe: Any, kwargs: dict[str, Any], seed: int, device: torch.device)
     return images, latents.float().cpu().numpy()
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def timed(run: Callable[[], Any], args: argparse.Namespace, device: torch.device) -> tuple[Any, float]:
     """Warm up, then the median wall time over ``repeat`` calls (the slowest rank's, under parallelism)."""
-    for _ in range(args.warmup):
-        run()
-    times, result = [], None
-    for _ in range(args.repeat):
-        synchronize(device)
-        start = time.perf_counter()
-        result = run()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    seconds = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-    return result, seconds.item()
+    result, times = time_calls(run, device, warmup=args.warmup, repeat=args.repeat, across_processes=True)
+    return result, max_across_processes(statistics.median(times), device)
 
 
 def cache_for(options: list[str], steps: int) -> fastdit.DBCache | None:
@@ -266,11 +251,11 @@ def profile_call(run: Callable[[], Any], mode: str, rank: int, device: torch.dev
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    synchronize(device)
+    synchronize(device, barrier=True)
     with profile(activities=activities) as prof:
         start = time.perf_counter()
         run()
-        synchronize(device)
+        synchronize(device, barrier=True)
         wall = time.perf_counter() - start
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     # Kernels only: the profiler also lists an "nccl:*" annotation spanning each kernel on the device timeline.
@@ -292,7 +277,17 @@ def profile_call(run: Callable[[], Any], mode: str, rank: int, device: torch.dev
 
 def main() -> None:
     args = parse_args()
-    rank, world_size, device = setup()
+    with process_group_scope():  # ends the group setup() joins, once every mode has run
+        rank, world_size, device = setup()
+        rows, profiles, steps, size = run_modes(args, world_size, device, rank)
+        if rank == 0:
+            report(rows, profiles, args, world_size, device, steps, size)
+
+
+def run_modes(
+    args: argparse.Namespace, world_size: int, device: torch.device, rank: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int, int]:
+    """Every mode of ``--modes`` in turn on one pipeline: its row, profiles, and the steps and size used."""
     steps = args.steps or (4 if args.tiny else 28)
     size = args.size or (64 if args.tiny else 1024)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -317,37 +312,34 @@ def main() -> None:
         if baseline is None:
             baseline = (images, latents, seconds)
         rows.append(score(mode, seconds, images, latents, baseline, world_size))
-    if rank == 0:
-        report(rows, profiles, args, world_size, device, steps, size)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    return rows, profiles, steps, size
 
 
 def score(mode: str, seconds: float, images, latents, baseline, world_size: int) -> dict[str, Any]:
     """Time and quality of one mode against the single-device baseline."""
     base_images, base_latents, base_seconds = baseline
     latent_range = float(base_latents.max() - base_latents.min())
+    quality = compare_outputs(list(base_images), list(images))
     return {
         "mode": mode,
         "library": library(mode),
         "degree": 1 if mode.split("+")[0] == "single" else world_size,
         "seconds": round(seconds, 4),
         "speedup": round(base_seconds / seconds, 3),
-        "psnr": psnr(base_images, images, data_range=1.0),
-        "ssim": ssim(base_images, images, data_range=1.0),
+        "psnr": quality.psnr,
+        "ssim": quality.ssim,
         "latent_psnr": psnr(base_latents[0], latents[0], data_range=latent_range),
         "latent_max_abs_err": float(np.abs(base_latents - latents).max()),
     }
 
 
 def report(rows: list[dict[str, Any]], profiles: list[dict[str, Any]], args, world_size: int, device, steps, size):
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    name = device_name(device)
     print(f"\nFLUX.1-dev-sized transformer ({'tiny' if args.tiny else 'full'}), {size}x{size}, {steps} steps, "
           f"{world_size} x {name}\n")  # fmt: skip
-    print("| mode | library | degree | seconds | speed-up | PSNR (dB) | SSIM | latent PSNR | latent max err |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        cells = [
+    header = ("mode", "library", "degree", "seconds", "speed-up", "PSNR (dB)", "SSIM", "latent PSNR", "latent max err")
+    cells = [
+        (
             r["mode"],
             r["library"],
             r["degree"],
@@ -357,8 +349,10 @@ def report(rows: list[dict[str, Any]], profiles: list[dict[str, Any]], args, wor
             f"{r['ssim']:.4f}",
             f"{r['latent_psnr']:.2f}",
             f"{r['latent_max_abs_err']:.2e}",
-        ]
-        print("| " + " | ".join(map(str, cells)) + " |")
+        )
+        for r in rows
+    ]
+    print(markdown_table(header, cells), end="")
     for p in profiles:
         print(f"\nprofile {p['mode']} (rank {p['rank']}): wall {p['wall_s']} s, kernels {p['kernel_s']} s "
               f"({p['kernels']}), NCCL {p['nccl_kernel_s']} s in {p['nccl_calls']} calls "
@@ -374,13 +368,10 @@ def report(rows: list[dict[str, Any]], profiles: list[dict[str, Any]], args, wor
         "world_size": world_size,
         "torch": torch.__version__,
         "config": {"tiny": args.tiny, "steps": steps, "size": size, "warmup": args.warmup, "repeat": args.repeat},
-        "results": [{k: (v if v != float("inf") else "inf") for k, v in r.items()} for r in rows],
+        "results": rows,
         "profiles": [{k: v for k, v in p.items() if k != "top"} for p in profiles],
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    tmp.replace(out)
+    write_json(out, json_ready(payload))
     print(f"\nwrote {out}")
 
 

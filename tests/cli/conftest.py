@@ -1,18 +1,8 @@
-"""Fixtures of the command-line tests: tiny pipelines saved once per session with ``save_pretrained``."""
+"""Fixtures of the command-line tests (the tiny saved pipeline ``tiny_flux_dir`` comes from ``tests/conftest.py``)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-
-from fastdit.testing.pipelines import save_tiny
-
-
-@pytest.fixture(scope="session")
-def tiny_flux_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random-weight ``FluxPipeline`` directory (3 blocks, 32x32 images)."""
-    return Path(save_tiny("flux", str(tmp_path_factory.mktemp("tiny-flux"))))
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from fastdit.cache.presets import DEFAULT_CACHE_PRESET, cache_config
 from fastdit.cli import CLIError, main
 from fastdit.cli.options import cache_from_spec
 from fastdit.config import StepMask, TaylorSeer
-from fastdit.generate import Generator
+from fastdit.session import Session
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -69,7 +69,7 @@ def test_bench_writes_json_markdown_and_plot(tiny_flux_dir: Path, tmp_path: Path
 def test_bad_configs_exit_2_before_loading(
     configs: str, needle: str, tiny_flux_dir: Path, tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(Generator, "load", lambda *_, **__: pytest.fail("loaded before checking --configs"))
+    monkeypatch.setattr(Session, "load", lambda *_, **__: pytest.fail("loaded before checking --configs"))
     out = tmp_path / "bench"
     assert main(["bench", "--model-path", str(tiny_flux_dir), "--configs", configs, *TINY, "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]

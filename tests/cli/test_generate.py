@@ -18,8 +18,8 @@ from fastdit.cli import build_parser, main
 from fastdit.cli.generate import plan_from_args
 from fastdit.cli.options import cache_flags
 from fastdit.config import DBCache, DBPrune, StepMask, TaylorSeer, config_fields
-from fastdit.generate import Generator
 from fastdit.io import load_image, load_video
+from fastdit.session import Session
 from fastdit.testing.pipelines import save_tiny
 
 pytestmark = pytest.mark.usefixtures("single_process")
@@ -285,7 +285,7 @@ def test_bad_input_exits_2_before_loading(
     def refuse(*_: Any, **__: Any) -> None:
         raise AssertionError("loaded weights before checking the arguments")
 
-    monkeypatch.setattr(Generator, "load", refuse)
+    monkeypatch.setattr(Session, "load", refuse)
     out = tmp_path / "out"
     values = {"tiny": str(tiny_flux_dir), "missing": str(tmp_path / "nowhere"), "out": str(out)}
     argv = [a.format(**values) for a in argv]

@@ -11,19 +11,18 @@ succeeds: bad input ends with one line ``fastdit: error: ...`` and exit code 2.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import importlib.util
 import json
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
 
+from fastdit.bench import RunResult, compare_outputs, default_prompts, plain_options, run_variants, timed_load
 from fastdit.cli import CLIError
+from fastdit.cli.fields import cli_error
 from fastdit.cli.options import (
     add_cache_arguments,
     add_call_arguments,
@@ -42,25 +41,21 @@ from fastdit.cli.options import (
 )
 from fastdit.config import ATTENTION_BACKENDS, Attention, Compile, CudaGraph
 from fastdit.errors import FieldError
-from fastdit.generate import (
+from fastdit.io import IMAGE_SUFFIXES, VIDEO_SUFFIXES
+from fastdit.process import is_main_process, process_count, process_group_scope
+from fastdit.session import (
     Case,
-    Generator,
     ModelSource,
-    RunResult,
+    Session,
     call_arguments,
     call_parameters,
-    compare_outputs,
-    default_prompts,
     default_steps,
-    is_main_process,
     is_video_pipeline,
     output_paths,
-    process_count,
     save_output,
 )
-from fastdit.io import IMAGE_SUFFIXES, VIDEO_SUFFIXES
 
-__all__ = ["GeneratePlan", "add_parser", "plan_from_args", "run"]
+__all__ = ["GeneratePlan", "GenerateRun", "add_parser", "execute", "plan_from_args", "run"]
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -200,9 +195,10 @@ def _acceleration(args: argparse.Namespace, num_steps: int | None) -> dict[str, 
         options["cache"] = cache
     if args.parallel is not None:
         try:
-            options["parallel"] = parse_parallel(args.parallel, process_count())
-        except ValueError as error:  # a malformed WORLD_SIZE
-            raise CLIError(str(error)) from None
+            num_processes = process_count()
+        except FieldError as error:  # a malformed WORLD_SIZE
+            raise cli_error(error) from None
+        options["parallel"] = parse_parallel(args.parallel, num_processes)
     if args.compile:
         options["compile"] = Compile()
     if args.cuda_graph:  # graphs without dynamo unless --compile is given too
@@ -248,8 +244,8 @@ def plan_from_args(args: argparse.Namespace) -> GeneratePlan:
     source, pipeline_class = resolve_source(args)
     try:
         kwargs = call_arguments(pipeline_class, source.defaults, call_values(args, pipeline_class))
-    except ValueError as error:
-        raise CLIError(str(error)) from None
+    except FieldError as error:
+        raise cli_error(error) from None
     num_steps = default_steps(pipeline_class, kwargs)
     cases = _cases(args, source, pipeline_class)
     acceleration = _acceleration(args, num_steps)
@@ -288,10 +284,10 @@ _MESSAGE_FLAGS = (
 )
 
 
-def _accelerate(generator: Generator, plan: GeneratePlan) -> None:
+def _accelerate(session: Session, plan: GeneratePlan) -> None:
     try:
-        check_cache_fits(generator.pipe, plan.acceleration.get("cache"))
-        generator.accelerate(**plan.acceleration)
+        check_cache_fits(session.pipe, plan.acceleration.get("cache"))
+        session.accelerate(**plan.acceleration)
     except FieldError:
         raise  # fastdit.cli.main names the flags that set the field, from the parsed arguments
     except (NotImplementedError, ValueError) as error:
@@ -301,36 +297,41 @@ def _accelerate(generator: Generator, plan: GeneratePlan) -> None:
         raise CLIError(f"{where}: {plan.source.name}: {message}") from None
 
 
-def execute(plan: GeneratePlan, *, progress: bool, track_memory: bool) -> tuple[Generator, RunResult, RunResult | None]:
-    """Load, check sizes and the acceleration, then run (interleaved with the baseline under ``plan.compare``).
+@dataclass
+class GenerateRun:
+    """What :func:`execute` measured.
 
-    Returns:
-        The generator (left un-accelerated), the accelerated result and the baseline result (or ``None``).
+    Attributes:
+        session: The loaded pipeline (left un-accelerated).
+        load_seconds: Wall time of loading it.
+        result: The accelerated run (or the plain one when no acceleration was asked for).
+        baseline: The plain run under ``plan.compare``, else ``None``.
     """
-    generator = Generator.load(plan.source, device=plan.device, dtype=plan.dtype, progress=progress)
-    check_size(generator.pipe, plan.kwargs)
+
+    session: Session
+    load_seconds: float
+    result: RunResult
+    baseline: RunResult | None = None
+
+
+def execute(plan: GeneratePlan, *, progress: bool, track_memory: bool) -> GenerateRun:
+    """Load, check sizes and the acceleration, then run (interleaved with the baseline under ``plan.compare``)."""
+    session, load_seconds = timed_load(plan.source, device=plan.device, dtype=plan.dtype, progress=progress)
+    check_size(session.pipe, plan.kwargs)
     if plan.acceleration:
-        _accelerate(generator, plan)  # fail fast, before spending time on any run
-        generator.disable()
+        _accelerate(session, plan)  # fail fast, before spending time on any run
+        session.disable()
     variants = [{}, plan.acceleration] if plan.compare else [plan.acceleration]
-    results = generator.run_variants(
-        variants, plan.cases, plan.kwargs, warmup=plan.warmup, repeat=plan.repeat, track_memory=track_memory
+    results = run_variants(
+        session, variants, plan.cases, plan.kwargs, warmup=plan.warmup, repeat=plan.repeat, track_memory=track_memory
     )
-    return generator, results[-1], results[0] if plan.compare else None
+    return GenerateRun(session, load_seconds, results[-1], results[0] if plan.compare else None)
 
 
-def _describe(options: dict[str, Any]) -> Any:
-    def plain(value: Any) -> Any:
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            return {"type": type(value).__name__, **dataclasses.asdict(value)}
-        return value
-
-    return {name: plain(value) for name, value in options.items()}
-
-
-def _payload(plan: GeneratePlan, generator: Generator, result: RunResult, baseline: RunResult | None) -> dict:
+def _payload(plan: GeneratePlan, done: GenerateRun) -> dict:
     from fastdit.metrics import json_safe
 
+    result, baseline = done.result, done.baseline
     payload: dict[str, Any] = {
         "model": plan.source.name,
         "pipeline": plan.pipeline_class.__name__,
@@ -346,8 +347,8 @@ def _payload(plan: GeneratePlan, generator: Generator, result: RunResult, baseli
         "device": str(plan.device),
         "dtype": str(plan.dtype).removeprefix("torch."),
         "world_size": process_count(),
-        "acceleration": _describe(plan.acceleration),
-        "load_seconds": generator.load_seconds,
+        "acceleration": plain_options(plan.acceleration),
+        "load_seconds": done.load_seconds,
         "warmup_seconds": result.warmup_seconds,
         "repeat": plan.repeat,
         "seconds": result.median_seconds,
@@ -404,19 +405,6 @@ def _report(payload: dict[str, Any], stream: TextIO) -> None:
     line("saved", ", ".join(payload["files"]) if payload["files"] else "nothing (pass --out PATH to save)")
 
 
-@contextlib.contextmanager
-def _process_group_scope() -> Iterator[None]:
-    """End the process group that accelerating with ``--parallel`` started under torchrun, once the runs are done."""
-    import torch.distributed as dist
-
-    existed = dist.is_available() and dist.is_initialized()
-    try:
-        yield
-    finally:
-        if not existed and dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def run(args: argparse.Namespace) -> int:
     """Generate, report, and save (rank 0 only).
 
@@ -431,18 +419,19 @@ def run(args: argparse.Namespace) -> int:
     """
     plan = plan_from_args(args)
     main = is_main_process()
-    with _process_group_scope():
-        generator, result, baseline = execute(plan, progress=main and not args.quiet, track_memory=args.track_memory)
+    # The process group that accelerating with --parallel starts under torchrun ends once the runs are done.
+    with process_group_scope():
+        done = execute(plan, progress=main and not args.quiet, track_memory=args.track_memory)
     if main and plan.outputs:
-        for path, output in zip(plan.outputs, result.outputs, strict=True):
+        for path, output in zip(plan.outputs, done.result.outputs, strict=True):
             save_output(path, output, fps=args.fps)
-    payload = _payload(plan, generator, result, baseline)
+    payload = _payload(plan, done)
     if not main:
         return 0
     stream = sys.stderr if args.json else sys.stdout
     _report(payload, stream)
-    if args.summary and result.summary is not None:
-        print(result.summary, file=stream)
+    if args.summary and done.result.summary is not None:
+        print(done.result.summary, file=stream)
     if args.json:
         print(json.dumps(payload, allow_nan=False))
     return 0

@@ -12,7 +12,6 @@ one line naming the flag (exit code 2) rather than as an argparse usage dump. A 
 from __future__ import annotations
 
 import argparse
-import os
 import types
 import typing
 from collections.abc import Mapping
@@ -25,16 +24,12 @@ import torch
 
 from fastdit.cache.presets import CACHE_PRESETS, DEFAULT_CACHE_PRESET, NO_CACHE, cache_config, get_cache_preset
 from fastdit.cli import CLIError
+from fastdit.cli.fields import CALL_FLAGS, cli_error
 from fastdit.config import STEP_MASK_PRESETS, DBCache, DBPrune, Parallel, StepMask, TaylorSeer, config_fields
 from fastdit.errors import FieldError, FieldsError
-from fastdit.generate import (
-    ModelSource,
-    call_parameters,
-    frame_multiple,
-    import_pipeline_class,
-    resolve_model,
-    size_multiple,
-)
+from fastdit.process import choose_device
+from fastdit.session import ModelSource, call_parameters, import_pipeline_class, resolve_model
+from fastdit.session import check_size as check_call_size
 
 __all__ = [
     "DTYPES",
@@ -535,18 +530,13 @@ def check_positive(option: str, value: int | float | None, *, allow_zero: bool =
 def resolve_device(text: str | None, environ: Mapping[str, str] | None = None) -> torch.device:
     """``--device``: the given device, or ``cuda`` when available, else ``cpu``.
 
-    Under ``torchrun`` a CUDA device without an index becomes ``cuda:<LOCAL_RANK>``, one GPU per process.
+    Under ``torchrun`` a CUDA device without an index becomes ``cuda:<LOCAL_RANK>``, one GPU per process (see
+    :func:`fastdit.process.choose_device`).
     """
-    environ = os.environ if environ is None else environ
     try:
-        device = torch.device(text if text is not None else "cuda" if torch.cuda.is_available() else "cpu")
-    except (RuntimeError, ValueError):
-        raise CLIError(f"argument --device: invalid device {text!r}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise CLIError(f"argument --device {text}: CUDA is not available on this machine")
-    if device.type == "cuda" and device.index is None and environ.get("LOCAL_RANK", "").isdigit():
-        device = torch.device("cuda", int(environ["LOCAL_RANK"]))
-    return device
+        return choose_device(text, environ)
+    except FieldError as error:
+        raise cli_error(error) from None
 
 
 def configure_threads(threads: int | None, *, reference: bool, device: torch.device) -> None:
@@ -616,18 +606,6 @@ def add_call_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-# Flag → pipeline ``__call__`` parameter, for the flags that map one to one.
-_CALL_FLAGS: tuple[tuple[str, str, str], ...] = (
-    ("steps", "--steps", "num_inference_steps"),
-    ("height", "--height", "height"),
-    ("width", "--width", "width"),
-    ("frames", "--frames", "num_frames"),
-    ("guidance", "--guidance", "guidance_scale"),
-    ("true_cfg", "--true-cfg", "true_cfg_scale"),
-    ("negative_prompt", "--negative-prompt", "negative_prompt"),
-)
-
-
 def check_call_numbers(args: argparse.Namespace) -> None:
     """Reject non-positive steps, sizes and frames, and negative guidance scales."""
     for option in ("--steps", "--height", "--width", "--frames"):
@@ -641,8 +619,8 @@ def resolve_source(args: argparse.Namespace) -> tuple[ModelSource, type]:
     try:
         source = resolve_model(args.model, args.model_path)
         return source, import_pipeline_class(source.pipeline_class)
-    except ValueError as error:
-        raise CLIError(str(error)) from None
+    except FieldError as error:
+        raise cli_error(error, model=args.model) from None
 
 
 def call_values(args: argparse.Namespace, pipeline_class: type) -> dict[str, Any]:
@@ -653,7 +631,7 @@ def call_values(args: argparse.Namespace, pipeline_class: type) -> dict[str, Any
     """
     accepted = call_parameters(pipeline_class)
     values: dict[str, Any] = {}
-    for attr, option, parameter in _CALL_FLAGS:
+    for attr, option, parameter in CALL_FLAGS:
         value = getattr(args, attr)
         if value is None:
             continue
@@ -682,21 +660,11 @@ def _load_image(path: str) -> Any:
 
 
 def check_size(pipe: Any, kwargs: Mapping[str, Any]) -> None:
-    """Reject a height, width or frame count the loaded pipeline would silently round.
+    """Reject a height, width or frame count the loaded pipeline would silently round (naming the flag).
 
-    See :func:`~fastdit.generate.size_multiple` and :func:`~fastdit.generate.frame_multiple`.
+    See :func:`fastdit.session.check_size`.
     """
-    multiple = size_multiple(pipe)
-    for name in ("height", "width"):
-        value = kwargs.get(name)
-        if isinstance(value, int) and value % multiple:
-            raise CLIError(
-                f"argument --{name} {value}: must be a multiple of {multiple} for {type(pipe).__name__} "
-                "(VAE factor × patch size)"
-            )
-    frames, temporal = kwargs.get("num_frames"), frame_multiple(pipe)
-    if isinstance(frames, int) and temporal is not None and (frames - 1) % temporal:
-        raise CLIError(
-            f"argument --frames {frames}: must be one more than a multiple of {temporal} for {type(pipe).__name__} "
-            f"(temporal VAE factor), e.g. {(frames - 1) // temporal * temporal + 1}"
-        )
+    try:
+        check_call_size(pipe, kwargs)
+    except FieldError as error:
+        raise cli_error(error) from None
