@@ -222,17 +222,13 @@ class _ArgPositions:
 
 
 def _adjust_arg(value: Any, spec: _Spec, splitter: _Splitter, name: str, unit: int = 1) -> Any:
-    if isinstance(spec, LeadingCount):
-        return splitter.count(value, spec.of)
-    if isinstance(spec, LocalExtent):
-        return splitter.extent(value, spec.of)
-    return _split_arg(value, spec, splitter, name, unit)
+    return spec.adjust(value, splitter, name, unit)  # each spec owns how it changes its argument
 
 
 def _splits_then_counts(specs: Mapping[str, _Spec]) -> tuple[dict[str, _Spec], dict[str, _Spec]]:
     """``specs`` divided into plain splits, then the items that read this forward's split record: leading-token
     counts, local extents and segment-wise splits."""
-    splits = {n: s for n, s in specs.items() if isinstance(s, SplitInput) and not s.segments}
+    splits = {n: s for n, s in specs.items() if not s.reads_record}
     counts = {n: s for n, s in specs.items() if n not in splits}
     return splits, counts
 
@@ -245,24 +241,6 @@ def _at_index(output: Any, index: int | tuple[int, ...] | None, fn: Callable[[An
     for i in index if isinstance(index, tuple) else (index,):
         items[i] = fn(items[i])
     return type(output)(items) if isinstance(output, tuple) else items
-
-
-def _split_arg(value: Any, spec: SplitInput, splitter: _Splitter, name: str, unit: int = 1) -> Any:
-    """``value`` split per ``spec``; with ``spec.index``, only that element of a tuple/list argument."""
-    tensor = isinstance(value, torch.Tensor) and -value.ndim <= spec.dim < value.ndim
-    if spec.keep_singleton and tensor and value.shape[spec.dim] == 1:
-        return value  # broadcast over the tokens: every rank needs it whole
-
-    def split(tensor: Any, label: str) -> Any:
-        if spec.segments:
-            return splitter.split_segments(tensor, spec.dim, spec.expected_dims, label, spec.segments)
-        return splitter.split(tensor, spec.dim, spec.expected_dims, label, unit)
-
-    if spec.index is None or not isinstance(value, (tuple, list)):
-        return split(value, name)
-    items = list(value)
-    items[spec.index] = split(items[spec.index], f"{name}[{spec.index}]")
-    return type(value)(items)
 
 
 class _RootHook(layers.LayerHook):

@@ -33,7 +33,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -59,6 +59,20 @@ def _check_dim(owner: str, dim: Any, expected_dims: Any) -> None:
         raise ValueError(f"{owner}.dim={dim!r}: must be an integer")
     if expected_dims is not None and (not isinstance(expected_dims, int) or expected_dims < 1):
         raise ValueError(f"{owner}.expected_dims={expected_dims!r}: must be a positive integer or None")
+
+
+class Splitter(Protocol):
+    """What an input spec's ``adjust`` uses: the context-parallel splitter of the current forward."""
+
+    def split(self, tensor: Any, dim: int, expected_dims: int | None, name: str, unit: int = 1) -> Any: ...
+
+    def split_segments(
+        self, tensor: Any, dim: int, expected_dims: int | None, name: str, segments: tuple[str, ...]
+    ) -> Any: ...
+
+    def count(self, value: Any, of: str) -> Any: ...
+
+    def extent(self, value: Any, of: str) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -103,6 +117,28 @@ class SplitInput:
         if isinstance(self.segments, str) or not all(isinstance(s, str) and s for s in self.segments):
             raise ValueError(f"SplitInput.segments={self.segments!r}: expected a tuple of split input names")
         object.__setattr__(self, "segments", tuple(self.segments))
+
+    @property
+    def reads_record(self) -> bool:
+        """Whether applying it reads this forward's split record (segment-wise splits do, plain splits write it)."""
+        return bool(self.segments)
+
+    def adjust(self, value: Any, splitter: Splitter, name: str, unit: int = 1) -> Any:
+        """``value`` split per this spec; with :attr:`index`, only that element of a tuple/list argument."""
+        tensor = isinstance(value, torch.Tensor) and -value.ndim <= self.dim < value.ndim
+        if self.keep_singleton and tensor and value.shape[self.dim] == 1:
+            return value  # broadcast over the tokens: every rank needs it whole
+
+        def split(item: Any, label: str) -> Any:
+            if self.segments:
+                return splitter.split_segments(item, self.dim, self.expected_dims, label, self.segments)
+            return splitter.split(item, self.dim, self.expected_dims, label, unit)
+
+        if self.index is None or not isinstance(value, (tuple, list)):
+            return split(value, name)
+        items = list(value)
+        items[self.index] = split(items[self.index], f"{name}[{self.index}]")
+        return type(value)(items)
 
 
 @dataclass(frozen=True)
@@ -180,6 +216,12 @@ class LeadingCount:
         ):
             raise ValueError(f"LeadingCount.position={self.position!r}: must be a non-negative integer or None")
 
+    reads_record = True  # narrowed from this forward's split record of ``of``
+
+    def adjust(self, value: Any, splitter: Splitter, name: str, unit: int = 1) -> Any:
+        """``value`` narrowed to this rank's shard of :attr:`of`."""
+        return splitter.count(value, self.of)
+
 
 @dataclass(frozen=True)
 class LocalExtent:
@@ -207,6 +249,12 @@ class LocalExtent:
             not isinstance(self.position, int) or isinstance(self.position, bool) or self.position < 0
         ):
             raise ValueError(f"LocalExtent.position={self.position!r}: must be a non-negative integer or None")
+
+    reads_record = True  # narrowed from this forward's split record of ``of``
+
+    def adjust(self, value: Any, splitter: Splitter, name: str, unit: int = 1) -> Any:
+        """``value`` narrowed to this rank's shard of :attr:`of`."""
+        return splitter.extent(value, self.of)
 
 
 @dataclass(frozen=True)
