@@ -1,9 +1,9 @@
-"""HiDream under context parallelism: where the plan splits, and step caching on top of it.
+"""HiDream under context parallelism: where the plan splits.
 
 The plan splits inside every block (the inner block below the ``HiDreamBlock`` wrapper): double-stream blocks their
 image and text streams and the RoPE table per segment, single-stream blocks their joint sequence. The generic family
-test checks the outputs; these check the split really happens where the plan says and that a cache hook on the
-wrappers (whole tensors on both sides) still matches one process.
+test checks the outputs, with and without a step cache (whose hooks sit on the wrappers, whole tensors on both sides);
+these check the split really happens where the plan says.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import numpy as np
 import pytest
 
 import fastdit
@@ -90,24 +89,3 @@ def test_every_block_splits_inside_its_wrapper(dist2: WorkerPool) -> None:
         image_r, text_r = (image + 1 - rank) // 2, (text + 1 - rank) // 2
         assert seen["double"] == [(image_r, text_r, image_r + text_r)]
         assert seen["single"] == [((joint + 1 - rank) // 2,) * 2]
-
-
-def _cached(rank: int, world_size: int, parallel: dict[str, int] | None) -> np.ndarray:
-    pipe, tiny = _built()
-    # Step 0 computed, steps 1-2 replay the single-stream block in the middle.
-    mask = fastdit.StepMask(compute_steps=(0,), policy="static")
-    cache = fastdit.DBCache(fn=1, bn=1, warmup_steps=0, step_mask=mask)
-    fastdit.accelerate(pipe, cache=cache, parallel=None if parallel is None else fastdit.Parallel(**parallel))
-    try:
-        out = run_tiny(pipe, tiny, num_inference_steps=3)
-        assert fastdit.summary(pipe).num_cached_steps > 0
-        return out
-    finally:
-        fastdit.disable(pipe)
-
-
-@pytest.mark.parametrize("parallel", [{"ulysses": 2}, {"ring": 2}], ids=["ulysses2", "ring2"])
-def test_cache_with_context_parallel_matches_single_process(dist2: WorkerPool, parallel: dict[str, int]) -> None:
-    expected = _cached(0, 1, None)
-    for out in dist2.run(_cached, parallel, timeout=180):
-        assert np.abs(out - expected).max() < 1e-4, f"max abs error {np.abs(out - expected).max():.2e}"

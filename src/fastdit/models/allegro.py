@@ -11,7 +11,6 @@ from __future__ import annotations
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
-from fastdit.testing.components.encoders import build, t5_encoder
 
 TRANSFORMER = "diffusers.models.transformers.transformer_allegro.AllegroTransformer3DModel"
 
@@ -22,6 +21,8 @@ _TEXT_DIM = 32
 def tiny_transformer(seed: int = 0):
     """A 3-block ``AllegroTransformer3DModel`` (patch 2x2, one frame per token)."""
     from diffusers import AllegroTransformer3DModel
+
+    from fastdit.testing.components.encoders import build
 
     return build(
         AllegroTransformer3DModel,
@@ -47,6 +48,8 @@ def tiny_vae(seed: int = 0):
     """
     from diffusers import AutoencoderKLAllegro
 
+    from fastdit.testing.components.encoders import build
+
     vae = build(
         AutoencoderKLAllegro,
         seed=seed,
@@ -65,6 +68,8 @@ def tiny_vae(seed: int = 0):
 def tiny_allegro(seed: int = 0):
     """A complete tiny ``AllegroPipeline`` (T5 text encoder, Euler-ancestral sampling as the released model)."""
     from diffusers import AllegroPipeline, EulerAncestralDiscreteScheduler
+
+    from fastdit.testing.components.encoders import t5_encoder
 
     text_encoder, tokenizer = t5_encoder(d_model=_TEXT_DIM, seed=seed)
     return AllegroPipeline(

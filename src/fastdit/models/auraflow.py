@@ -12,8 +12,6 @@ from __future__ import annotations
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan_shapes import joint_first_block_plan
-from fastdit.testing.components.autoencoder_kl import autoencoder_kl
-from fastdit.testing.components.encoders import build, umt5_encoder
 
 TRANSFORMER = "diffusers.models.transformers.auraflow_transformer_2d.AuraFlowTransformer2DModel"
 
@@ -23,6 +21,8 @@ _TEXT_DIM = 32
 def tiny_transformer(seed: int = 0):
     """A 3-block ``AuraFlowTransformer2DModel`` (1 joint + 2 single blocks) for 4-channel latents."""
     from diffusers import AuraFlowTransformer2DModel
+
+    from fastdit.testing.components.encoders import build
 
     inner_dim = 2 * 16
     return build(
@@ -46,6 +46,9 @@ def tiny_transformer(seed: int = 0):
 def tiny_auraflow(seed: int = 0):
     """A complete tiny ``AuraFlowPipeline`` (UMT5 text encoder, SDXL-style VAE)."""
     from diffusers import AuraFlowPipeline, FlowMatchEulerDiscreteScheduler
+
+    from fastdit.testing.components.autoencoder_kl import autoencoder_kl
+    from fastdit.testing.components.encoders import umt5_encoder
 
     text_encoder, tokenizer = umt5_encoder(d_model=_TEXT_DIM, seed=seed + 1)
     return AuraFlowPipeline(

@@ -12,14 +12,11 @@ into ``hidden_states`` and splits the result again. A single block's hidden stre
 
 from __future__ import annotations
 
+from fastdit.models._lazy import LazyKwargs, tiny_image
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import SplitOutput
 from fastdit.parallel.plan_shapes import mmdit_root_plan
-from fastdit.testing.components.autoencoder_kl_wan import autoencoder_kl_wan
-from fastdit.testing.components.encoders import build
-from fastdit.testing.components.images import random_image
-from fastdit.testing.components.smollm3 import smollm3_model
 
 TRANSFORMER = "diffusers.models.transformers.transformer_bria_fibo.BriaFiboTransformer2DModel"
 
@@ -34,6 +31,8 @@ def tiny_transformer(seed: int = 0, *, num_layers: int = 1, num_single_layers: i
     the encoder's hidden-state count (2 SmolLM3 layers + embeddings = 3).
     """
     from diffusers import BriaFiboTransformer2DModel
+
+    from fastdit.testing.components.encoders import build
 
     return build(
         BriaFiboTransformer2DModel,
@@ -52,6 +51,9 @@ def tiny_transformer(seed: int = 0, *, num_layers: int = 1, num_single_layers: i
 
 def _components(seed: int) -> dict:
     from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from fastdit.testing.components.autoencoder_kl_wan import autoencoder_kl_wan
+    from fastdit.testing.components.smollm3 import smollm3_model
 
     text_encoder, tokenizer = smollm3_model(hidden_size=_TEXT_WIDTH, seed=seed)
     return {
@@ -121,11 +123,13 @@ ADAPTER = register(
                 name="edit",
                 build=tiny_bria_fibo_edit,
                 # Explicit height/width: without them the output snaps to a ~1 MP preferred resolution.
-                call_kwargs={
-                    **_CALL,
-                    "prompt": '{"edit_instruction": "make the cat red"}',
-                    "image": random_image(64),
-                },
+                call_kwargs=LazyKwargs(
+                    {
+                        **_CALL,
+                        "prompt": '{"edit_instruction": "make the cat red"}',
+                        "image": tiny_image(64),
+                    }
+                ),
             ),
         ),
         presets=(

@@ -9,12 +9,10 @@ joint_attention_kwargs)`` and returning the joint sequence (pattern 3).
 
 from __future__ import annotations
 
+from fastdit.models._lazy import LazyKwargs, tiny_image
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan_shapes import mmdit_root_plan
-from fastdit.testing.components.autoencoder_kl import autoencoder_kl
-from fastdit.testing.components.encoders import build, t5_encoder
-from fastdit.testing.components.images import random_image
 
 TRANSFORMER = "diffusers.models.transformers.transformer_chroma.ChromaTransformer2DModel"
 
@@ -24,6 +22,8 @@ _TEXT_DIM = 32
 def tiny_transformer(seed: int = 0):
     """A 3-block ``ChromaTransformer2DModel`` (1 double + 2 single) for 2x2-packed 4-channel latents."""
     from diffusers import ChromaTransformer2DModel
+
+    from fastdit.testing.components.encoders import build
 
     return build(
         ChromaTransformer2DModel,
@@ -44,6 +44,9 @@ def tiny_transformer(seed: int = 0):
 
 def _components(seed: int) -> dict:
     from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from fastdit.testing.components.autoencoder_kl import autoencoder_kl
+    from fastdit.testing.components.encoders import t5_encoder
 
     text_encoder, tokenizer = t5_encoder(d_model=_TEXT_DIM, seed=seed + 1)
     return {
@@ -104,7 +107,7 @@ ADAPTER = register(
                 name="img2img",
                 build=tiny_chroma_img2img,
                 # strength 0.5 of 4 scheduled steps leaves 2 denoising steps.
-                call_kwargs={**_CALL, "image": random_image(), "strength": 0.5, "num_inference_steps": 4},
+                call_kwargs=LazyKwargs({**_CALL, "image": tiny_image(), "strength": 0.5, "num_inference_steps": 4}),
             ),
         ),
         presets=(

@@ -8,13 +8,10 @@ blocks.
 
 from __future__ import annotations
 
+from fastdit.models._lazy import LazyKwargs, tiny_image
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan_shapes import wan_blocks_plan
-from fastdit.testing.components.autoencoder_kl_wan import autoencoder_kl_wan
-from fastdit.testing.components.clip_vision import clip_vision_model
-from fastdit.testing.components.encoders import build, umt5_encoder
-from fastdit.testing.components.images import random_image
 
 TRANSFORMER = "diffusers.models.transformers.transformer_chronoedit.ChronoEditTransformer3DModel"
 
@@ -26,6 +23,8 @@ _IMAGE_DIM = 8
 def tiny_transformer(seed: int = 0, *, num_layers: int = 3):
     """A 3-block ``ChronoEditTransformer3DModel`` (2 heads x 16) on noise + condition latents + a 4-channel mask."""
     from diffusers import ChronoEditTransformer3DModel
+
+    from fastdit.testing.components.encoders import build
 
     return build(
         ChronoEditTransformer3DModel,
@@ -48,6 +47,10 @@ def tiny_transformer(seed: int = 0, *, num_layers: int = 3):
 def tiny_chronoedit(seed: int = 0):
     """A complete tiny ``ChronoEditPipeline`` (UMT5 + CLIP vision encoders, Wan VAE, flow UniPC)."""
     from diffusers import ChronoEditPipeline, UniPCMultistepScheduler
+
+    from fastdit.testing.components.autoencoder_kl_wan import autoencoder_kl_wan
+    from fastdit.testing.components.clip_vision import clip_vision_model
+    from fastdit.testing.components.encoders import umt5_encoder
 
     text_encoder, tokenizer = umt5_encoder(d_model=_TEXT_DIM, seed=seed)
     image_encoder, image_processor = clip_vision_model(hidden_size=_IMAGE_DIM, seed=seed)
@@ -87,16 +90,18 @@ ADAPTER = register(
                 name="edit",
                 build=tiny_chronoedit,
                 # guidance_scale > 1: a cond then an uncond transformer call per step, without cache contexts.
-                call_kwargs={
-                    "image": random_image(),
-                    "prompt": "a cat holding a sign",
-                    "negative_prompt": "blue",
-                    "guidance_scale": 5.0,
-                    "height": 32,
-                    "width": 32,
-                    "num_inference_steps": 2,
-                    "max_sequence_length": 16,
-                },
+                call_kwargs=LazyKwargs(
+                    {
+                        "image": tiny_image(),
+                        "prompt": "a cat holding a sign",
+                        "negative_prompt": "blue",
+                        "guidance_scale": 5.0,
+                        "height": 32,
+                        "width": 32,
+                        "num_inference_steps": 2,
+                        "max_sequence_length": 16,
+                    }
+                ),
             ),
         ),
         presets=(

@@ -7,12 +7,11 @@ the block returns ``(hidden_states, encoder_hidden_states)`` (pattern 0): text a
 
 from __future__ import annotations
 
+from fastdit.models._lazy import LazyKwargs, tiny_image
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.parallel.plan_shapes import streams
-from fastdit.testing.components.encoders import build, t5_encoder
-from fastdit.testing.components.images import random_image
 
 TRANSFORMER = "diffusers.models.transformers.cogvideox_transformer_3d.CogVideoXTransformer3DModel"
 
@@ -43,6 +42,8 @@ def tiny_transformer(
     """
     from diffusers import CogVideoXTransformer3DModel
 
+    from fastdit.testing.components.encoders import build
+
     return build(
         CogVideoXTransformer3DModel,
         seed=seed,
@@ -69,6 +70,8 @@ def tiny_vae(seed: int = 0):
     """An ``AutoencoderKLCogVideoX`` with 8 channels per level (spatial factor 8, temporal factor 4)."""
     from diffusers import AutoencoderKLCogVideoX
 
+    from fastdit.testing.components.encoders import build
+
     return build(
         AutoencoderKLCogVideoX,
         seed=seed,
@@ -84,6 +87,8 @@ def tiny_vae(seed: int = 0):
 
 def _components(seed: int, transformer, dpm: bool) -> dict:
     from diffusers import CogVideoXDDIMScheduler, CogVideoXDPMScheduler
+
+    from fastdit.testing.components.encoders import t5_encoder
 
     text_encoder, tokenizer = t5_encoder(d_model=_TEXT_DIM, seed=seed)
     # CogVideoX-2b samples with DDIM, the 5b and 1.5 models with the DPM scheduler (v-prediction, zero terminal SNR).
@@ -168,9 +173,13 @@ ADAPTER = register(
         tiny_pipelines=(
             TinyPipeline(name="t2v-2b", build=tiny_cogvideox_2b, call_kwargs=_CALL),
             TinyPipeline(name="t2v-5b", build=tiny_cogvideox_5b, call_kwargs=_CALL),
-            TinyPipeline(name="i2v", build=tiny_cogvideox_i2v, call_kwargs={**_CALL, "image": random_image(_SIZE)}),
             TinyPipeline(
-                name="1.5-i2v", build=tiny_cogvideox15_i2v, call_kwargs={**_CALL, "image": random_image(_SIZE)}
+                name="i2v", build=tiny_cogvideox_i2v, call_kwargs=LazyKwargs({**_CALL, "image": tiny_image(_SIZE)})
+            ),
+            TinyPipeline(
+                name="1.5-i2v",
+                build=tiny_cogvideox15_i2v,
+                call_kwargs=LazyKwargs({**_CALL, "image": tiny_image(_SIZE)}),
             ),
         ),
         presets=(

@@ -10,8 +10,6 @@ from __future__ import annotations
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan_shapes import joint_first_block_plan
-from fastdit.testing.components.autoencoder_kl import autoencoder_kl
-from fastdit.testing.components.encoders import build, t5_encoder
 
 TRANSFORMER = "diffusers.models.transformers.transformer_cogview3plus.CogView3PlusTransformer2DModel"
 
@@ -21,6 +19,8 @@ _LATENT_CHANNELS = 16
 def tiny_transformer(seed: int = 0, *, num_layers: int = 3):
     """A 3-block ``CogView3PlusTransformer2DModel`` (2 heads x 16, T5 width 32)."""
     from diffusers import CogView3PlusTransformer2DModel
+
+    from fastdit.testing.components.encoders import build
 
     return build(
         CogView3PlusTransformer2DModel,
@@ -42,6 +42,9 @@ def tiny_transformer(seed: int = 0, *, num_layers: int = 3):
 def tiny_cogview3plus(seed: int = 0):
     """A complete tiny ``CogView3PlusPipeline`` (T5 text encoder, 16-channel KL VAE with scale factor 2, DDIM)."""
     from diffusers import CogVideoXDDIMScheduler, CogView3PlusPipeline
+
+    from fastdit.testing.components.autoencoder_kl import autoencoder_kl
+    from fastdit.testing.components.encoders import t5_encoder
 
     text_encoder, tokenizer = t5_encoder(seed=seed)
     # CogView3-Plus ships a v-prediction DDIM schedule with zero terminal SNR.

@@ -12,9 +12,6 @@ from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelP
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 from fastdit.parallel.plan_shapes import streams
-from fastdit.testing.components.autoencoder_kl import autoencoder_kl
-from fastdit.testing.components.encoders import build
-from fastdit.testing.components.glm import glm_model
 
 TRANSFORMER = "diffusers.models.transformers.transformer_cogview4.CogView4Transformer2DModel"
 
@@ -24,6 +21,8 @@ _LATENT_CHANNELS = 16
 def tiny_transformer(seed: int = 0, *, num_layers: int = 3, in_channels: int = _LATENT_CHANNELS):
     """A 3-block ``CogView4Transformer2DModel`` (2 heads x 16, GLM width 32)."""
     from diffusers import CogView4Transformer2DModel
+
+    from fastdit.testing.components.encoders import build
 
     return build(
         CogView4Transformer2DModel,
@@ -45,6 +44,9 @@ def tiny_transformer(seed: int = 0, *, num_layers: int = 3, in_channels: int = _
 
 def _components(seed: int, in_channels: int) -> dict:
     from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from fastdit.testing.components.autoencoder_kl import autoencoder_kl
+    from fastdit.testing.components.glm import glm_model
 
     text_encoder, tokenizer = glm_model(seed=seed)
     return {

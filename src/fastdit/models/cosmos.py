@@ -20,17 +20,17 @@ import copy
 
 import torch
 
+from fastdit.models._lazy import LazyKwargs, tiny_image
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
-from fastdit.testing.components.autoencoder_kl_wan import WAN_LATENT_CHANNELS, autoencoder_kl_wan
-from fastdit.testing.components.encoders import build, qwen2_5_vl_model, t5_encoder
-from fastdit.testing.components.images import random_image
 
 TRANSFORMER = "diffusers.models.transformers.transformer_cosmos.CosmosTransformer3DModel"
 _MODULE = "diffusers.models.transformers.transformer_cosmos"
 
-_LATENT = WAN_LATENT_CHANNELS  # the Wan VAE of Predict2/2.5; the tiny Cosmos 1.0 VAE uses the same
+# The Wan VAE of Predict2/2.5 (the released Wan 2.1 VAE's channel count, WAN_LATENT_CHANNELS of the tiny one);
+# the tiny Cosmos 1.0 VAE uses the same.
+_LATENT = 16
 _TEXT_DIM = 32
 _SIZE = 32
 
@@ -78,6 +78,8 @@ def tiny_transformer(seed: int = 0, *, in_channels: int = _LATENT, text_dim: int
     """
     from diffusers import CosmosTransformer3DModel
 
+    from fastdit.testing.components.encoders import build
+
     return build(
         CosmosTransformer3DModel,
         seed=seed,
@@ -100,6 +102,8 @@ def tiny_transformer(seed: int = 0, *, in_channels: int = _LATENT, text_dim: int
 def tiny_cosmos_vae(seed: int = 0):
     """An ``AutoencoderKLCosmos`` (Haar-wavelet patching; space x8, time x4) for Cosmos 1.0."""
     from diffusers import AutoencoderKLCosmos
+
+    from fastdit.testing.components.encoders import build
 
     return build(
         AutoencoderKLCosmos,
@@ -134,6 +138,8 @@ def _edm_scheduler():
 
 
 def _t5_components(seed: int, transformer, vae, scheduler) -> dict:
+    from fastdit.testing.components.encoders import t5_encoder
+
     text_encoder, tokenizer = t5_encoder(d_model=_TEXT_DIM, seed=seed)
     return {
         "transformer": transformer,
@@ -166,6 +172,8 @@ def tiny_cosmos2_text2image(seed: int = 0):
     """A complete tiny Predict2 ``Cosmos2TextToImagePipeline`` (flow matching, Wan VAE, one frame)."""
     from diffusers import Cosmos2TextToImagePipeline, FlowMatchEulerDiscreteScheduler
 
+    from fastdit.testing.components.autoencoder_kl_wan import autoencoder_kl_wan
+
     scheduler = FlowMatchEulerDiscreteScheduler(use_karras_sigmas=True)
     return Cosmos2TextToImagePipeline(
         **_t5_components(seed, tiny_transformer(seed), autoencoder_kl_wan(seed=seed), scheduler)
@@ -176,6 +184,8 @@ def tiny_cosmos2_video2world(seed: int = 0):
     """A complete tiny Predict2 ``Cosmos2VideoToWorldPipeline`` (per-frame timesteps, conditioning frames)."""
     from diffusers import Cosmos2VideoToWorldPipeline, FlowMatchEulerDiscreteScheduler
 
+    from fastdit.testing.components.autoencoder_kl_wan import autoencoder_kl_wan
+
     scheduler = FlowMatchEulerDiscreteScheduler(use_karras_sigmas=True)
     transformer = tiny_transformer(seed, in_channels=_LATENT + 1)
     return Cosmos2VideoToWorldPipeline(**_t5_components(seed, transformer, autoencoder_kl_wan(seed=seed), scheduler))
@@ -184,6 +194,9 @@ def tiny_cosmos2_video2world(seed: int = 0):
 def tiny_cosmos25_predict(seed: int = 0):
     """A complete tiny ``Cosmos2_5_PredictBasePipeline`` (Qwen2.5-VL text encoder, all layers concatenated)."""
     from diffusers import Cosmos2_5_PredictBasePipeline, UniPCMultistepScheduler
+
+    from fastdit.testing.components.autoencoder_kl_wan import autoencoder_kl_wan
+    from fastdit.testing.components.encoders import qwen2_5_vl_model
 
     text_encoder, tokenizer = qwen2_5_vl_model(hidden_size=_TEXT_DIM, seed=seed)
     tokenizer = copy.deepcopy(tokenizer)  # the shared tokenizer has no chat template
@@ -256,7 +269,9 @@ ADAPTER = register(
         tiny_pipelines=(
             TinyPipeline(name="text2world", build=tiny_cosmos_text2world, call_kwargs=_CALL),
             TinyPipeline(
-                name="video2world", build=tiny_cosmos_video2world, call_kwargs={**_CALL, "image": random_image(_SIZE)}
+                name="video2world",
+                build=tiny_cosmos_video2world,
+                call_kwargs=LazyKwargs({**_CALL, "image": tiny_image(_SIZE)}),
             ),
             TinyPipeline(name="predict2-text2image", build=tiny_cosmos2_text2image, call_kwargs=_IMAGE_CALL),
             TinyPipeline(name="predict2.5", build=tiny_cosmos25_predict, call_kwargs=_CALL),
@@ -264,7 +279,7 @@ ADAPTER = register(
             TinyPipeline(
                 name="predict2-video2world",
                 build=tiny_cosmos2_video2world,
-                call_kwargs={**_CALL, "image": random_image(_SIZE)},
+                call_kwargs=LazyKwargs({**_CALL, "image": tiny_image(_SIZE)}),
             ),
         ),
         presets=(

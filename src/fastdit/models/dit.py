@@ -11,8 +11,6 @@ from __future__ import annotations
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
-from fastdit.testing.components.autoencoder_kl import autoencoder_kl
-from fastdit.testing.components.encoders import build
 
 TRANSFORMER = "diffusers.models.transformers.dit_transformer_2d.DiTTransformer2DModel"
 
@@ -23,6 +21,8 @@ _LATENT_SIZE = 16
 def tiny_transformer(seed: int = 0):
     """A 3-block ``DiTTransformer2DModel`` with learned sigma (8 output channels) and 1000 classes."""
     from diffusers import DiTTransformer2DModel
+
+    from fastdit.testing.components.encoders import build
 
     return build(
         DiTTransformer2DModel,
@@ -43,6 +43,8 @@ def tiny_transformer(seed: int = 0):
 def tiny_dit(seed: int = 0):
     """A complete tiny ``DiTPipeline`` (labels ``"zero"`` ... ``"nine"`` map to classes 0-9)."""
     from diffusers import DDIMScheduler, DiTPipeline
+
+    from fastdit.testing.components.autoencoder_kl import autoencoder_kl
 
     names = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
     return DiTPipeline(

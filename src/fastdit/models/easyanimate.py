@@ -12,8 +12,6 @@ from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelP
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitOutput
 from fastdit.parallel.plan_shapes import streams
-from fastdit.testing.components.encoders import build
-from fastdit.testing.components.qwen2_vl import qwen2_vl_model
 
 TRANSFORMER = "diffusers.models.transformers.transformer_easyanimate.EasyAnimateTransformer3DModel"
 
@@ -23,6 +21,8 @@ _LATENT_CHANNELS = 4
 def tiny_transformer(seed: int = 0, *, num_layers: int = 3):
     """A 3-block ``EasyAnimateTransformer3DModel`` (2 heads x 16, MMDiT weights in every block, Qwen2-VL width 32)."""
     from diffusers import EasyAnimateTransformer3DModel
+
+    from fastdit.testing.components.encoders import build
 
     return build(
         EasyAnimateTransformer3DModel,
@@ -46,6 +46,8 @@ def tiny_vae(seed: int = 0):
     """A tiny ``AutoencoderKLMagvit``: spatial factor 4, temporal factor 2 (one level of each kind of block)."""
     from diffusers import AutoencoderKLMagvit
 
+    from fastdit.testing.components.encoders import build
+
     return build(
         AutoencoderKLMagvit,
         seed=seed,
@@ -64,6 +66,8 @@ def tiny_vae(seed: int = 0):
 def tiny_easyanimate(seed: int = 0):
     """A complete tiny ``EasyAnimatePipeline`` (Qwen2-VL text encoder, MagViT VAE)."""
     from diffusers import EasyAnimatePipeline, FlowMatchEulerDiscreteScheduler
+
+    from fastdit.testing.components.qwen2_vl import qwen2_vl_model
 
     text_encoder, tokenizer = qwen2_vl_model(seed=seed)
     return EasyAnimatePipeline(

@@ -7,12 +7,10 @@ return ``(encoder_hidden_states, hidden_states)`` (pattern 1).
 
 from __future__ import annotations
 
+from fastdit.models._lazy import LazyKwargs, tiny_image
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan_shapes import mmdit_root_plan
-from fastdit.testing.components.autoencoder_kl import autoencoder_kl
-from fastdit.testing.components.encoders import build, clip_text_model, t5_encoder
-from fastdit.testing.components.images import random_image
 
 TRANSFORMER = "diffusers.models.transformers.transformer_flux.FluxTransformer2DModel"
 
@@ -20,6 +18,8 @@ TRANSFORMER = "diffusers.models.transformers.transformer_flux.FluxTransformer2DM
 def tiny_transformer(seed: int = 0, *, num_layers: int = 1, num_single_layers: int = 2, guidance: bool = False):
     """A 3-block ``FluxTransformer2DModel`` for 2x2-patchified 4-channel latents."""
     from diffusers import FluxTransformer2DModel
+
+    from fastdit.testing.components.encoders import build
 
     return build(
         FluxTransformer2DModel,
@@ -40,6 +40,9 @@ def tiny_transformer(seed: int = 0, *, num_layers: int = 1, num_single_layers: i
 
 def _components(seed: int, guidance: bool) -> dict:
     from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from fastdit.testing.components.autoencoder_kl import autoencoder_kl
+    from fastdit.testing.components.encoders import clip_text_model, t5_encoder
 
     text_encoder, tokenizer = clip_text_model(seed=seed)
     text_encoder_2, tokenizer_2 = t5_encoder(seed=seed + 1)
@@ -102,13 +105,15 @@ ADAPTER = register(
                 name="kontext",
                 build=tiny_flux_kontext,
                 # Kontext scales the image and the output to ~1 MP unless told not to.
-                call_kwargs={
-                    **_CALL,
-                    "guidance_scale": 2.5,
-                    "image": random_image(),
-                    "_auto_resize": False,
-                    "max_area": 32 * 32,
-                },
+                call_kwargs=LazyKwargs(
+                    {
+                        **_CALL,
+                        "guidance_scale": 2.5,
+                        "image": tiny_image(),
+                        "_auto_resize": False,
+                        "max_area": 32 * 32,
+                    }
+                ),
             ),
         ),
         presets=(

@@ -9,13 +9,10 @@ image_rotary_emb, joint_attention_kwargs)``; they return the joint sequence alon
 
 from __future__ import annotations
 
+from fastdit.models._lazy import LazyKwargs, tiny_image
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan_shapes import mmdit_root_plan
-from fastdit.testing.components.encoders import build
-from fastdit.testing.components.images import random_image
-from fastdit.testing.components.mistral3 import mistral3_model
-from fastdit.testing.components.qwen3 import qwen3_config, qwen3_tokenizer
 
 TRANSFORMER = "diffusers.models.transformers.transformer_flux2.Flux2Transformer2DModel"
 
@@ -32,6 +29,8 @@ def tiny_transformer(seed: int = 0, *, guidance: bool):
     ``guidance`` embeds the guidance scale (FLUX.2 dev); klein has no guidance embedding and uses true CFG.
     """
     from diffusers import Flux2Transformer2DModel
+
+    from fastdit.testing.components.encoders import build
 
     return build(
         Flux2Transformer2DModel,
@@ -52,6 +51,8 @@ def tiny_transformer(seed: int = 0, *, guidance: bool):
 def tiny_vae(seed: int = 0):
     """A two-level ``AutoencoderKLFlux2`` with 4 latent channels (scale factor 2, latents packed 2x2 -> 16)."""
     from diffusers import AutoencoderKLFlux2
+
+    from fastdit.testing.components.encoders import build
 
     return build(
         AutoencoderKLFlux2,
@@ -76,6 +77,8 @@ def tiny_flux2_dev(seed: int = 0):
     """A complete tiny ``Flux2Pipeline`` (Mistral 3 text encoder, embedded guidance)."""
     from diffusers import Flux2Pipeline
 
+    from fastdit.testing.components.mistral3 import mistral3_model
+
     text_encoder, tokenizer = mistral3_model(_TEXT_DIM, _TEXT_LAYERS, seed=seed + 1)
     return Flux2Pipeline(
         scheduler=_scheduler(),
@@ -90,6 +93,9 @@ def tiny_flux2_klein(seed: int = 0):
     """A complete tiny ``Flux2KleinPipeline`` (Qwen3 text encoder, base model with true CFG)."""
     from diffusers import Flux2KleinPipeline
     from transformers import Qwen3ForCausalLM
+
+    from fastdit.testing.components.encoders import build
+    from fastdit.testing.components.qwen3 import qwen3_config, qwen3_tokenizer
 
     text_encoder = build(Qwen3ForCausalLM, qwen3_config(_TEXT_DIM, _TEXT_LAYERS), seed=seed + 1)
     return Flux2KleinPipeline(
@@ -140,7 +146,7 @@ ADAPTER = register(
                 build=tiny_flux2_klein,
                 # Reference images are encoded and appended to the image tokens (the output keeps the first part).
                 # The pipelines reject reference images under 64 px a side.
-                call_kwargs={**_CALL, "guidance_scale": 4.0, "image": random_image(64)},
+                call_kwargs=LazyKwargs({**_CALL, "guidance_scale": 4.0, "image": tiny_image(64)}),
             ),
         ),
         presets=(

@@ -14,9 +14,6 @@ import copy
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
-from fastdit.testing.components.autoencoder_kl import autoencoder_kl
-from fastdit.testing.components.encoders import build, clip_text_model_with_projection, t5_encoder
-from fastdit.testing.components.llama import llama_config, llama_tokenizer
 
 TRANSFORMER = "diffusers.models.transformers.transformer_hidream_image.HiDreamImageTransformer2DModel"
 
@@ -35,6 +32,8 @@ def tiny_transformer(seed: int = 0):
     the tiny encoder, so the last is reused).
     """
     from diffusers import HiDreamImageTransformer2DModel
+
+    from fastdit.testing.components.encoders import build
 
     num_blocks = _NUM_DOUBLE + _NUM_SINGLE
     return build(
@@ -61,6 +60,9 @@ def tiny_transformer(seed: int = 0):
 def _llama():
     from transformers import LlamaForCausalLM
 
+    from fastdit.testing.components.encoders import build
+    from fastdit.testing.components.llama import llama_config, llama_tokenizer
+
     # The pipeline asks for attention weights, which only the eager attention returns.
     config = llama_config(_LLAMA_DIM, _LLAMA_LAYERS)
     config._attn_implementation = "eager"
@@ -71,6 +73,9 @@ def _llama():
 def tiny_hidream(seed: int = 0):
     """A complete tiny ``HiDreamImagePipeline`` (two CLIPs, T5, Llama; Flux-style VAE)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, HiDreamImagePipeline
+
+    from fastdit.testing.components.autoencoder_kl import autoencoder_kl
+    from fastdit.testing.components.encoders import clip_text_model_with_projection, t5_encoder
 
     text_encoder, tokenizer = clip_text_model_with_projection(_CLIP_PROJ, _CLIP_PROJ, seed=seed)
     text_encoder_2, tokenizer_2 = clip_text_model_with_projection(_CLIP_PROJ, _CLIP_PROJ, seed=seed + 1)

@@ -12,9 +12,6 @@ from __future__ import annotations
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
-from fastdit.testing.components.autoencoder_kl import autoencoder_kl
-from fastdit.testing.components.bert import bert_model
-from fastdit.testing.components.encoders import build, t5_encoder
 
 TRANSFORMER = "diffusers.models.transformers.hunyuan_transformer_2d.HunyuanDiT2DModel"
 
@@ -32,6 +29,8 @@ def tiny_transformer(seed: int = 0, *, style_and_size: bool = False):
     ``style_and_size`` selects the v1.0/v1.1 layout that also embeds the image size and a style id.
     """
     from diffusers import HunyuanDiT2DModel
+
+    from fastdit.testing.components.encoders import build
 
     heads, head_dim = 2, 16
     return build(
@@ -57,6 +56,10 @@ def tiny_transformer(seed: int = 0, *, style_and_size: bool = False):
 
 def _pipeline(seed: int, *, style_and_size: bool):
     from diffusers import DDPMScheduler, HunyuanDiTPipeline
+
+    from fastdit.testing.components.autoencoder_kl import autoencoder_kl
+    from fastdit.testing.components.bert import bert_model
+    from fastdit.testing.components.encoders import t5_encoder
 
     text_encoder, tokenizer = bert_model(hidden_size=_BERT_DIM, seed=seed + 1)
     text_encoder_2, tokenizer_2 = t5_encoder(d_model=_T5_DIM, seed=seed + 2)

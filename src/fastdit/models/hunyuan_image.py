@@ -13,8 +13,6 @@ from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelP
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitOutput
 from fastdit.parallel.plan_shapes import streams
-from fastdit.testing.components.byt5 import byt5_encoder
-from fastdit.testing.components.encoders import build, qwen2_5_vl_model
 
 TRANSFORMER = "diffusers.models.transformers.transformer_hunyuanimage.HunyuanImageTransformer2DModel"
 
@@ -27,6 +25,8 @@ def tiny_transformer(seed: int = 0, *, distilled: bool = False):
     ``distilled`` turns on the guidance embedding and MeanFlow's second timestep, as in the distilled checkpoint.
     """
     from diffusers import HunyuanImageTransformer2DModel
+
+    from fastdit.testing.components.encoders import build
 
     return build(
         HunyuanImageTransformer2DModel,
@@ -51,6 +51,8 @@ def tiny_vae(seed: int = 0):
     """A tiny ``AutoencoderKLHunyuanImage`` with scale factor 2 (its GroupNorms need multiples of 32 channels)."""
     from diffusers import AutoencoderKLHunyuanImage
 
+    from fastdit.testing.components.encoders import build
+
     return build(
         AutoencoderKLHunyuanImage,
         seed=seed,
@@ -68,6 +70,9 @@ def tiny_vae(seed: int = 0):
 def _pipeline(seed: int, distilled: bool):
     from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanImagePipeline
     from diffusers.guiders import AdaptiveProjectedMixGuidance
+
+    from fastdit.testing.components.byt5 import byt5_encoder
+    from fastdit.testing.components.encoders import qwen2_5_vl_model
 
     text_encoder, tokenizer = qwen2_5_vl_model(seed=seed)
     text_encoder_2, tokenizer_2 = byt5_encoder(seed=seed + 1)

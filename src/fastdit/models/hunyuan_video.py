@@ -13,16 +13,11 @@ transformer reuses the plain block classes in the same two lists (called with ``
 
 from __future__ import annotations
 
+from fastdit.models._lazy import Deferred, LazyKwargs, tiny_image
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, LeadingCount, SplitInput
 from fastdit.parallel.plan_shapes import streams
-from fastdit.testing.components.autoencoder_kl_hunyuan_video import autoencoder_kl_hunyuan_video
-from fastdit.testing.components.encoders import build, clip_text_model
-from fastdit.testing.components.images import random_image
-from fastdit.testing.components.llama import llama_model
-from fastdit.testing.components.llava import NUM_IMAGE_TOKENS, llava_image_processor, llava_model
-from fastdit.testing.components.siglip import siglip_vision_model
 
 TRANSFORMER = "diffusers.models.transformers.transformer_hunyuan_video.HunyuanVideoTransformer3DModel"
 FRAMEPACK_TRANSFORMER = (
@@ -42,18 +37,25 @@ _T2V_TEMPLATE = {
     ),
     "crop_start": 26,
 }
+
+
 # I2V: the ``<image>`` token (position 4) is expanded into the image features before the text model runs.
-_I2V_TEMPLATE = {
-    "template": (
-        "<|start_header_id|>system<|end_header_id|>\n\n<image>\nDescribe the video.<|eot_id|>"
-        "<|start_header_id|>user<|end_header_id|>\n\n{}<|eot_id|>"
-        "<|start_header_id|>assistant<|end_header_id|>\n\n"
-    ),
-    "crop_start": 28,
-    "image_emb_start": 4,
-    "image_emb_end": 4 + NUM_IMAGE_TOKENS,
-    "image_emb_len": NUM_IMAGE_TOKENS,
-}
+def _i2v_template() -> dict:
+    # The feature count is the tiny LLaVA's, so the template is built when a call reads it.
+    from fastdit.testing.components.llava import NUM_IMAGE_TOKENS
+
+    return {
+        "template": (
+            "<|start_header_id|>system<|end_header_id|>\n\n<image>\nDescribe the video.<|eot_id|>"
+            "<|start_header_id|>user<|end_header_id|>\n\n{}<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n"
+        ),
+        "crop_start": 28,
+        "image_emb_start": 4,
+        "image_emb_end": 4 + NUM_IMAGE_TOKENS,
+        "image_emb_len": NUM_IMAGE_TOKENS,
+    }
+
 
 # Block layout shared by the plain and the FramePack transformer: 1 dual + 2 single blocks of 2 heads x 16, patch 2x2,
 # one frame per token.
@@ -78,6 +80,8 @@ def tiny_transformer(
     """A ``HunyuanVideoTransformer3DModel`` in the tiny block layout (1 dual + 2 single blocks)."""
     from diffusers import HunyuanVideoTransformer3DModel
 
+    from fastdit.testing.components.encoders import build
+
     return build(
         HunyuanVideoTransformer3DModel,
         seed=seed,
@@ -90,6 +94,11 @@ def tiny_transformer(
 
 def _components(seed: int, transformer, *, llava: bool = False) -> dict:
     from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from fastdit.testing.components.autoencoder_kl_hunyuan_video import autoencoder_kl_hunyuan_video
+    from fastdit.testing.components.encoders import clip_text_model
+    from fastdit.testing.components.llama import llama_model
+    from fastdit.testing.components.llava import llava_model
 
     text_encoder, tokenizer = (llava_model if llava else llama_model)(hidden_size=_TEXT_DIM, seed=seed)
     text_encoder_2, tokenizer_2 = clip_text_model(hidden_size=_POOLED_DIM, seed=seed + 1)
@@ -114,6 +123,8 @@ def tiny_hunyuan_video(seed: int = 0):
 def tiny_hunyuan_video_i2v(seed: int = 0, *, image_condition_type: str = "latent_concat"):
     """A complete tiny ``HunyuanVideoImageToVideoPipeline`` (LLaVA text encoder sees the image too)."""
     from diffusers import HunyuanVideoImageToVideoPipeline
+
+    from fastdit.testing.components.llava import llava_image_processor
 
     # latent_concat: noise + image latents + a mask channel; token_replace: the first frame is replaced by the image.
     in_channels = 2 * _LATENT + 1 if image_condition_type == "latent_concat" else _LATENT
@@ -144,6 +155,8 @@ def tiny_framepack_transformer(seed: int = 0):
     """A ``HunyuanVideoFramepackTransformer3DModel`` in the tiny block layout (SigLIP image tokens, history)."""
     from diffusers import HunyuanVideoFramepackTransformer3DModel
 
+    from fastdit.testing.components.encoders import build
+
     return build(
         HunyuanVideoFramepackTransformer3DModel,
         seed=seed,
@@ -159,6 +172,8 @@ def tiny_framepack_transformer(seed: int = 0):
 def tiny_framepack(seed: int = 0):
     """A complete tiny ``HunyuanVideoFramepackPipeline`` (next-frame-section prediction from an image)."""
     from diffusers import HunyuanVideoFramepackPipeline
+
+    from fastdit.testing.components.siglip import siglip_vision_model
 
     image_encoder, feature_extractor = siglip_vision_model(hidden_size=16, seed=seed)
     return HunyuanVideoFramepackPipeline(
@@ -179,7 +194,7 @@ _CALL = {
     "prompt_template": _T2V_TEMPLATE,
 }
 # The latent_concat I2V pipeline drops the first 4 decoded frames: 9 frames in, 5 out.
-_I2V_CALL = {**_CALL, "image": random_image(), "num_frames": 9, "prompt_template": _I2V_TEMPLATE}
+_I2V_CALL = {**_CALL, "image": tiny_image(), "num_frames": 9, "prompt_template": Deferred(_i2v_template)}
 
 # Context parallelism (checked on diffusers 0.42.1), one plan for both transformer classes and every variant:
 # * forward patchifies the latents (FramePack also packs the 4x/2x/1x history tokens before them) and runs the text
@@ -237,22 +252,26 @@ ADAPTER = register(
         cp_plan=CP_PLAN,
         tiny_pipelines=(
             TinyPipeline(name="t2v", build=tiny_hunyuan_video, call_kwargs=_CALL),
-            TinyPipeline(name="i2v", build=tiny_hunyuan_video_i2v, call_kwargs={**_I2V_CALL, "guidance_scale": 1.0}),
+            TinyPipeline(
+                name="i2v", build=tiny_hunyuan_video_i2v, call_kwargs=LazyKwargs({**_I2V_CALL, "guidance_scale": 1.0})
+            ),
             TinyPipeline(
                 name="i2v-token-replace",
                 build=tiny_hunyuan_video_i2v_token_replace,
-                call_kwargs={**_I2V_CALL, "num_frames": 5},
+                call_kwargs=LazyKwargs({**_I2V_CALL, "num_frames": 5}),
             ),
             TinyPipeline(
                 name="skyreels-v1-i2v",
                 build=tiny_skyreels_v1_i2v,
-                call_kwargs={**_CALL, "image": random_image(), "negative_prompt": "blue", "true_cfg_scale": 6.0},
+                call_kwargs=LazyKwargs(
+                    {**_CALL, "image": tiny_image(), "negative_prompt": "blue", "true_cfg_scale": 6.0}
+                ),
             ),
             # 5 frames fill one section of the 2-latent-frame window.
             TinyPipeline(
                 name="framepack",
                 build=tiny_framepack,
-                call_kwargs={**_CALL, "image": random_image(), "latent_window_size": 2},
+                call_kwargs=LazyKwargs({**_CALL, "image": tiny_image(), "latent_window_size": 2}),
             ),
         ),
         presets=(

@@ -11,14 +11,11 @@ from __future__ import annotations
 import copy
 from typing import TYPE_CHECKING
 
+from fastdit.models._lazy import LazyKwargs, tiny_image
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 from fastdit.parallel.plan_shapes import streams
-from fastdit.testing.components.byt5 import byt5_encoder
-from fastdit.testing.components.encoders import build, qwen2_5_vl_model
-from fastdit.testing.components.images import random_image
-from fastdit.testing.components.siglip import NUM_IMAGE_TOKENS, siglip_vision_model
 
 if TYPE_CHECKING:
     import torch
@@ -42,6 +39,8 @@ _SYSTEM = "Describe the video."
 def tiny_transformer(seed: int = 0, *, task_type: str = "t2v"):
     """A 3-block ``HunyuanVideo15Transformer3DModel`` (patch 1: one token per latent pixel, as the real model)."""
     from diffusers import HunyuanVideo15Transformer3DModel
+
+    from fastdit.testing.components.encoders import build
 
     return build(
         HunyuanVideo15Transformer3DModel,
@@ -68,6 +67,8 @@ def tiny_vae(seed: int = 0):
     """An ``AutoencoderKLHunyuanVideo15`` with 8 channels per level (spatial factor 16, temporal factor 4)."""
     from diffusers import AutoencoderKLHunyuanVideo15
 
+    from fastdit.testing.components.encoders import build
+
     return build(
         AutoencoderKLHunyuanVideo15,
         seed=seed,
@@ -83,6 +84,8 @@ def tiny_vae(seed: int = 0):
 
 def _text_encoder(seed: int):
     # The pipelines take the text half of Qwen2.5-VL; the chat template is set on a copy of the shared tokenizer.
+    from fastdit.testing.components.encoders import qwen2_5_vl_model
+
     model, tokenizer = qwen2_5_vl_model(hidden_size=_TEXT_DIM, seed=seed)
     tokenizer = copy.deepcopy(tokenizer)
     tokenizer.chat_template = _CHAT_TEMPLATE
@@ -92,6 +95,8 @@ def _text_encoder(seed: int):
 def _components(seed: int, task_type: str) -> dict:
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.guiders import ClassifierFreeGuidance
+
+    from fastdit.testing.components.byt5 import byt5_encoder
 
     text_encoder, tokenizer = _text_encoder(seed)
     text_encoder_2, tokenizer_2 = byt5_encoder(d_model=_GLYPH_DIM, seed=seed + 1)
@@ -109,6 +114,8 @@ def _components(seed: int, task_type: str) -> dict:
 
 def _shrink(pipe):
     """Shorten the token budgets the pipelines fix in ``__init__`` (1,108 text, 256 glyph, 729 image tokens)."""
+    from fastdit.testing.components.siglip import NUM_IMAGE_TOKENS
+
     tokenizer = pipe.tokenizer
     chat = [[{"role": "system", "content": _SYSTEM}, {"role": "user", "content": "\x00"}]]
     prefix = tokenizer.apply_chat_template(chat, tokenize=False)[0].split("\x00")[0]
@@ -134,6 +141,8 @@ def tiny_hunyuan_video15(seed: int = 0):
 def tiny_hunyuan_video15_i2v(seed: int = 0):
     """A complete tiny ``HunyuanVideo15ImageToVideoPipeline`` (SigLIP image tokens + first-frame latents)."""
     from diffusers import HunyuanVideo15ImageToVideoPipeline
+
+    from fastdit.testing.components.siglip import siglip_vision_model
 
     image_encoder, feature_extractor = siglip_vision_model(hidden_size=_IMAGE_DIM, seed=seed)
     return _shrink(
@@ -206,7 +215,9 @@ ADAPTER = register(
             ),
             # I2V takes its size from the image and the transformer's target_size.
             TinyPipeline(
-                name="i2v", build=tiny_hunyuan_video15_i2v, call_kwargs={**_CALL, "image": random_image(_SIZE)}
+                name="i2v",
+                build=tiny_hunyuan_video15_i2v,
+                call_kwargs=LazyKwargs({**_CALL, "image": tiny_image(_SIZE)}),
             ),
         ),
         presets=(

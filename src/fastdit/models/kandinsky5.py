@@ -12,14 +12,10 @@ from __future__ import annotations
 
 import copy
 
+from fastdit.models._lazy import LazyKwargs, tiny_image
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
-from fastdit.testing.components.autoencoder_kl import autoencoder_kl
-from fastdit.testing.components.autoencoder_kl_hunyuan_video import autoencoder_kl_hunyuan_video
-from fastdit.testing.components.encoders import build, clip_text_model, qwen2_5_vl_model
-from fastdit.testing.components.images import random_image
-from fastdit.testing.components.qwen2_5_vl import qwen2_vl_processor
 
 TRANSFORMER = "diffusers.models.transformers.transformer_kandinsky.Kandinsky5Transformer3DModel"
 
@@ -35,6 +31,8 @@ _TEMPLATE = "<|im_start|>system\nDescribe the video.<|im_end|>\n<|im_start|>user
 def tiny_transformer(seed: int = 0, *, visual_cond: bool = False, patch_size: tuple[int, int, int] = (1, 2, 2)):
     """A 1 text + 3 visual block ``Kandinsky5Transformer3DModel``; ``visual_cond`` adds the I2V frame channels."""
     from diffusers import Kandinsky5Transformer3DModel
+
+    from fastdit.testing.components.encoders import build
 
     return build(
         Kandinsky5Transformer3DModel,
@@ -56,6 +54,9 @@ def tiny_transformer(seed: int = 0, *, visual_cond: bool = False, patch_size: tu
 
 def _components(seed: int, transformer, vae) -> dict:
     from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from fastdit.testing.components.encoders import clip_text_model, qwen2_5_vl_model
+    from fastdit.testing.components.qwen2_5_vl import qwen2_vl_processor
 
     text_encoder, tokenizer = qwen2_5_vl_model(hidden_size=_TEXT_DIM, seed=seed)
     text_encoder_2, tokenizer_2 = clip_text_model(hidden_size=_POOLED_DIM, seed=seed + 1)
@@ -83,6 +84,8 @@ def tiny_kandinsky5_t2v(seed: int = 0):
     """A complete tiny ``Kandinsky5T2VPipeline`` (Qwen2.5-VL + CLIP text, HunyuanVideo VAE)."""
     from diffusers import Kandinsky5T2VPipeline
 
+    from fastdit.testing.components.autoencoder_kl_hunyuan_video import autoencoder_kl_hunyuan_video
+
     vae = autoencoder_kl_hunyuan_video(latent_channels=_LATENT, seed=seed)
     return _shrink(Kandinsky5T2VPipeline(**_components(seed, tiny_transformer(seed), vae)))
 
@@ -90,6 +93,8 @@ def tiny_kandinsky5_t2v(seed: int = 0):
 def tiny_kandinsky5_i2v(seed: int = 0):
     """A complete tiny ``Kandinsky5I2VPipeline`` (the first latent frame conditions the rest)."""
     from diffusers import Kandinsky5I2VPipeline
+
+    from fastdit.testing.components.autoencoder_kl_hunyuan_video import autoencoder_kl_hunyuan_video
 
     transformer = tiny_transformer(seed, visual_cond=True)
     vae = autoencoder_kl_hunyuan_video(latent_channels=_LATENT, seed=seed)
@@ -99,6 +104,8 @@ def tiny_kandinsky5_i2v(seed: int = 0):
 def tiny_kandinsky5_t2i(seed: int = 0):
     """A complete tiny ``Kandinsky5T2IPipeline`` (one frame, Flux-style 2D VAE)."""
     from diffusers import Kandinsky5T2IPipeline
+
+    from fastdit.testing.components.autoencoder_kl import autoencoder_kl
 
     vae = autoencoder_kl(latent_channels=_LATENT, num_levels=4, scaling_factor=0.3611, shift_factor=0.1159, seed=seed)
     pipe = _shrink(Kandinsky5T2IPipeline(**_components(seed, tiny_transformer(seed), vae)))
@@ -164,7 +171,7 @@ ADAPTER = register(
             TinyPipeline(
                 name="i2v",
                 build=tiny_kandinsky5_i2v,
-                call_kwargs={**_CALL, "image": random_image(_SIZE), "num_frames": 17},
+                call_kwargs=LazyKwargs({**_CALL, "image": tiny_image(_SIZE), "num_frames": 17}),
             ),
             TinyPipeline(name="t2i", build=tiny_kandinsky5_t2i, call_kwargs=_T2I_CALL),
         ),

@@ -12,9 +12,6 @@ from __future__ import annotations
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
-from fastdit.testing.components.autoencoder_kl_qwenimage import autoencoder_kl_qwenimage
-from fastdit.testing.components.encoders import build
-from fastdit.testing.components.qwen3_vl import qwen3_vl_model
 
 TRANSFORMER = "diffusers.models.transformers.transformer_krea2.Krea2Transformer2DModel"
 
@@ -25,6 +22,8 @@ _TEXT_LAYERS = (0, 1, 2)  # every hidden state of the 2-layer tiny encoder (embe
 def tiny_transformer(seed: int = 0, *, num_layers: int = 3):
     """A 3-block ``Krea2Transformer2DModel``: 4 query heads over 1 KV head of 16 (GQA 4:1, as 48:12 in Krea 2)."""
     from diffusers import Krea2Transformer2DModel
+
+    from fastdit.testing.components.encoders import build
 
     return build(
         Krea2Transformer2DModel,
@@ -49,6 +48,9 @@ def tiny_transformer(seed: int = 0, *, num_layers: int = 3):
 
 def _pipeline(seed: int, distilled: bool):
     from diffusers import FlowMatchEulerDiscreteScheduler, Krea2Pipeline
+
+    from fastdit.testing.components.autoencoder_kl_qwenimage import autoencoder_kl_qwenimage
+    from fastdit.testing.components.qwen3_vl import qwen3_vl_model
 
     text_encoder, tokenizer = qwen3_vl_model(seed=seed)
     return Krea2Pipeline(

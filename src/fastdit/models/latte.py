@@ -23,8 +23,6 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
-from fastdit.testing.components.autoencoder_kl import autoencoder_kl
-from fastdit.testing.components.encoders import build, t5_encoder
 
 TRANSFORMER = "diffusers.models.transformers.latte_transformer_3d.LatteTransformer3DModel"
 
@@ -37,6 +35,8 @@ def tiny_transformer(seed: int = 0, *, video_length: int = 4):
     ``video_length`` must equal the number of latent frames: the temporal position table has that many rows.
     """
     from diffusers import LatteTransformer3DModel
+
+    from fastdit.testing.components.encoders import build
 
     return build(
         LatteTransformer3DModel,
@@ -62,6 +62,9 @@ def tiny_transformer(seed: int = 0, *, video_length: int = 4):
 def tiny_t2v(seed: int = 0):
     """A complete tiny ``LattePipeline`` (T5 prompt, 2-D ``AutoencoderKL`` decoding frame by frame)."""
     from diffusers import DDIMScheduler, LattePipeline
+
+    from fastdit.testing.components.autoencoder_kl import autoencoder_kl
+    from fastdit.testing.components.encoders import t5_encoder
 
     text_encoder, tokenizer = t5_encoder(d_model=_TEXT_DIM, seed=seed + 1)
     return LattePipeline(

@@ -7,13 +7,10 @@ both are called by keyword with ``(hidden_states, encoder_hidden_states, temb, i
 
 from __future__ import annotations
 
+from fastdit.models._lazy import LazyKwargs, tiny_image
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan_shapes import mmdit_root_plan
-from fastdit.testing.components.autoencoder_kl import autoencoder_kl
-from fastdit.testing.components.encoders import build, qwen2_5_vl_model
-from fastdit.testing.components.images import random_image
-from fastdit.testing.components.qwen2_5_vl import qwen2_vl_processor
 
 TRANSFORMER = "diffusers.models.transformers.transformer_longcat_image.LongCatImageTransformer2DModel"
 
@@ -25,6 +22,8 @@ _SCALING, _SHIFT = 0.3611, 0.1159
 def tiny_transformer(seed: int = 0, *, num_layers: int = 1, num_single_layers: int = 2):
     """A 3-block ``LongCatImageTransformer2DModel`` (2 heads x 16, Qwen2.5-VL width 32)."""
     from diffusers import LongCatImageTransformer2DModel
+
+    from fastdit.testing.components.encoders import build
 
     return build(
         LongCatImageTransformer2DModel,
@@ -47,6 +46,8 @@ def tiny_edit_vae(seed: int = 0):
     LongCat-Image-Edit always works at ~1 MP (the output size follows the input's aspect ratio), so the VAE must be
     cheap at full resolution and downsample far enough that the transformer sees few tokens.
     """
+    from fastdit.testing.components.autoencoder_kl import autoencoder_kl
+
     return autoencoder_kl(
         latent_channels=_LATENT_CHANNELS,
         num_levels=6,
@@ -62,6 +63,9 @@ def tiny_edit_vae(seed: int = 0):
 def _components(seed: int, vae) -> dict:
     from diffusers import FlowMatchEulerDiscreteScheduler
 
+    from fastdit.testing.components.encoders import qwen2_5_vl_model
+    from fastdit.testing.components.qwen2_5_vl import qwen2_vl_processor
+
     text_encoder, tokenizer = qwen2_5_vl_model(seed=seed)
     return {
         "scheduler": FlowMatchEulerDiscreteScheduler(),
@@ -76,6 +80,8 @@ def _components(seed: int, vae) -> dict:
 def tiny_longcat_image(seed: int = 0):
     """A complete tiny ``LongCatImagePipeline`` (Qwen2.5-VL text encoder, 16-channel KL VAE with scale factor 2)."""
     from diffusers import LongCatImagePipeline
+
+    from fastdit.testing.components.autoencoder_kl import autoencoder_kl
 
     vae = autoencoder_kl(latent_channels=_LATENT_CHANNELS, scaling_factor=_SCALING, shift_factor=_SHIFT, seed=seed)
     return LongCatImagePipeline(**_components(seed, vae))
@@ -122,7 +128,9 @@ ADAPTER = register(
                 call_kwargs={**_CALL, "height": 32, "width": 32, "enable_prompt_rewrite": False},
             ),
             # The edit pipeline takes no height/width: its output is the input's aspect ratio at ~1 MP (1024x1024).
-            TinyPipeline(name="edit", build=tiny_longcat_image_edit, call_kwargs={**_CALL, "image": random_image()}),
+            TinyPipeline(
+                name="edit", build=tiny_longcat_image_edit, call_kwargs=LazyKwargs({**_CALL, "image": tiny_image()})
+            ),
         ),
         presets=(
             ModelPreset(

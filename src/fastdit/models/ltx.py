@@ -8,12 +8,10 @@ cross-attention only.
 
 from __future__ import annotations
 
+from fastdit.models._lazy import LazyKwargs, tiny_image
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
-from fastdit.testing.components.autoencoder_kl_ltx import autoencoder_kl_ltx_video
-from fastdit.testing.components.encoders import build, t5_encoder
-from fastdit.testing.components.images import random_image
 
 TRANSFORMER = "diffusers.models.transformers.transformer_ltx.LTXVideoTransformer3DModel"
 
@@ -24,6 +22,8 @@ _TEXT_DIM = 32
 def tiny_transformer(seed: int = 0):
     """A 3-block ``LTXVideoTransformer3DModel`` (patch 1: one token per latent voxel, as the real model)."""
     from diffusers import LTXVideoTransformer3DModel
+
+    from fastdit.testing.components.encoders import build
 
     return build(
         LTXVideoTransformer3DModel,
@@ -42,6 +42,9 @@ def tiny_transformer(seed: int = 0):
 
 def _components(seed: int) -> dict:
     from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from fastdit.testing.components.autoencoder_kl_ltx import autoencoder_kl_ltx_video
+    from fastdit.testing.components.encoders import t5_encoder
 
     text_encoder, tokenizer = t5_encoder(d_model=_TEXT_DIM, seed=seed)
     return {
@@ -116,8 +119,10 @@ ADAPTER = register(
         tiny_pipelines=(
             TinyPipeline(name="t2v", build=tiny_ltx, call_kwargs=_CALL),
             # Per-token timesteps with conditioning tokens at 0: the cache follows the largest entry.
-            TinyPipeline(name="i2v", build=tiny_ltx_i2v, call_kwargs={**_CALL, "image": random_image()}),
-            TinyPipeline(name="condition", build=tiny_ltx_condition, call_kwargs={**_CALL, "image": random_image()}),
+            TinyPipeline(name="i2v", build=tiny_ltx_i2v, call_kwargs=LazyKwargs({**_CALL, "image": tiny_image()})),
+            TinyPipeline(
+                name="condition", build=tiny_ltx_condition, call_kwargs=LazyKwargs({**_CALL, "image": tiny_image()})
+            ),
         ),
         presets=(
             ModelPreset(

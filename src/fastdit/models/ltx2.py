@@ -10,13 +10,10 @@ takes the encoder slot: pattern 0 with ``encoder_arg="audio_hidden_states"``.
 
 from __future__ import annotations
 
+from fastdit.models._lazy import LazyKwargs, tiny_image
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
-from fastdit.testing.components.autoencoder_kl_ltx import autoencoder_kl_ltx2_video
-from fastdit.testing.components.encoders import build
-from fastdit.testing.components.gemma3 import gemma3_model
-from fastdit.testing.components.images import random_image
 
 TRANSFORMER = "diffusers.models.transformers.transformer_ltx2.LTX2VideoTransformer3DModel"
 
@@ -30,6 +27,8 @@ _CONNECTOR_DIM = 32  # 4 heads x 8 of the tiny text connectors: the transformer'
 def tiny_transformer(seed: int = 0):
     """A 3-block ``LTX2VideoTransformer3DModel`` (patch 1, video 2x16 and audio 2x8 attention)."""
     from diffusers import LTX2VideoTransformer3DModel
+
+    from fastdit.testing.components.encoders import build
 
     return build(
         LTX2VideoTransformer3DModel,
@@ -59,6 +58,8 @@ def tiny_connectors(seed: int = 0):
     """``LTX2TextConnectors``: project all Gemma layers and refine them for the video and audio streams."""
     from diffusers.pipelines.ltx2 import LTX2TextConnectors
 
+    from fastdit.testing.components.encoders import build
+
     return build(
         LTX2TextConnectors,
         seed=seed,
@@ -82,6 +83,8 @@ def tiny_audio_vae(seed: int = 0):
     """An ``AutoencoderKLLTX2Audio`` over 8 mel bins (16 kHz, hop 160)."""
     from diffusers import AutoencoderKLLTX2Audio
 
+    from fastdit.testing.components.encoders import build
+
     return build(
         AutoencoderKLLTX2Audio,
         seed=seed,
@@ -104,6 +107,8 @@ def tiny_vocoder(seed: int = 0):
     """An ``LTX2Vocoder`` turning the audio VAE's stereo mel spectrogram into a waveform."""
     from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
 
+    from fastdit.testing.components.encoders import build
+
     return build(
         LTX2Vocoder,
         seed=seed,
@@ -120,6 +125,9 @@ def tiny_vocoder(seed: int = 0):
 
 def _components(seed: int) -> dict:
     from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from fastdit.testing.components.autoencoder_kl_ltx import autoencoder_kl_ltx2_video
+    from fastdit.testing.components.gemma3 import gemma3_model
 
     text_encoder, tokenizer = gemma3_model(hidden_size=_TEXT_DIM, num_layers=_TEXT_LAYERS, seed=seed)
     return {
@@ -222,7 +230,9 @@ ADAPTER = register(
             # Per-token timesteps with conditioning tokens at 0: the cache follows the largest entry.
             # (image_crf=0: the default H.264 re-compression of the condition image needs PyAV.)
             TinyPipeline(
-                name="i2v", build=tiny_ltx2_i2v, call_kwargs={**_CALL, "image": random_image(), "image_crf": 0}
+                name="i2v",
+                build=tiny_ltx2_i2v,
+                call_kwargs=LazyKwargs({**_CALL, "image": tiny_image(), "image_crf": 0}),
             ),
         ),
         presets=(

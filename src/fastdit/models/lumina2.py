@@ -12,9 +12,6 @@ from __future__ import annotations
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
-from fastdit.testing.components.autoencoder_kl import autoencoder_kl
-from fastdit.testing.components.encoders import build
-from fastdit.testing.components.gemma2 import gemma2_model
 
 TRANSFORMER = "diffusers.models.transformers.transformer_lumina2.Lumina2Transformer2DModel"
 
@@ -24,6 +21,8 @@ _TEXT_DIM = 32
 def tiny_transformer(seed: int = 0):
     """A ``Lumina2Transformer2DModel`` with 3 main layers and one refiner layer per stream (2 query / 1 KV head)."""
     from diffusers import Lumina2Transformer2DModel
+
+    from fastdit.testing.components.encoders import build
 
     return build(
         Lumina2Transformer2DModel,
@@ -45,6 +44,9 @@ def tiny_transformer(seed: int = 0):
 def tiny_lumina2(seed: int = 0):
     """A complete tiny ``Lumina2Pipeline`` (Gemma 2 text encoder, Flux-style VAE)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, Lumina2Pipeline
+
+    from fastdit.testing.components.autoencoder_kl import autoencoder_kl
+    from fastdit.testing.components.gemma2 import gemma2_model
 
     text_encoder, tokenizer = gemma2_model(hidden_size=_TEXT_DIM, seed=seed + 1)
     return Lumina2Pipeline(

@@ -12,7 +12,6 @@ from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelP
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 from fastdit.parallel.plan_shapes import streams
-from fastdit.testing.components.encoders import build, t5_encoder
 
 TRANSFORMER = "diffusers.models.transformers.transformer_mochi.MochiTransformer3DModel"
 
@@ -25,6 +24,8 @@ _TEXT_LEN = 16
 def tiny_transformer(seed: int = 0):
     """A 3-block ``MochiTransformer3DModel`` (patch 2)."""
     from diffusers import MochiTransformer3DModel
+
+    from fastdit.testing.components.encoders import build
 
     return build(
         MochiTransformer3DModel,
@@ -49,6 +50,8 @@ def tiny_vae(seed: int = 0):
     """
     from diffusers import AutoencoderKLMochi
 
+    from fastdit.testing.components.encoders import build
+
     return build(
         AutoencoderKLMochi,
         seed=seed,
@@ -64,6 +67,8 @@ def tiny_vae(seed: int = 0):
 def tiny_mochi(seed: int = 0):
     """A complete tiny ``MochiPipeline`` (T5 text encoder, flow matching)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, MochiPipeline
+
+    from fastdit.testing.components.encoders import t5_encoder
 
     text_encoder, tokenizer = t5_encoder(d_model=_TEXT_DIM, seed=seed)
     return MochiPipeline(

@@ -11,9 +11,6 @@ from __future__ import annotations
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan_shapes import mmdit_root_plan
-from fastdit.testing.components.autoencoder_kl import autoencoder_kl
-from fastdit.testing.components.encoders import build
-from fastdit.testing.components.qwen3 import qwen3_model
 
 TRANSFORMER = "diffusers.models.transformers.transformer_ovis_image.OvisImageTransformer2DModel"
 
@@ -23,6 +20,8 @@ _LATENT_CHANNELS = 4
 def tiny_transformer(seed: int = 0, *, num_layers: int = 1, num_single_layers: int = 2):
     """A 3-block ``OvisImageTransformer2DModel`` (2 heads x 16, Qwen3 width 32) for 2x2-packed 4-channel latents."""
     from diffusers import OvisImageTransformer2DModel
+
+    from fastdit.testing.components.encoders import build
 
     return build(
         OvisImageTransformer2DModel,
@@ -42,6 +41,9 @@ def tiny_transformer(seed: int = 0, *, num_layers: int = 1, num_single_layers: i
 def tiny_ovis_image(seed: int = 0):
     """A complete tiny ``OvisImagePipeline`` (Qwen3 text encoder, FLUX-style KL VAE with scale factor 2)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, OvisImagePipeline
+
+    from fastdit.testing.components.autoencoder_kl import autoencoder_kl
+    from fastdit.testing.components.qwen3 import qwen3_model
 
     text_encoder, tokenizer = qwen3_model(seed=seed)
     return OvisImagePipeline(

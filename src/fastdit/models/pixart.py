@@ -12,8 +12,6 @@ from __future__ import annotations
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
-from fastdit.testing.components.autoencoder_kl import autoencoder_kl
-from fastdit.testing.components.encoders import build, t5_encoder
 
 TRANSFORMER = "diffusers.models.transformers.pixart_transformer_2d.PixArtTransformer2DModel"
 
@@ -27,6 +25,8 @@ def tiny_transformer(seed: int = 0, *, sample_size: int = 16):
     ratio (the pipeline passes them only for that size); that embedding splits the width in three, hence 3 heads.
     """
     from diffusers import PixArtTransformer2DModel
+
+    from fastdit.testing.components.encoders import build
 
     return build(
         PixArtTransformer2DModel,
@@ -46,6 +46,9 @@ def tiny_transformer(seed: int = 0, *, sample_size: int = 16):
 
 def _components(seed: int, sample_size: int) -> dict:
     from diffusers import DPMSolverMultistepScheduler
+
+    from fastdit.testing.components.autoencoder_kl import autoencoder_kl
+    from fastdit.testing.components.encoders import t5_encoder
 
     text_encoder, tokenizer = t5_encoder(d_model=_TEXT_DIM, seed=seed + 1)
     return {

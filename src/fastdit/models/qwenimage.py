@@ -9,14 +9,11 @@ image's latent tokens to the noisy latent tokens, so the image stream is longer 
 
 from __future__ import annotations
 
+from fastdit.models._lazy import LazyKwargs, tiny_image
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 from fastdit.parallel.plan_shapes import streams
-from fastdit.testing.components.autoencoder_kl_qwenimage import autoencoder_kl_qwenimage
-from fastdit.testing.components.encoders import build, qwen2_5_vl_model
-from fastdit.testing.components.images import random_image
-from fastdit.testing.components.qwen2_5_vl import qwen2_vl_processor
 
 TRANSFORMER = "diffusers.models.transformers.transformer_qwenimage.QwenImageTransformer2DModel"
 
@@ -26,6 +23,8 @@ _LATENT_CHANNELS = 4
 def tiny_transformer(seed: int = 0, *, num_layers: int = 3):
     """A 3-block ``QwenImageTransformer2DModel`` (2 heads x 16, text width 32) for 4-channel latents."""
     from diffusers import QwenImageTransformer2DModel
+
+    from fastdit.testing.components.encoders import build
 
     return build(
         QwenImageTransformer2DModel,
@@ -45,6 +44,9 @@ def tiny_qwen_image(seed: int = 0):
     """A complete tiny ``QwenImagePipeline`` (Qwen2.5-VL text encoder, VAE scale factor 8)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 
+    from fastdit.testing.components.autoencoder_kl_qwenimage import autoencoder_kl_qwenimage
+    from fastdit.testing.components.encoders import qwen2_5_vl_model
+
     text_encoder, tokenizer = qwen2_5_vl_model(seed=seed)
     return QwenImagePipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(),
@@ -62,6 +64,10 @@ def tiny_qwen_image_edit(seed: int = 0):
     no residual blocks in the encoder: the input image becomes 16x16 latent tokens and the encode stays cheap.
     """
     from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline
+
+    from fastdit.testing.components.autoencoder_kl_qwenimage import autoencoder_kl_qwenimage
+    from fastdit.testing.components.encoders import qwen2_5_vl_model
+    from fastdit.testing.components.qwen2_5_vl import qwen2_vl_processor
 
     text_encoder, tokenizer = qwen2_5_vl_model(seed=seed)
     return QwenImageEditPipeline(
@@ -117,7 +123,7 @@ ADAPTER = register(
                 name="edit",
                 build=tiny_qwen_image_edit,
                 # Output size is free (multiple of 64 here); the input image is resized to ~1 MP regardless.
-                call_kwargs={**_CALL, "image": random_image(), "height": 128, "width": 128},
+                call_kwargs=LazyKwargs({**_CALL, "image": tiny_image(), "height": 128, "width": 128}),
             ),
         ),
         presets=(

@@ -25,11 +25,9 @@ from __future__ import annotations
 from functools import cache
 from typing import Any
 
+from fastdit.models._lazy import LazyKwargs, tiny_image
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
-from fastdit.testing.components.encoders import build
-from fastdit.testing.components.images import random_image
-from fastdit.testing.components.qwen3_vl import qwen3_vl_model
 
 TRANSFORMER = "diffusers.models.transformers.transformer_qwenimage21.QwenImage21Transformer2DModel"
 
@@ -41,6 +39,8 @@ _RESOLUTION = 64
 def tiny_transformer(seed: int = 0, *, num_layers: int = 3):
     """A 3-block ``QwenImage21Transformer2DModel`` (2 heads x 16, text width 32) for 4-channel unpatched latents."""
     from diffusers import QwenImage21Transformer2DModel
+
+    from fastdit.testing.components.encoders import build
 
     return build(
         QwenImage21Transformer2DModel,
@@ -58,6 +58,8 @@ def tiny_transformer(seed: int = 0, *, num_layers: int = 3):
 def tiny_vae(seed: int = 0):
     """A tiny ``AutoencoderKLQwenImage21``: 4 spatial downsamples (the pipeline's fixed 16x), RGBA in and out."""
     from diffusers import AutoencoderKLQwenImage21
+
+    from fastdit.testing.components.encoders import build
 
     return build(
         AutoencoderKLQwenImage21,
@@ -124,6 +126,9 @@ def tiny_qwen_image21(seed: int = 0):
     from diffusers import FlowMatchEulerDiscreteScheduler, QwenImage21Pipeline
     from transformers import Qwen3VLForConditionalGeneration
 
+    from fastdit.testing.components.encoders import build
+    from fastdit.testing.components.qwen3_vl import qwen3_vl_model
+
     # The component gives the bare Qwen3VLModel; the pipeline reads ``text_encoder.model``, so wrap its config.
     encoder, tokenizer = qwen3_vl_model(seed=seed)
     text_encoder = build(Qwen3VLForConditionalGeneration, encoder.config, seed=seed)
@@ -163,7 +168,7 @@ ADAPTER = register(
             TinyPipeline(
                 name="edit",
                 build=tiny_qwen_image21,
-                call_kwargs={**_CALL, "image": random_image(_RESOLUTION), "output_resolution": _RESOLUTION},
+                call_kwargs=LazyKwargs({**_CALL, "image": tiny_image(_RESOLUTION), "output_resolution": _RESOLUTION}),
             ),
         ),
         presets=(

@@ -19,8 +19,6 @@ from fastdit.parallel.plan import (
     TokenSum,
 )
 from fastdit.parallel.plan_shapes import linear_self_attention
-from fastdit.testing.components.encoders import build
-from fastdit.testing.components.gemma2 import gemma2_model
 
 TRANSFORMER = "diffusers.models.transformers.sana_transformer.SanaTransformer2DModel"
 
@@ -33,6 +31,8 @@ def tiny_transformer(seed: int = 0, *, sprint: bool = False):
     Sprint embeds the guidance scale, normalises q/k across heads and scales the trigonometric timestep by 1000.
     """
     from diffusers import SanaTransformer2DModel
+
+    from fastdit.testing.components.encoders import build
 
     extra = {"guidance_embeds": True, "qk_norm": "rms_norm_across_heads", "timestep_scale": 1000.0} if sprint else {}
     return build(
@@ -57,6 +57,8 @@ def tiny_vae(seed: int = 0):
     """A two-level ``AutoencoderDC`` (scale factor 2, 4 latent channels) with one EfficientViT level like DC-AE."""
     from diffusers import AutoencoderDC
 
+    from fastdit.testing.components.encoders import build
+
     return build(
         AutoencoderDC,
         seed=seed,
@@ -76,6 +78,8 @@ def tiny_vae(seed: int = 0):
 
 
 def _components(seed: int, *, sprint: bool) -> dict:
+    from fastdit.testing.components.gemma2 import gemma2_model
+
     text_encoder, tokenizer = gemma2_model(hidden_size=_TEXT_DIM, seed=seed + 1)
     return {
         "tokenizer": tokenizer,

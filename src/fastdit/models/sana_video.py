@@ -20,9 +20,6 @@ from fastdit.parallel.plan import (
     TokenSum,
 )
 from fastdit.parallel.plan_shapes import linear_self_attention
-from fastdit.testing.components.autoencoder_kl_wan import autoencoder_kl_wan
-from fastdit.testing.components.encoders import build
-from fastdit.testing.components.gemma2 import gemma2_model
 
 TRANSFORMER = "diffusers.models.transformers.transformer_sana_video.SanaVideoTransformer3DModel"
 
@@ -33,6 +30,8 @@ _TEXT_DIM = 32
 def tiny_transformer(seed: int = 0, *, num_layers: int = 3):
     """A 3-block ``SanaVideoTransformer3DModel`` (2 heads x 16, Gemma 2 width 32, patch 1x2x2)."""
     from diffusers import SanaVideoTransformer3DModel
+
+    from fastdit.testing.components.encoders import build
 
     return build(
         SanaVideoTransformer3DModel,
@@ -55,6 +54,9 @@ def tiny_transformer(seed: int = 0, *, num_layers: int = 3):
 def tiny_sana_video(seed: int = 0):
     """A complete tiny ``SanaVideoPipeline`` (Gemma 2 text encoder, Wan VAE, flow DPM-Solver++)."""
     from diffusers import DPMSolverMultistepScheduler, SanaVideoPipeline
+
+    from fastdit.testing.components.autoencoder_kl_wan import autoencoder_kl_wan
+    from fastdit.testing.components.gemma2 import gemma2_model
 
     text_encoder, tokenizer = gemma2_model(hidden_size=_TEXT_DIM, seed=seed + 1)
     scheduler = DPMSolverMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=8.0)

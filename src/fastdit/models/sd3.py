@@ -12,8 +12,6 @@ from __future__ import annotations
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan_shapes import joint_first_block_plan
-from fastdit.testing.components.autoencoder_kl import autoencoder_kl
-from fastdit.testing.components.encoders import build, clip_text_model_with_projection, t5_encoder
 
 TRANSFORMER = "diffusers.models.transformers.transformer_sd3.SD3Transformer2DModel"
 
@@ -26,6 +24,8 @@ _T5_DIM = 32
 def tiny_transformer(seed: int = 0, *, sd35: bool = False):
     """A 3-block ``SD3Transformer2DModel`` (SD3.5 Medium layout when ``sd35``: QK RMSNorm and dual attention)."""
     from diffusers import SD3Transformer2DModel
+
+    from fastdit.testing.components.encoders import build
 
     return build(
         SD3Transformer2DModel,
@@ -48,6 +48,9 @@ def tiny_transformer(seed: int = 0, *, sd35: bool = False):
 
 def _pipeline(seed: int, *, sd35: bool):
     from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+
+    from fastdit.testing.components.autoencoder_kl import autoencoder_kl
+    from fastdit.testing.components.encoders import clip_text_model_with_projection, t5_encoder
 
     text_encoder, tokenizer = clip_text_model_with_projection(_CLIP_DIM, _CLIP_DIM, seed=seed)
     text_encoder_2, tokenizer_2 = clip_text_model_with_projection(_CLIP_DIM, _CLIP_DIM, seed=seed + 1)

@@ -8,17 +8,14 @@ use the Wan VAE, UMT5 and (I2V) CLIP vision features.
 
 from __future__ import annotations
 
+from fastdit.models._lazy import LazyKwargs, tiny_image
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
-from fastdit.testing.components.autoencoder_kl_wan import WAN_LATENT_CHANNELS, wan_components
-from fastdit.testing.components.clip_vision import clip_vision_model
-from fastdit.testing.components.encoders import build
-from fastdit.testing.components.images import random_image
 
 TRANSFORMER = "diffusers.models.transformers.transformer_skyreels_v2.SkyReelsV2Transformer3DModel"
 
-_Z_DIM = WAN_LATENT_CHANNELS
+_Z_DIM = 16  # the released Wan 2.1 VAE's channel count (WAN_LATENT_CHANNELS of the tiny one)
 _IMAGE_DIM = 8  # width of the tiny CLIP vision tower
 _TEXT_DIM = 32
 
@@ -28,6 +25,8 @@ def tiny_transformer(
 ):
     """A 3-block ``SkyReelsV2Transformer3DModel``; ``inject_sample_info`` adds the fps embedding (DF models)."""
     from diffusers import SkyReelsV2Transformer3DModel
+
+    from fastdit.testing.components.encoders import build
 
     return build(
         SkyReelsV2Transformer3DModel,
@@ -52,6 +51,8 @@ def tiny_transformer(
 def _common(seed: int) -> dict:
     from diffusers import UniPCMultistepScheduler
 
+    from fastdit.testing.components.autoencoder_kl_wan import wan_components
+
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=8.0)
     return wan_components(text_dim=_TEXT_DIM, scheduler=scheduler, seed=seed)
 
@@ -66,6 +67,8 @@ def tiny_skyreels_t2v(seed: int = 0):
 def tiny_skyreels_i2v(seed: int = 0):
     """A complete tiny ``SkyReelsV2ImageToVideoPipeline`` (CLIP image tokens + first-frame latents)."""
     from diffusers import SkyReelsV2ImageToVideoPipeline
+
+    from fastdit.testing.components.clip_vision import clip_vision_model
 
     image_encoder, image_processor = clip_vision_model(hidden_size=_IMAGE_DIM, seed=seed)
     return SkyReelsV2ImageToVideoPipeline(
@@ -131,7 +134,7 @@ ADAPTER = register(
         cp_plan=CP_PLAN,
         tiny_pipelines=(
             TinyPipeline(name="t2v", build=tiny_skyreels_t2v, call_kwargs=_CALL),
-            TinyPipeline(name="i2v", build=tiny_skyreels_i2v, call_kwargs={**_CALL, "image": random_image()}),
+            TinyPipeline(name="i2v", build=tiny_skyreels_i2v, call_kwargs=LazyKwargs({**_CALL, "image": tiny_image()})),
             # 13 frames -> 4 latent frames in causal blocks of 2: attention gets a block-causal mask.
             TinyPipeline(
                 name="df",

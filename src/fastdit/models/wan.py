@@ -8,13 +8,10 @@ alone (pattern 2). Wan 2.2 A14B pipelines hold two transformers of this class, `
 
 from __future__ import annotations
 
+from fastdit.models._lazy import LazyKwargs, tiny_image
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan_shapes import wan_blocks_plan
-from fastdit.testing.components.autoencoder_kl_wan import autoencoder_kl_wan, wan_components
-from fastdit.testing.components.clip_vision import clip_vision_model
-from fastdit.testing.components.encoders import build
-from fastdit.testing.components.images import random_image
 
 TRANSFORMER = "diffusers.models.transformers.transformer_wan.WanTransformer3DModel"
 
@@ -26,6 +23,8 @@ _TEXT_DIM = 32
 def tiny_transformer(seed: int = 0, *, in_channels: int = _Z_DIM, image_dim: int | None = None):
     """A 3-block ``WanTransformer3DModel``; ``in_channels=36`` and ``image_dim`` give the Wan 2.1 I2V layout."""
     from diffusers import WanTransformer3DModel
+
+    from fastdit.testing.components.encoders import build
 
     return build(
         WanTransformer3DModel,
@@ -48,6 +47,8 @@ def tiny_transformer(seed: int = 0, *, in_channels: int = _Z_DIM, image_dim: int
 
 def _common(seed: int) -> dict:
     from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from fastdit.testing.components.autoencoder_kl_wan import wan_components
 
     return wan_components(text_dim=_TEXT_DIM, scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), seed=seed)
 
@@ -76,6 +77,8 @@ def tiny_wan_i2v(seed: int = 0):
     """A complete tiny Wan 2.1 ``WanImageToVideoPipeline`` (CLIP image features + first-frame latents)."""
     from diffusers import WanImageToVideoPipeline
 
+    from fastdit.testing.components.clip_vision import clip_vision_model
+
     image_encoder, image_processor = clip_vision_model(hidden_size=8, seed=seed)
     return WanImageToVideoPipeline(
         # 16 noise + 4 mask + 16 first-frame latent channels.
@@ -102,6 +105,8 @@ def tiny_wan22_i2v(seed: int = 0):
 def tiny_wan22_ti2v(seed: int = 0):
     """A complete tiny Wan 2.2 TI2V-5B ``WanPipeline`` (text-to-video mode): per-token timesteps, 16x VAE."""
     from diffusers import WanPipeline
+
+    from fastdit.testing.components.autoencoder_kl_wan import autoencoder_kl_wan
 
     components = _common(seed)
     components["vae"] = autoencoder_kl_wan(wan22=True, seed=seed)
@@ -152,13 +157,13 @@ ADAPTER = register(
         cp_plan=CP_PLAN,
         tiny_pipelines=(
             TinyPipeline(name="t2v", build=tiny_wan_t2v, call_kwargs=_CALL),
-            TinyPipeline(name="i2v", build=tiny_wan_i2v, call_kwargs={**_CALL, "image": random_image()}),
+            TinyPipeline(name="i2v", build=tiny_wan_i2v, call_kwargs=LazyKwargs({**_CALL, "image": tiny_image()})),
             # Two experts: 4 steps so that each runs two of them (cache tests need a step to reuse).
             TinyPipeline(name="wan2.2-t2v", build=tiny_wan22_t2v, call_kwargs={**_CALL, "num_inference_steps": 4}),
             TinyPipeline(
                 name="wan2.2-i2v",
                 build=tiny_wan22_i2v,
-                call_kwargs={**_CALL, "num_inference_steps": 4, "image": random_image()},
+                call_kwargs=LazyKwargs({**_CALL, "num_inference_steps": 4, "image": tiny_image()}),
             ),
             TinyPipeline(name="wan2.2-ti2v", build=tiny_wan22_ti2v, call_kwargs=_CALL),
         ),

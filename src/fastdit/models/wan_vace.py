@@ -27,8 +27,6 @@ import numpy as np
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
-from fastdit.testing.components.autoencoder_kl_wan import wan_components
-from fastdit.testing.components.encoders import build
 
 TRANSFORMER = "diffusers.models.transformers.transformer_wan_vace.WanVACETransformer3DModel"
 
@@ -46,6 +44,8 @@ _FRAMES = 5
 def tiny_transformer(seed: int = 0):
     """A 4-block ``WanVACETransformer3DModel`` with 3 VACE blocks (hints after main blocks 0, 1 and 3)."""
     from diffusers import WanVACETransformer3DModel
+
+    from fastdit.testing.components.encoders import build
 
     return build(
         WanVACETransformer3DModel,
@@ -69,6 +69,8 @@ def tiny_transformer(seed: int = 0):
 
 def _components(seed: int) -> dict:
     from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from fastdit.testing.components.autoencoder_kl_wan import wan_components
 
     return wan_components(text_dim=_TEXT_DIM, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), seed=seed)
 

@@ -10,13 +10,10 @@ exists, so their residuals do not chain with the main stack.
 
 from __future__ import annotations
 
+from fastdit.models._lazy import LazyKwargs, tiny_image
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
-from fastdit.testing.components.autoencoder_kl import autoencoder_kl
-from fastdit.testing.components.encoders import build
-from fastdit.testing.components.images import random_image
-from fastdit.testing.components.qwen3 import qwen3_model
 
 TRANSFORMER = "diffusers.models.transformers.transformer_z_image.ZImageTransformer2DModel"
 
@@ -26,6 +23,8 @@ _LATENT_CHANNELS = 16
 def tiny_transformer(seed: int = 0, *, num_layers: int = 3):
     """A ``ZImageTransformer2DModel`` with 1+1 refiner blocks and ``num_layers`` main blocks (2 heads x 16)."""
     from diffusers import ZImageTransformer2DModel
+
+    from fastdit.testing.components.encoders import build
 
     return build(
         ZImageTransformer2DModel,
@@ -46,6 +45,9 @@ def tiny_transformer(seed: int = 0, *, num_layers: int = 3):
 
 def _components(seed: int) -> dict:
     from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from fastdit.testing.components.autoencoder_kl import autoencoder_kl
+    from fastdit.testing.components.qwen3 import qwen3_model
 
     text_encoder, tokenizer = qwen3_model(seed=seed)
     return {
@@ -125,7 +127,7 @@ ADAPTER = register(
                 name="img2img",
                 build=tiny_z_image_img2img,
                 # strength 0.5 of 4 steps: two denoising steps start from the noised input image.
-                call_kwargs={**_CALL, "image": random_image(), "strength": 0.5, "num_inference_steps": 4},
+                call_kwargs=LazyKwargs({**_CALL, "image": tiny_image(), "strength": 0.5, "num_inference_steps": 4}),
             ),
         ),
         presets=(
