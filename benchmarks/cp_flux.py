@@ -63,9 +63,9 @@ TINY = {**FLUX_DEV, "num_layers": 1, "num_single_layers": 2, "attention_head_dim
 # A fastdit mode is a layout plus options joined by "+", e.g. "ulysses+compile+chunks2".
 LAYOUTS = ("single", "ulysses", "ring", "usp")
 # compile: inductor blocks; graph: transformer calls (or, with cache, block calls) replayed as CUDA graphs
-# (Compile.cuda_graph); cudagraphs: torch.compile's own mode="reduce-overhead"; cache: DBCache F1B0 on a fixed
+# (CudaGraph); cudagraphs: torch.compile's own mode="reduce-overhead"; cache: DBCache F1B0 on a fixed
 # schedule computing every other step (random weights never hit a residual threshold: this measures the mechanics).
-# blockgraph: CUDA graphs per block (graph_scope="blocks") even without a cache.
+# blockgraph: CUDA graphs per block (CudaGraph(scope="blocks")) even without a cache.
 OPTIONS = ("compile", "graph", "blockgraph", "cudagraphs", "fp8", "chunks2", "chunks4", "cache")
 ANCHOR_MODES = ("diffusers_ulysses", "cachedit_ulysses")
 VAE_FLUX = {"block_out_channels": (128, 256, 512, 512), "layers_per_block": 2}
@@ -197,9 +197,10 @@ def accelerate_mode(pipe: Any, mode: str, world_size: int, steps: int) -> Callab
     }[layout]
     parallel = fastdit.Parallel(**degrees, ulysses_chunks=chunks, comm_fp8="fp8" in options) if degrees else None
     cache = cache_for(options, steps)
-    if parallel is None and compile_config is None and cache is None:
+    graphs = graphs_for(options)
+    if parallel is None and compile_config is None and cache is None and graphs is None:
         return lambda: None
-    fastdit.accelerate(pipe, parallel=parallel, compile=compile_config, cache=cache)
+    fastdit.accelerate(pipe, parallel=parallel, compile=compile_config, cuda_graph=graphs, cache=cache)
 
     def undo() -> None:
         fastdit.disable(pipe)
@@ -210,14 +211,17 @@ def accelerate_mode(pipe: Any, mode: str, world_size: int, steps: int) -> Callab
 
 
 def compile_for(options: list[str]) -> fastdit.Compile | None:
-    """The Compile config of a mode's options (``graph`` alone graphs eager kernels)."""
-    if not {"compile", "graph", "blockgraph", "cudagraphs"} & set(options):
+    """The Compile config of a mode's options (``graph`` alone graphs eager kernels, without dynamo)."""
+    if not {"compile", "cudagraphs"} & set(options):
         return None
-    backend = "inductor" if "compile" in options or "cudagraphs" in options else "eager"
-    mode = "reduce-overhead" if "cudagraphs" in options else None
-    graph = "graph" in options or "blockgraph" in options
-    scope = "blocks" if "blockgraph" in options else "auto"
-    return fastdit.Compile(backend=backend, mode=mode, cuda_graph=graph, graph_scope=scope)
+    return fastdit.Compile(mode="reduce-overhead" if "cudagraphs" in options else None)
+
+
+def graphs_for(options: list[str]) -> fastdit.CudaGraph | None:
+    """The CudaGraph config of a mode's options."""
+    if not {"graph", "blockgraph"} & set(options):
+        return None
+    return fastdit.CudaGraph(scope="blocks" if "blockgraph" in options else "auto")
 
 
 def accelerate_anchor(pipe: Any, mode: str, world_size: int) -> Callable[[], None]:
