@@ -112,7 +112,8 @@ _CONTEXTS: dict[int, tuple[weakref.ref, Context]] = {}
 def attach(target: Any, context: Context) -> None:
     """Remember ``context`` as what was applied to ``target``."""
     key = id(target)
-    _CONTEXTS[key] = (weakref.ref(target, lambda _: _CONTEXTS.pop(key, None)), context)
+    # The callback holds the dict itself: at interpreter shutdown the module global may already be gone.
+    _CONTEXTS[key] = (weakref.ref(target, lambda _, table=_CONTEXTS: table.pop(key, None)), context)
 
 
 def detach(target: Any) -> Context | None:

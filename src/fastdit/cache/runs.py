@@ -10,6 +10,7 @@ call, so that call is where a run starts, whatever happened to the last one.
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,23 +26,25 @@ def reset_on_new_schedule(pipeline: Any, trackers: Sequence[RunTracker]) -> Call
     run detection (timestep direction, input shapes) then remains the only boundary.
     """
     scheduler = getattr(pipeline, "scheduler", None)
-    original = getattr(scheduler, "set_timesteps", None)
-    if scheduler is None or not callable(original) or not trackers:
+    if scheduler is None or not callable(getattr(scheduler, "set_timesteps", None)) or not trackers:
         return None
-    own = "set_timesteps" in vars(scheduler)  # someone set an instance attribute before us: put it back on undo
+    previous = vars(scheduler).get("set_timesteps")  # an instance attribute someone set before us, if any
+    unbound = type(scheduler).set_timesteps
 
     # Pipelines inspect set_timesteps' signature for the arguments it takes (sigmas, mu ...): keep it visible.
-    @functools.wraps(original)
-    def set_timesteps(*args: Any, **kwargs: Any) -> Any:
+    @functools.wraps(unbound)
+    def set_timesteps(self: Any, *args: Any, **kwargs: Any) -> Any:
         for tracker in trackers:
             tracker.reset()
-        return original(*args, **kwargs)
+        return previous(*args, **kwargs) if previous is not None else unbound(self, *args, **kwargs)
 
-    scheduler.set_timesteps = set_timesteps
+    # A bound method, not a closure over this scheduler: a deep copy of the scheduler (LTX-2 copies it for its audio
+    # stream) rebinds it to the copy, which then sets its own timesteps.
+    scheduler.set_timesteps = types.MethodType(set_timesteps, scheduler)
 
     def undo() -> None:
-        if own:
-            scheduler.set_timesteps = original
+        if previous is not None:
+            scheduler.set_timesteps = previous
         else:
             vars(scheduler).pop("set_timesteps", None)
 
