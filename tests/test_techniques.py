@@ -36,7 +36,10 @@ def test_context_records_what_was_applied_and_nothing_is_stored_on_modules() -> 
     mask = fastdit.StepMask(compute_steps=(0,), policy="static")
     fastdit.accelerate(pipe, cache=fastdit.DBCache(fn=1, bn=0, warmup_steps=0, step_mask=mask))
     context = context_of(pipe)
-    assert [(r.technique, r.component) for r in context.records] == [("cache", "transformer")]
+    assert [(r.technique, r.component) for r in context.records] == [
+        ("cache", "transformer"),
+        ("cache.runs", "scheduler"),
+    ]
     assert _no_fastdit_attributes(pipe.transformer) and not any(k.startswith("_fastdit") for k in vars(pipe))
     cached = run_tiny(pipe, tiny, num_inference_steps=3)
     info = fastdit.summary(pipe).transformers["transformer"]

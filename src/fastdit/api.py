@@ -22,6 +22,7 @@ import torch
 from fastdit.components import walk
 from fastdit.config import Attention, Compile, CudaGraph, DBCache, DBPrune, Parallel
 from fastdit.context import Context, Request, attach, context_of, detach
+from fastdit.errors import ArgumentError, UnavailableError
 from fastdit.models.base import ModelAdapter
 from fastdit.techniques import check_all, check_request
 
@@ -58,9 +59,11 @@ def _request(cache: Any, parallel: Any, compile: Any, cuda_graph: Any, attention
     compile_config = Compile() if compile is True else (compile or None)
     from_compile = CudaGraph.from_compile(compile_config) if compile_config is not None else None
     if cuda_graph is not None and from_compile is not None:
-        raise ValueError(
-            f"cuda_graph={cuda_graph} and compile={compile_config}: ask for CUDA graphs once "
-            "(cuda_graph=CudaGraph(...))"
+        raise ArgumentError(
+            "accelerate",
+            "cuda_graph",
+            cuda_graph,
+            f"and compile={compile_config} both ask for CUDA graphs; ask once (cuda_graph=CudaGraph(...))",
         )
     request = Request(
         cache=cache,
@@ -70,9 +73,12 @@ def _request(cache: Any, parallel: Any, compile: Any, cuda_graph: Any, attention
         attention=attention,
     )
     if attention is not None and attention != Attention() and not request.context_parallel:
-        raise NotImplementedError(
-            f"attention={attention}: attention backends other than the default are only available with "
-            "context parallelism (Parallel(ulysses=...) or Parallel(ring=...))"
+        raise UnavailableError(
+            "accelerate",
+            "attention",
+            attention,
+            "attention backends other than the default are only available with context parallelism "
+            "(Parallel(ulysses=...) or Parallel(ring=...))",
         )
     return request
 

@@ -55,3 +55,22 @@ class FieldsError(FieldError):
 
     def __reduce__(self) -> tuple:
         return (type(self), (self.owner, self.fields, self.requirement))
+
+
+class ArgumentError(FieldError):
+    """A value of one argument of a call (owner: the function, e.g. ``"accelerate"``), refused as a whole.
+
+    Unlike a config field, the value is a whole config (``cache=DBCache(...)``) refused for what it meets — the model,
+    another argument, the machine — so the message reads ``argument=value: requirement``.
+    """
+
+    def __init__(self, owner: str, field: str, value: Any, requirement: str) -> None:
+        super().__init__(owner, field, value, requirement)
+        self.args = (f"{field}={value}: {requirement}",)
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+class UnavailableError(ArgumentError, NotImplementedError):
+    """An argument asks for something this version of fastdit does not provide (also a ``NotImplementedError``)."""

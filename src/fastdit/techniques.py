@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from fastdit.errors import ArgumentError, UnavailableError
+
 if TYPE_CHECKING:
     from fastdit.components import Components
     from fastdit.context import Context, Request
@@ -44,9 +46,9 @@ class Technique(Protocol):
         ...
 
 
-def _not_available(what: str, request: Request) -> NotImplementedError:
-    return NotImplementedError(
-        f"parallel={request.parallel}: {what} parallelism is not available in this version of fastdit"
+def _not_available(what: str, request: Request) -> UnavailableError:
+    return UnavailableError(
+        "accelerate", "parallel", request.parallel, f"{what} parallelism is not available in this version of fastdit"
     )
 
 
@@ -80,14 +82,29 @@ class _ContextParallel:
         return request.context_parallel
 
     def check(self, request: Request, components: Components) -> None:
+        from fastdit.parallel.plan import validate_plan
+
         for item in components.denoisers:
-            if item.adapter.cp_plan is None:
-                raise ValueError(f"{item.name}: model family {item.adapter.family!r} has no context-parallel plan")
-            if request.cuda_graph is not None and item.adapter.cp_plan.attention.exchange_lengths:
-                raise ValueError(
-                    f"cuda_graph={request.cuda_graph} with parallel={request.parallel}: {item.name} "
-                    f"({item.adapter.family}) exchanges attention lengths that depend on the data at every call, "
-                    "which a CUDA graph would freeze; run without CUDA graphs"
+            plan = item.adapter.cp_plan
+            if plan is None:
+                raise ArgumentError(
+                    "accelerate",
+                    "parallel",
+                    request.parallel,
+                    f"{item.name}: model family {item.adapter.family!r} has no context-parallel plan",
+                )
+            try:
+                validate_plan(item.module, plan, request.parallel.ulysses)
+            except ValueError as error:
+                raise ArgumentError("accelerate", "parallel", request.parallel, f"{item.name}: {error}") from error
+            if request.cuda_graph is not None and plan.attention.exchange_lengths:
+                raise ArgumentError(
+                    "accelerate",
+                    "cuda_graph",
+                    request.cuda_graph,
+                    f"with parallel={request.parallel}: {item.name} ({item.adapter.family}) exchanges attention "
+                    "lengths that depend on the data at every call, which a CUDA graph would freeze; run without "
+                    "CUDA graphs",
                 )
 
     def apply(self, context: Context) -> None:
@@ -166,9 +183,12 @@ class _CudaGraph:
 
     def check(self, request: Request, components: Components) -> None:
         if request.cuda_graph.scope == "call" and request.cache is not None:
-            raise ValueError(
-                f"cuda_graph={request.cuda_graph} with cache={request.cache}: a step cache decides on the host "
-                "between blocks, which a CUDA graph of the whole call cannot do; use scope='blocks' or 'auto'"
+            raise ArgumentError(
+                "accelerate",
+                "cuda_graph",
+                request.cuda_graph,
+                f"with cache={request.cache}: a step cache decides on the host between blocks, which a CUDA graph of "
+                "the whole call cannot do; use scope='blocks' or 'auto'",
             )
 
     def apply(self, context: Context) -> None:

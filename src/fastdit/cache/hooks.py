@@ -24,6 +24,7 @@ from fastdit.cache.policy import Reducer, decide
 from fastdit.cache.state import BranchState, RunTracker, SegmentMemory
 from fastdit.cache.taylorseer import taylor_predict, taylor_update
 from fastdit.config import DBCache
+from fastdit.errors import FieldsError
 from fastdit.hooks import layers
 from fastdit.hooks.args import ForwardArgs
 from fastdit.models.base import BlockGroup, ForwardPattern
@@ -206,7 +207,9 @@ def plan_slots(groups: list[tuple[BlockGroup, torch.nn.ModuleList]], fn: int, bn
     """Assign each block its role (front / middle / back) and middle segment."""
     total = sum(len(blocks) for _, blocks in groups)
     if fn + bn >= total:
-        raise ValueError(f"DBCache(fn={fn}, bn={bn}): leaves no middle block to cache in a model of {total} blocks")
+        raise FieldsError(
+            "DBCache", {"fn": fn, "bn": bn}, f"leaves no middle block to cache in a model of {total} blocks"
+        )
     slots: list[BlockSlot] = []
     index = 0
     for group_index, (group, blocks) in enumerate(groups):

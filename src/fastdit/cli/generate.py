@@ -273,28 +273,14 @@ def plan_from_args(args: argparse.Namespace) -> GeneratePlan:
     )
 
 
-# How fastdit.accelerate's own (non-field) messages begin → the flag that asked for it.
-_MESSAGE_FLAGS = (
-    ("cache=", "--cache"),
-    ("parallel=", "--parallel"),
-    ("cuda_graph=", "--cuda-graph"),
-    ("CudaGraph", "--cuda-graph"),
-    ("compile=", "--compile"),
-    ("attention=", "--attention"),
-)
-
-
 def _accelerate(session: Session, plan: GeneratePlan) -> None:
     try:
         check_cache_fits(session.pipe, plan.acceleration.get("cache"))
         session.accelerate(**plan.acceleration)
     except FieldError:
-        raise  # fastdit.cli.main names the flags that set the field, from the parsed arguments
-    except (NotImplementedError, ValueError) as error:
-        message = str(error)
-        flag = next((flag for start, flag in _MESSAGE_FLAGS if message.startswith(start)), None)
-        where = f"argument {flag}" if flag else "cannot accelerate"
-        raise CLIError(f"{where}: {plan.source.name}: {message}") from None
+        raise  # fastdit.cli.main names the flags that set the field (or argument), from the parsed arguments
+    except (NotImplementedError, ValueError) as error:  # about the model, not a value the user chose
+        raise CLIError(f"cannot accelerate {plan.source.name}: {error}") from None
 
 
 @dataclass

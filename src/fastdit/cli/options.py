@@ -427,6 +427,12 @@ _ACCELERATION_FIELD_FLAGS: Mapping[tuple[str, str], str] = MappingProxyType(
         ("Compile", "cuda_graph"): "--cuda-graph",
         **{("CudaGraph", name): "--cuda-graph" for name in ("device", "scope", "warmup", "max_graphs")},
         ("Attention", "backend"): "--attention",
+        # fastdit.accelerate's own refusals of a whole argument (errors.ArgumentError)
+        ("accelerate", "cache"): "--cache",
+        ("accelerate", "parallel"): "--parallel",
+        ("accelerate", "compile"): "--compile",
+        ("accelerate", "cuda_graph"): "--cuda-graph",
+        ("accelerate", "attention"): "--attention",
     }
 )
 
