@@ -272,3 +272,19 @@ def test_several_outputs_are_saved_all_or_nothing(tmp_path: Path, monkeypatch: p
     assert [load_image(p)[0, 0, 0] for p in paths] == [0, 128, 255]
     with pytest.raises(ValueError, match="2 paths for 3 outputs"):
         save_outputs(paths[:2], images)
+
+
+def test_non_finite_output_errors_survive_pickling() -> None:
+    """Worker processes send errors back pickled: the cause must come with them."""
+    import pickle
+
+    error = NonFiniteOutputError(3, 12, arguments={"guidance_scale": 1e30}, components=("vae",), float16=True)
+    copy = pickle.loads(pickle.dumps(error))
+    assert (copy.count, copy.total, copy.arguments, copy.components, copy.float16) == (
+        3,
+        12,
+        {"guidance_scale": 1e30},
+        ("vae",),
+        True,
+    )
+    assert str(copy) == str(error)
