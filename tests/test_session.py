@@ -288,3 +288,18 @@ def test_non_finite_output_errors_survive_pickling() -> None:
         True,
     )
     assert str(copy) == str(error)
+
+
+def test_components_of_other_packages_need_no_folder(tiny_flux_dir: Path, tmp_path: Path) -> None:
+    """A component a package of its own provides (Cosmos' guardrail) is not a file of the directory."""
+    import json
+    import shutil
+
+    from fastdit.pipeline_dir import check_components, read_index
+
+    directory = Path(shutil.copytree(tiny_flux_dir, tmp_path / "flux"))
+    index = {**read_index(directory), "safety_checker": ["cosmos_guardrail", "CosmosSafetyChecker"]}
+    (directory / "model_index.json").write_text(json.dumps(index))
+    check_components(directory, read_index(directory))
+    with pytest.raises(ValueError, match="missing feature_extractor/"):
+        check_components(directory, {**index, "feature_extractor": ["transformers", "CLIPImageProcessor"]})

@@ -22,6 +22,9 @@ from typing import Any
 
 __all__ = ["check_components", "check_pipeline_class", "check_safetensors", "read_index"]
 
+# Libraries whose components save_pretrained always writes into a folder of their own name.
+_SAVED_IN_FOLDERS = frozenset({"diffusers", "transformers"})
+
 # safetensors refuses headers above 100 MB: a larger length field means the first bytes are not a header at all.
 _MAX_HEADER_BYTES = 100_000_000
 
@@ -96,6 +99,8 @@ def check_components(path: Path, index: Mapping[str, Any]) -> None:
     for name, (library, class_name) in _components(index).items():
         folder = path / name
         if not folder.is_dir():
+            if library not in _SAVED_IN_FOLDERS:
+                continue  # e.g. a safety checker its own package fetches: not a file of this directory
             raise ValueError(f"missing {name}/: model_index.json lists {name} ({library}.{class_name})")
         _check_shards(folder)
         for file in sorted(folder.glob("*.safetensors")):

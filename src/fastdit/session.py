@@ -200,8 +200,8 @@ def resolve_model(name: str | None, model_path: str | None, environ: Mapping[str
 class _DropBackendFallbackNotes(logging.Filter):
     """Drops transformers' notes that an image processor falls back to its PIL version without torchvision.
 
-    Importing a diffusers pipeline module imports image processors it may never use, and each one missing torchvision
-    prints two lines that would precede every later message of the command, errors included.
+    Importing a diffusers pipeline module imports image processors it may never use; without torchvision each one
+    prints a line (two for the usual pipelines) that would precede every later message of a command, errors included.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
