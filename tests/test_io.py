@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import signal
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from PIL import Image
 
 import fastdit.io as fio
 from fastdit.metrics import psnr
@@ -31,7 +36,7 @@ def test_atomic_output_failure_leaves_no_file_and_no_temp(tmp_path: Path) -> Non
     with pytest.raises(RuntimeError, match="writer failed"), fio.atomic_output(target) as temp:
         temp.write_text('{"half": ')
         raise RuntimeError("writer failed")
-    assert _listing(tmp_path / "out") == []
+    assert _listing(tmp_path) == []  # the parent it created is gone too
 
 
 def test_atomic_output_failure_keeps_previous_file(tmp_path: Path) -> None:
@@ -53,7 +58,9 @@ def test_failing_rename_removes_temp(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert _listing(tmp_path) == []
 
 
-def test_temp_file_lives_beside_target_with_its_suffix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_temp_file_lives_beside_target_hidden_and_without_its_suffix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     seen: list[tuple[Path, Path]] = []
     real_replace = os.replace
 
@@ -64,7 +71,9 @@ def test_temp_file_lives_beside_target_with_its_suffix(tmp_path: Path, monkeypat
     monkeypatch.setattr(fio.os, "replace", spying_replace)
     fio.save_image(tmp_path / "img.png", astronaut_small())
     ((src, dst),) = seen
-    assert src.parent == dst.parent == tmp_path and src.suffix == ".png" and src != dst
+    assert src.parent == dst.parent == tmp_path and src != dst
+    # A kill -9 mid-write must leave nothing that an image glob picks up.
+    assert src.name.startswith(".") and not src.name.endswith(".png")
 
 
 def test_written_files_follow_umask(tmp_path: Path) -> None:
@@ -171,3 +180,156 @@ def test_missing_video_packages_name_package_and_extra(
     assert _listing(tmp_path) == []
     # GIF needs Pillow only.
     fio.save_video(tmp_path / "v.gif", frames)
+
+
+def _failing_on_call(number: int) -> Any:
+    """A stand-in for Pillow's writer that fills the disk on its ``number``-th call."""
+    real_save = Image.Image.save
+    calls = []
+
+    def save(self: Image.Image, *args: Any, **kwargs: Any) -> None:
+        calls.append(1)
+        if len(calls) == number:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(self, *args, **kwargs)
+
+    return save
+
+
+def _save_all(paths: list[Path]) -> None:
+    with fio.atomic_outputs(paths) as temps:
+        for index, temp in enumerate(temps):
+            fio.encode_image(temp, astronaut_small() // (index + 1), suffix=paths[index].suffix)
+
+
+def test_atomic_outputs_write_all_or_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    paths = [tmp_path / "a" / "many" / f"{i:04d}.png" for i in range(6)]
+    monkeypatch.setattr(Image.Image, "save", _failing_on_call(3))
+    with pytest.raises(OSError, match="No space left"):
+        _save_all(paths)
+    assert _listing(tmp_path) == []  # no image, no staging directory, not even the parents it created
+    monkeypatch.undo()
+    _save_all(paths)
+    assert _listing(tmp_path / "a") == ["many"]
+    assert _listing(tmp_path / "a" / "many") == [p.name for p in paths]
+    assert np.array_equal(fio.load_image(paths[1]), astronaut_small() // 2)
+
+
+def test_atomic_outputs_into_an_existing_directory_replace_or_keep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    paths = [tmp_path / f"{i:04d}.png" for i in range(3)]
+    fio.save_image(paths[0], np.zeros((8, 8, 3), np.uint8))
+    (tmp_path / "notes.txt").write_text("mine")
+    monkeypatch.setattr(Image.Image, "save", _failing_on_call(2))
+    with pytest.raises(OSError):
+        _save_all(paths)
+    assert _listing(tmp_path) == ["0000.png", "notes.txt"]  # the earlier file is untouched
+    assert fio.load_image(paths[0]).max() == 0
+    monkeypatch.undo()
+    _save_all(paths)
+    assert _listing(tmp_path) == ["0000.png", "0001.png", "0002.png", "notes.txt"]
+    assert np.array_equal(fio.load_image(paths[0]), astronaut_small())
+
+
+def test_atomic_outputs_refuse_several_directories(tmp_path: Path) -> None:
+    for paths in ([tmp_path / "a.png", tmp_path / "b" / "c.png"], [], [tmp_path / "a.png", tmp_path / "a.png"]):
+        with pytest.raises(ValueError, match="one directory"), fio.atomic_outputs(paths):
+            pass
+    assert _listing(tmp_path) == []
+
+
+_KILLED_WRITER = """
+import os, signal, sys
+from pathlib import Path
+import numpy as np
+from PIL import Image
+import fastdit.io as fio
+
+real_save, calls = Image.Image.save, []
+
+def save(self, *args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    real_save(self, *args, **kwargs)
+
+Image.Image.save = save
+directory = Path(sys.argv[1])
+fio.save_image(directory / "single.png", np.zeros((8, 8, 3), np.uint8))
+fio.save_video(directory / "clip.gif", np.zeros((2, 8, 8, 3), np.uint8))  # killed in its writer
+"""
+
+_KILLED_STAGING = """
+import os, signal, sys
+from pathlib import Path
+import numpy as np
+import fastdit.io as fio
+
+paths = [Path(sys.argv[1]) / "many" / f"{i:04d}.png" for i in range(4)]
+with fio.atomic_outputs(paths) as temps:
+    for index, temp in enumerate(temps):
+        if index == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        fio.encode_image(temp, np.zeros((8, 8, 3), np.uint8), suffix=".png")
+"""
+
+
+@pytest.mark.skipif(os.name != "posix", reason="kill -9 and the stale-writer check are POSIX")
+@pytest.mark.parametrize("script", [_KILLED_WRITER, _KILLED_STAGING], ids=["single", "staged"])
+def test_kill_9_leaves_no_image_and_the_next_write_cleans_up(script: str, tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    leftovers = [p for p in tmp_path.rglob("*") if p.name.startswith(".fastdit-")]
+    assert leftovers, "the killed writer left no temporary: the test did not kill it mid-write"
+    images = {p.name for p in tmp_path.rglob("*") if p.suffix in {".png", ".gif", ".mp4"}}
+    assert images <= {"single.png"}  # only what was complete before the kill
+    _save_all([tmp_path / "many" / f"{i:04d}.png" for i in range(2)])  # the next write here cleans up
+    fio.save_image(tmp_path / "clip.png", astronaut_small())
+    assert not [p for p in tmp_path.rglob("*") if p.name.startswith(".fastdit-")]
+
+
+def test_stale_temporaries_of_running_writers_stay(tmp_path: Path) -> None:
+    mine = tmp_path / fio._temporary_name(fio._STAGING_PREFIX)  # this process is running
+    mine.mkdir()
+    other_host = tmp_path / ".fastdit-staging.elsewhere.1.abc.part"
+    other_host.mkdir()
+    fio.save_image(tmp_path / "x.png", astronaut_small())
+    assert _listing(tmp_path) == sorted([mine.name, other_host.name, "x.png"])
+
+
+@pytest.mark.parametrize(
+    ("where", "directory", "message"),
+    [
+        ("{file}/x.png", False, "is a file, not a directory"),
+        ("{file}/deeper/x.png", False, "is a file, not a directory"),
+        ("{tmp}", False, "is a directory"),
+        ("{file}", True, "is a file, not a directory"),
+        ("/proc/x.png", False, "is not writable"),
+    ],
+)
+def test_check_writable_refuses(where: str, directory: bool, message: str, tmp_path: Path) -> None:
+    (tmp_path / "f").write_text("x")
+    path = where.format(file=tmp_path / "f", tmp=tmp_path)
+    with pytest.raises(OSError, match=message) as caught:
+        fio.check_writable(path, directory=directory)
+    assert caught.value.strerror.startswith(message) and caught.value.filename in {str(tmp_path / "f"), path, "/proc"}
+    assert _listing(tmp_path) == ["f"]
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root writes into read-only directories")
+def test_check_writable_refuses_a_read_only_directory(tmp_path: Path) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    try:
+        with pytest.raises(PermissionError, match="is not writable"):
+            fio.check_writable(locked / "new" / "x.png")
+    finally:
+        locked.chmod(0o700)
+
+
+def test_check_writable_accepts_new_paths_and_leaves_nothing(tmp_path: Path) -> None:
+    fio.check_writable(tmp_path / "a" / "b" / "x.png")
+    fio.check_writable(tmp_path / "dir", directory=True)
+    fio.check_writable(tmp_path, directory=True)
+    assert _listing(tmp_path) == []

@@ -5,6 +5,7 @@ Errors name their field neutrally (no flag or command words); ``tests/cli`` chec
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -12,9 +13,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 import fastdit
-from fastdit.errors import FieldError
+from fastdit.errors import FieldError, NonFiniteOutputError
 from fastdit.io import load_image
 from fastdit.session import (
     CALL_OWNER,
@@ -32,6 +34,7 @@ from fastdit.session import (
     output_paths,
     resolve_model,
     save_output,
+    save_outputs,
     size_multiple,
 )
 
@@ -159,3 +162,144 @@ def test_outputs_are_saved(tmp_path: Path) -> None:
     saved = save_output(tmp_path / "x" / "image.png", image)
     assert load_image(saved).shape == (8, 8, 3)
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["image.png", "x"]  # no temporary file left behind
+
+
+@pytest.mark.parametrize(
+    ("kind", "requirement"),
+    [
+        ("no-vae", "missing vae/: model_index.json lists vae (diffusers.AutoencoderKL)"),
+        ("truncated", "transformer/diffusion_pytorch_model.safetensors is truncated"),
+        ("garbled-header", "transformer/diffusion_pytorch_model.safetensors has a garbled header"),
+    ],
+)
+def test_a_broken_directory_is_refused_before_loading(
+    kind: str, requirement: str, broken_flux_dirs: dict[str, Path]
+) -> None:
+    directory = str(broken_flux_dirs[kind])
+    error = _field_error(resolve_model, None, directory)
+    assert (error.owner, error.field, error.value) == (MODEL_OWNER, "model_path", directory)
+    assert error.requirement.startswith(requirement), error.requirement
+    error = _field_error(resolve_model, "flux", None, environ={"FLUX_DIR": directory})
+    assert error.field == "env:FLUX_DIR" and error.requirement.startswith(requirement)
+
+
+def test_a_directory_that_fails_to_load_names_its_field(broken_flux_dirs: dict[str, Path]) -> None:
+    directory = str(broken_flux_dirs["garbled-config"])
+    source = resolve_model("flux", None, environ={"FLUX_DIR": directory})  # only loading finds this one
+    error = _field_error(Session.load, source, device="cpu", dtype=torch.float32)
+    assert (error.owner, error.field, error.value) == (MODEL_OWNER, "env:FLUX_DIR", directory)
+    assert error.requirement.startswith("cannot be loaded as FluxPipeline: OSError:") and "config.json" in str(error)
+
+
+def test_a_file_or_another_pipeline_is_not_the_directory(tiny_flux_dir: Path, tmp_path: Path) -> None:
+    from fastdit.testing.pipelines import save_tiny
+
+    error = _field_error(resolve_model, None, str(tiny_flux_dir / "model_index.json"))
+    assert error.requirement.startswith("is a file, not a directory")
+    wan = save_tiny("wan", str(tmp_path / "wan"), "t2v")
+    error = _field_error(resolve_model, "flux", wan)
+    assert (error.field, error.value) == ("model_path", wan)
+    assert error.requirement.startswith(
+        "holds a WanPipeline (transformer WanTransformer3DModel), not the FluxPipeline (transformer "
+        "FluxTransformer2DModel) that model 'flux' runs"
+    )
+    assert resolve_model(None, wan).pipeline_class == "diffusers.WanPipeline"  # the directory's own pipeline
+
+
+def test_a_variant_sharing_the_denoiser_loads_the_directory(tmp_path: Path) -> None:
+    """An image-to-video preset reads its model's text-to-video directory: same transformer, other pipeline."""
+    from fastdit.pipeline_dir import check_pipeline_class
+
+    index = {"_class_name": "LTXPipeline", "transformer": ["diffusers", "LTXVideoTransformer3DModel"]}
+    check_pipeline_class(index, import_pipeline_class("diffusers.LTXImageToVideoPipeline"))
+    with pytest.raises(ValueError, match="holds a LTXPipeline"):
+        check_pipeline_class(index, import_pipeline_class("diffusers.FluxPipeline"))
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63, 10**23, 1.5, True])
+def test_seeds_are_64_bit_integers(seed: Any) -> None:
+    error = _field_error(Case, "a", seed)
+    assert (error.owner, error.field, error.value) == (CALL_OWNER, "seed", seed)
+    assert Case("a", 2**63 - 1).seed == 2**63 - 1
+
+
+def test_a_non_finite_output_raises_with_its_likely_cause(session: Session) -> None:
+    kwargs = call_arguments(session.pipeline_class, {}, {**TINY_CALL, "true_cfg_scale": float("inf")})
+    with pytest.raises(NonFiniteOutputError) as caught:
+        session.call(Case("a cat"), {**kwargs, "negative_prompt": ""})
+    error = caught.value
+    assert isinstance(error, FloatingPointError) and not isinstance(error, ValueError)
+    assert error.count == error.total == 32 * 32 * 3
+    assert error.arguments == {"true_cfg_scale": float("inf")} and error.components == ()
+    assert str(error).endswith("likely cause: true_cfg_scale=inf")
+    with pytest.raises(NonFiniteOutputError):
+        session.call_batch([Case("a cat"), Case("a dog")], {**kwargs, "negative_prompt": ""})
+
+
+def test_non_finite_weights_are_named(session: Session) -> None:
+    kwargs = call_arguments(session.pipeline_class, {}, TINY_CALL)
+    weight = session.pipe.transformer.proj_out.weight
+    saved = weight.detach().clone()
+    try:
+        with torch.no_grad():
+            weight[0, 0] = float("nan")
+        with pytest.raises(NonFiniteOutputError) as caught:
+            session.call(Case("a cat"), kwargs)
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
+    assert caught.value.components == ("transformer",) and caught.value.arguments == {}
+    assert "non-finite weights in transformer" in str(caught.value)
+
+
+def test_several_outputs_are_saved_all_or_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    images = [np.full((8, 8, 3), value, np.float32) for value in (0.0, 0.5, 1.0)]
+    paths = output_paths(tmp_path / "many", 3, ".png")
+    real_save, calls = Image.Image.save, []
+
+    def full_disk(self: Image.Image, *args: Any, **kwargs: Any) -> None:
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(self, *args, **kwargs)
+
+    monkeypatch.setattr(Image.Image, "save", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        save_outputs(paths, images)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    assert save_outputs(paths, images) == paths
+    assert [load_image(p)[0, 0, 0] for p in paths] == [0, 128, 255]
+    with pytest.raises(ValueError, match="2 paths for 3 outputs"):
+        save_outputs(paths[:2], images)
+
+
+def test_non_finite_output_errors_survive_pickling() -> None:
+    """Worker processes send errors back pickled: the cause must come with them."""
+    import pickle
+
+    error = NonFiniteOutputError(3, 12, arguments={"guidance_scale": 1e30}, components=("vae",), float16=True)
+    copy = pickle.loads(pickle.dumps(error))
+    assert (copy.count, copy.total, copy.arguments, copy.components, copy.float16) == (
+        3,
+        12,
+        {"guidance_scale": 1e30},
+        ("vae",),
+        True,
+    )
+    assert str(copy) == str(error)
+
+
+def test_components_of_other_packages_need_no_folder(tiny_flux_dir: Path, tmp_path: Path) -> None:
+    """A component a package of its own provides (Cosmos' guardrail) is not a file of the directory."""
+    import json
+    import shutil
+
+    from fastdit.pipeline_dir import check_components, read_index
+
+    directory = Path(shutil.copytree(tiny_flux_dir, tmp_path / "flux"))
+    index = {**read_index(directory), "safety_checker": ["cosmos_guardrail", "CosmosSafetyChecker"]}
+    (directory / "model_index.json").write_text(json.dumps(index))
+    check_components(directory, read_index(directory))
+    with pytest.raises(ValueError, match="missing feature_extractor/"):
+        check_components(directory, {**index, "feature_extractor": ["transformers", "CLIPImageProcessor"]})

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["FieldError", "FieldsError"]
+__all__ = ["ArgumentError", "FieldError", "FieldsError", "NonFiniteOutputError", "UnavailableError"]
 
 
 class FieldError(ValueError):
@@ -74,3 +74,66 @@ class ArgumentError(FieldError):
 
 class UnavailableError(ArgumentError, NotImplementedError):
     """An argument asks for something this version of fastdit does not provide (also a ``NotImplementedError``)."""
+
+
+class NonFiniteOutputError(FloatingPointError):
+    """A pipeline call produced NaN or infinite values: saved, its output would be a wrong (often black) image.
+
+    A :class:`FloatingPointError` (an :class:`ArithmeticError`), not a :class:`ValueError`: the values given may
+    each be valid, the arithmetic they lead to is not. :attr:`arguments` and :attr:`components` say what was found
+    to be the likely cause, so a front end can name its own flags for it.
+
+    Attributes:
+        count: Non-finite values in the output.
+        total: Values in the output.
+        arguments: Call arguments that likely caused it, by ``__call__`` parameter name: numbers that are not finite,
+            and guidance scales far above their usual range.
+        components: Pipeline components whose weights hold non-finite values (``"transformer"``, ...).
+        float16: Whether the pipeline runs in float16, whose range (±65504) activations can overflow; reported
+            as a cause only when nothing else was found.
+    """
+
+    def __init__(
+        self,
+        count: int,
+        total: int,
+        *,
+        arguments: Mapping[str, Any] | None = None,
+        components: tuple[str, ...] = (),
+        float16: bool = False,
+    ) -> None:
+        self.count = count
+        self.total = total
+        self.arguments = dict(arguments or {})
+        self.components = tuple(components)
+        self.float16 = float16
+        super().__init__(f"{self.finding}; {self.likely_cause}")
+
+    @property
+    def finding(self) -> str:
+        """What is wrong, without the cause: ``"the output has 3072 non-finite values (NaN or inf) of 3072"``."""
+        return f"the output has {self.count} non-finite values (NaN or inf) of {self.total}"
+
+    @property
+    def likely_cause(self) -> str:
+        """The likely cause, in the library's terms (call parameter and component names)."""
+        causes = [f"{name}={value!r}" for name, value in self.arguments.items()]
+        if self.components:
+            causes.append(f"non-finite weights in {', '.join(self.components)}")
+        if causes:
+            return f"likely cause: {'; '.join(causes)}"
+        if self.float16:
+            return "likely cause: float16 overflow (bfloat16 or float32 have the range it lacks)"
+        return "no likely cause found: the call's numbers and the weights are finite"
+
+    def __reduce__(self) -> tuple:
+        return (
+            _rebuild_non_finite,
+            (self.count, self.total, self.arguments, self.components, self.float16),
+        )
+
+
+def _rebuild_non_finite(
+    count: int, total: int, arguments: Mapping[str, Any], components: tuple[str, ...], float16: bool
+) -> NonFiniteOutputError:
+    return NonFiniteOutputError(count, total, arguments=arguments, components=components, float16=float16)

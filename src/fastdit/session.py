@@ -10,17 +10,20 @@ Nothing here parses command lines, prints or times; :mod:`fastdit.bench` times a
 
 Outputs are float32 arrays in [0, 1]: ``(H, W, C)`` for an image, ``(F, H, W, C)`` for a video. :meth:`Session.call`
 runs one prompt per pipeline call with a generator seeded from its :class:`Case`, so an output depends on its prompt
-and seed only.
+and seed only. An output holding NaN or infinite values is never returned: the call raises
+:class:`fastdit.errors.NonFiniteOutputError` (a :class:`FloatingPointError`) naming the likely cause, because clipped
+to [0, 1] it would look like a valid (black) image. :func:`save_outputs` writes several outputs all or nothing.
 
 Errors about a value the caller supplied raise :class:`fastdit.errors.FieldError`, which front ends map to their own
 flags or request fields. The fields, by owner:
 
 - ``"model"``: ``"name"`` (an unknown registry name; value ``None``: the reference pipeline is unavailable),
-  ``"model_path"`` (a directory that is not a pipeline; value ``None``: a registered model without weights),
-  ``"env:<VARIABLE>"`` (the same for a directory read from a preset's variable, e.g. ``"env:FLUX_DIR"``),
-  ``"pipeline_class"`` (a class that cannot be imported);
+  ``"model_path"`` (a directory that is not a pipeline, is broken, holds another pipeline than the registered
+  model's, or fails to load; value ``None``: a registered model without weights), ``"env:<VARIABLE>"`` (the same
+  for a directory read from a preset's variable, e.g. ``"env:FLUX_DIR"``), ``"pipeline_class"`` (a class that cannot
+  be imported);
 - ``"call"``: a ``__call__`` parameter (``"height"``, ``"num_frames"``, ...) the pipeline does not take or cannot
-  run as given.
+  run as given, or ``"seed"`` (a :class:`Case`'s seed outside [0, :data:`MAX_SEED`]).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
-import json
+import logging
 import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
@@ -40,11 +43,13 @@ import numpy as np
 import torch
 
 import fastdit
-from fastdit.errors import FieldError
+from fastdit import pipeline_dir
+from fastdit.errors import FieldError, NonFiniteOutputError
 from fastdit.models.registry import get_preset
 
 __all__ = [
     "CALL_OWNER",
+    "MAX_SEED",
     "MODEL_OWNER",
     "REFERENCE_MODEL",
     "Case",
@@ -60,6 +65,7 @@ __all__ = [
     "output_paths",
     "resolve_model",
     "save_output",
+    "save_outputs",
     "size_multiple",
 ]
 
@@ -72,6 +78,9 @@ MODEL_OWNER = "model"
 CALL_OWNER = "call"
 """The :attr:`~fastdit.errors.FieldError.owner` of errors about a pipeline call's arguments."""
 
+MAX_SEED = 2**63 - 1
+"""The largest seed a :class:`Case` takes: seeds are signed 64-bit integers wherever they are stored or reported."""
+
 
 @dataclass(frozen=True)
 class ModelSource:
@@ -83,6 +92,8 @@ class ModelSource:
         path: The local weights directory.
         defaults: Call arguments of the preset (steps, guidance, size, ...).
         reference: Whether this is the built-in reference pipeline.
+        path_field: The :class:`~fastdit.errors.FieldError` field that gave :attr:`path` (``"model_path"`` or
+            ``"env:<VARIABLE>"``), which errors found while loading it name.
     """
 
     name: str
@@ -90,23 +101,40 @@ class ModelSource:
     path: Path | None = None
     defaults: Mapping[str, Any] = field(default_factory=dict)
     reference: bool = False
+    path_field: str = "model_path"
 
 
-def _weights_dir(text: str, field_name: str) -> Path:
+def _weights_dir(text: str, field_name: str) -> tuple[Path, dict[str, Any]]:
+    """The directory ``text`` and its ``model_index.json``, once the checks that need no weights passed."""
     path = Path(text).expanduser()
+    if path.exists() and not path.is_dir():
+        hint = ": give the directory that holds it" if path.name == "model_index.json" else ""
+        raise FieldError(MODEL_OWNER, field_name, text, f"is a file, not a directory{hint}")
     if not path.is_dir():
         raise FieldError(MODEL_OWNER, field_name, text, "no such directory")
     if not (path / "model_index.json").is_file():
         raise FieldError(MODEL_OWNER, field_name, text, "not a diffusers pipeline directory (no model_index.json)")
-    return path
-
-
-def _class_from_index(path: Path, text: str, field_name: str) -> str:
     try:
-        index = json.loads((path / "model_index.json").read_text())
-        return f"diffusers.{index['_class_name']}"
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise FieldError(MODEL_OWNER, field_name, text, f"unreadable model_index.json ({error})") from error
+        index = pipeline_dir.read_index(path)
+        pipeline_dir.check_components(path, index)
+    except ValueError as error:
+        raise FieldError(MODEL_OWNER, field_name, text, str(error)) from None
+    return path, index
+
+
+def _check_holds(index: Mapping[str, Any], preset_class: str, text: str, field_name: str, name: str) -> None:
+    """Refuse a directory holding another pipeline than the registered model ``name`` runs."""
+    if f"diffusers.{index['_class_name']}" == preset_class:
+        return  # the usual case: nothing to import
+    try:
+        pipeline_dir.check_pipeline_class(index, import_pipeline_class(preset_class))
+    except ValueError as error:
+        raise FieldError(
+            MODEL_OWNER,
+            field_name,
+            text,
+            f"{error} that model {name!r} runs; leave out the model name to run the directory's own pipeline",
+        ) from None
 
 
 def _reference_source() -> ModelSource:
@@ -146,16 +174,16 @@ def resolve_model(name: str | None, model_path: str | None, environ: Mapping[str
     if name is None and model_path is None:
         return _reference_source()
     if name is None:
-        path = _weights_dir(model_path, "model_path")
-        return ModelSource(str(path), _class_from_index(path, model_path, "model_path"), path=path)
+        path, index = _weights_dir(model_path, "model_path")
+        return ModelSource(str(path), f"diffusers.{index['_class_name']}", path=path)
     try:
         preset, _ = get_preset(name)
     except LookupError:
         raise FieldError(MODEL_OWNER, "name", name, "not a registered model name") from None
     if model_path is not None:
-        path = _weights_dir(model_path, "model_path")
+        text, field_name = model_path, "model_path"
     elif environ.get(preset.env_var):
-        path = _weights_dir(environ[preset.env_var], f"env:{preset.env_var}")
+        text, field_name = environ[preset.env_var], f"env:{preset.env_var}"
     else:
         raise FieldError(
             MODEL_OWNER,
@@ -164,7 +192,32 @@ def resolve_model(name: str | None, model_path: str | None, environ: Mapping[str
             f"model {name!r} needs a local copy of {preset.hub_id or 'its pipeline'} (fastdit never downloads): "
             f"give its directory, or set the environment variable {preset.env_var}",
         )
-    return ModelSource(name, preset.pipeline_class, path=path, defaults=dict(preset.defaults))
+    path, index = _weights_dir(text, field_name)
+    _check_holds(index, preset.pipeline_class, text, field_name, name)
+    return ModelSource(name, preset.pipeline_class, path=path, defaults=dict(preset.defaults), path_field=field_name)
+
+
+class _DropBackendFallbackNotes(logging.Filter):
+    """Drops transformers' notes that an image processor falls back to its PIL version without torchvision.
+
+    Importing a diffusers pipeline module imports image processors it may never use; without torchvision each one
+    prints a line (two for the usual pipelines) that would precede every later message of a command, errors included.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "requires torchvision (not installed); falling back" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_pipeline_imports() -> Iterator[None]:
+    """Apply :class:`_DropBackendFallbackNotes` to transformers' import logger, for the block only."""
+    logger = logging.getLogger("transformers.utils.import_utils")
+    notes = _DropBackendFallbackNotes()
+    logger.addFilter(notes)
+    try:
+        yield
+    finally:
+        logger.removeFilter(notes)
 
 
 def import_pipeline_class(qualified: str) -> type:
@@ -175,7 +228,8 @@ def import_pipeline_class(qualified: str) -> type:
     """
     module_name, _, class_name = qualified.rpartition(".")
     try:
-        return getattr(importlib.import_module(module_name), class_name)
+        with _quiet_pipeline_imports():
+            return getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError) as error:
         raise FieldError(MODEL_OWNER, "pipeline_class", qualified, f"cannot be imported: {error}") from error
 
@@ -286,13 +340,22 @@ def check_size(pipe: Any, kwargs: Mapping[str, Any]) -> None:
 
 @dataclass(frozen=True)
 class Case:
-    """One output to generate: a prompt (``None`` for pipelines without one) and the seed of its noise."""
+    """One output to generate: a prompt (``None`` for pipelines without one) and the seed of its noise.
+
+    Raises:
+        FieldError: Owner ``"call"``, field ``"seed"``: not an integer in [0, :data:`MAX_SEED`].
+    """
 
     prompt: str | None
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
+            raise FieldError(CALL_OWNER, "seed", self.seed, f"must be an integer from 0 to {MAX_SEED} (2**63 - 1)")
+
 
 def _to_array(item: Any) -> np.ndarray:
+    """A float32 array of one output, uint8 scaled to [0, 1], floats as they are (not clipped: see _finite)."""
     if isinstance(item, torch.Tensor):
         item = item.detach().float().cpu().numpy()
     if isinstance(item, (list, tuple)):  # a video as a list of PIL frames or arrays
@@ -300,7 +363,7 @@ def _to_array(item: Any) -> np.ndarray:
     array = np.asarray(item)
     if array.dtype == np.uint8:
         return array.astype(np.float32) / 255.0
-    return np.clip(array.astype(np.float32), 0.0, 1.0)
+    return array.astype(np.float32)
 
 
 def _outputs(result: Any) -> list[np.ndarray]:
@@ -308,9 +371,85 @@ def _outputs(result: Any) -> list[np.ndarray]:
     return [_to_array(item) for item in batch]
 
 
+# Guidance scales are usually between 1 and 20; far above, the difference of two predictions is blown up past the
+# range of the latents.
+_LARGE_GUIDANCE = 100.0
+
+
+def _suspect_arguments(call: Mapping[str, Any]) -> dict[str, Any]:
+    """Call arguments that can turn an output non-finite: numbers that are not finite, huge guidance scales."""
+    suspects = {}
+    for name, value in call.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        guidance = "guidance" in name or "cfg" in name
+        if not math.isfinite(value) or (guidance and abs(value) > _LARGE_GUIDANCE):
+            suspects[name] = value
+    return suspects
+
+
+def _non_finite_components(pipe: Any) -> tuple[str, ...]:
+    """Components of ``pipe`` with a NaN or infinite parameter or buffer (read only once an output was bad)."""
+    found = []
+    for name, component in getattr(pipe, "components", {}).items():
+        if not isinstance(component, torch.nn.Module):
+            continue
+        tensors = [*component.parameters(), *component.buffers()]
+        if any(t.is_floating_point() and not t.is_meta and not bool(torch.isfinite(t).all()) for t in tensors):
+            found.append(name)
+    return tuple(found)
+
+
+def _uses_float16(pipe: Any) -> bool:
+    modules = [c for c in getattr(pipe, "components", {}).values() if isinstance(c, torch.nn.Module)]
+    return any(p.dtype == torch.float16 for module in modules for p in module.parameters())
+
+
+def _finite(pipe: Any, outputs: list[np.ndarray], call: Mapping[str, Any]) -> list[np.ndarray]:
+    """``outputs`` clipped to [0, 1], or :class:`NonFiniteOutputError` if any value is NaN or infinite.
+
+    Checked before clipping, which would turn +inf into white and leave NaN to become black when saved. Under
+    context parallelism every rank holds the same gathered outputs, so every rank raises alike.
+    """
+    count = sum(int(np.count_nonzero(~np.isfinite(output))) for output in outputs)
+    if count:
+        raise NonFiniteOutputError(
+            count,
+            sum(output.size for output in outputs),
+            arguments=_suspect_arguments(call),
+            components=_non_finite_components(pipe),
+            float16=_uses_float16(pipe),
+        )
+    return [np.clip(output, 0.0, 1.0) for output in outputs]
+
+
 def _generator(seed: int) -> torch.Generator:
     # A CPU generator gives the same noise on every device, so a GPU run is comparable to a CPU one.
     return torch.Generator("cpu").manual_seed(seed)
+
+
+# What from_pretrained raises for a directory it cannot load (configs it cannot parse, weights that do not fit the
+# model, files safetensors refuses). Out-of-memory errors are RuntimeErrors too, but say nothing about the directory.
+def _load_errors() -> tuple[type[BaseException], ...]:
+    from safetensors import SafetensorError
+
+    return (OSError, ValueError, KeyError, RuntimeError, SafetensorError)
+
+
+def _from_pretrained(source: ModelSource, dtype: torch.dtype) -> Any:
+    pipeline_class = import_pipeline_class(source.pipeline_class)
+    try:
+        return pipeline_class.from_pretrained(source.path, dtype=dtype, local_files_only=True)
+    except torch.OutOfMemoryError:
+        raise
+    except _load_errors() as error:
+        message = " ".join(f"{type(error).__name__}: {error}".split())
+        raise FieldError(
+            MODEL_OWNER,
+            source.path_field,
+            str(source.path),
+            f"cannot be loaded as {pipeline_class.__name__}: {message}",
+        ) from error
 
 
 @contextlib.contextmanager
@@ -361,14 +500,13 @@ class Session:
             progress: Show the loading bars and the pipeline's progress bar over denoising steps.
         """
         device = torch.device(device)
-        with _loading_bars(progress):
+        with _loading_bars(progress), _quiet_pipeline_imports():
             if source.reference:
                 from fastdit.reference import load_reference_pipeline
 
                 pipe = load_reference_pipeline(device, dtype)
             else:
-                pipeline_class = import_pipeline_class(source.pipeline_class)
-                pipe = pipeline_class.from_pretrained(source.path, dtype=dtype, local_files_only=True).to(device)
+                pipe = _from_pretrained(source, dtype).to(device)
         pipe.set_progress_bar_config(disable=not progress, leave=False)
         return cls(pipe, source, device)
 
@@ -418,12 +556,15 @@ class Session:
 
         Returns:
             A float32 array in [0, 1], ``(H, W, C)`` or ``(F, H, W, C)``.
+
+        Raises:
+            NonFiniteOutputError: The output holds NaN or infinite values (nothing is returned).
         """
         call = dict(kwargs)
         if case.prompt is not None:
             call["prompt"] = case.prompt
         call["generator"] = _generator(case.seed)
-        return _outputs(self.pipe(**call))[0]
+        return _finite(self.pipe, _outputs(self.pipe(**call)), call)[0]
 
     def call_batch(self, cases: Sequence[Case], kwargs: Mapping[str, Any]) -> list[np.ndarray]:
         """Generate several outputs in one pipeline call, each from a generator seeded with its case's seed.
@@ -434,6 +575,7 @@ class Session:
         Raises:
             ValueError: If ``cases`` is empty, or several cases lack a prompt (pipelines without one take the batch
                 size in their own ways: call them one case at a time).
+            NonFiniteOutputError: An output holds NaN or infinite values (none is returned).
         """
         if len(cases) == 1:
             return [self.call(cases[0], kwargs)]
@@ -441,7 +583,7 @@ class Session:
         if not cases or None in prompts:
             raise ValueError(f"a batch needs one or more cases, each with a prompt; got prompts {prompts}")
         call = {**kwargs, "prompt": prompts, "generator": [_generator(case.seed) for case in cases]}
-        return _outputs(self.pipe(**call))
+        return _finite(self.pipe, _outputs(self.pipe(**call)), call)
 
 
 def output_paths(out: Path, count: int, suffix: str) -> list[Path]:
@@ -451,6 +593,15 @@ def output_paths(out: Path, count: int, suffix: str) -> list[Path]:
     return [out / f"{index:04d}{suffix}" for index in range(count)]
 
 
+def _encode(file: Path, output: np.ndarray, suffix: str, fps: float) -> None:
+    from fastdit.io import encode_image, encode_video
+
+    if output.ndim == 4:
+        encode_video(file, output, suffix=suffix, fps=fps)
+    else:
+        encode_image(file, output, suffix=suffix)
+
+
 def save_output(path: Path, output: np.ndarray, *, fps: float = 8.0) -> Path:
     """Atomically save one output: an image, or a video when ``output`` has a frame axis."""
     from fastdit.io import save_image, save_video
@@ -458,3 +609,30 @@ def save_output(path: Path, output: np.ndarray, *, fps: float = 8.0) -> Path:
     if output.ndim == 4:
         return save_video(path, output, fps=fps)
     return save_image(path, output)
+
+
+def save_outputs(paths: Sequence[Path], outputs: Sequence[np.ndarray], *, fps: float = 8.0) -> list[Path]:
+    """Save outputs all or nothing: one atomically, several (in one directory) staged and moved into place together.
+
+    Args:
+        paths: Destinations, e.g. from :func:`output_paths`.
+        outputs: One output per path.
+        fps: Frame rate of videos.
+
+    Returns:
+        ``paths``.
+
+    Raises:
+        ValueError: If the counts differ, or several paths are not distinct files of one directory.
+        OSError: If writing fails; nothing new is left behind (see :func:`fastdit.io.atomic_outputs`).
+    """
+    from fastdit.io import atomic_outputs
+
+    if len(paths) != len(outputs):
+        raise ValueError(f"save_outputs got {len(paths)} paths for {len(outputs)} outputs")
+    if len(paths) == 1:
+        return [save_output(paths[0], outputs[0], fps=fps)]
+    with atomic_outputs(paths) as temps:
+        for path, temp, output in zip(paths, temps, outputs, strict=True):
+            _encode(temp, output, path.suffix, fps)
+    return list(paths)

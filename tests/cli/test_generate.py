@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from fastdit.cache.presets import DEFAULT_CACHE_PRESET, cache_config
 from fastdit.cli import build_parser, main
@@ -269,16 +272,42 @@ BAD_BEFORE_LOADING = [
     (["--model-path", "{tiny}", "--prompt", "a", "--cache", "prune", "--taylorseer", "1"], "--taylorseer 1"),
     (["--model-path", "{tiny}", "--prompt", "a", "--attention", "warp"], "--attention warp"),
     (["--model-path", "{tiny}", "--prompt", "a", "--frames", "9"], "--frames 9"),
-    (["--model-path", "{tiny}", "--prompt", "a", "--out", "{out}/x.gif"], "--out"),
+    (["--model-path", "{tiny}", "--prompt", "a", "--out", "{out}/x.gif"], "an image needs one of the suffixes"),
     (["--model-path", "{tiny}", "--prompt", "a", "--prompt", "b", "--out", "{out}/x.png"], "--out"),
     (["--model-path", "{tiny}", "--prompt", "a", "--compare"], "--compare"),
     (["--model-path", "{tiny}"], "--prompt"),
+    # Outputs that cannot be written.
+    (["--model-path", "{tiny}", "--prompt", "a", "--out", "{file}/x.png"], "file is a file, not a directory"),
+    (["--model-path", "{tiny}", "--prompt", "a", "--out", "{file}/new/x.png"], "file is a file, not a directory"),
+    (["--model-path", "{tiny}", "--prompt", "a", "--prompt", "b", "--out", "{file}"], "need a directory"),
+    (["--model-path", "{tiny}", "--prompt", "a", "--out", "/proc/x.png"], "/proc is not writable"),
+    # Model directories that are not what they should be.
+    (["--model-path", "{tiny}/model_index.json", "--prompt", "a"], "is a file, not a directory"),
+    (["flux", "--model-path", "{wan}", "--prompt", "a"], "holds a WanPipeline"),
+    (["--model-path", "{no-vae}", "--prompt", "a"], "missing vae/"),
+    (["--model-path", "{truncated}", "--prompt", "a"], "diffusion_pytorch_model.safetensors is truncated"),
+    (["--model-path", "{garbled-header}", "--prompt", "a"], "has a garbled header"),
+    # Absurd numbers.
+    (["--model-path", "{tiny}", "--prompt", "a", "--seed", "99999999999999999999999"], "must be at most"),
+    (["--model-path", "{tiny}", "--prompt", "a", "--steps", "1000000000000"], "--steps 1000000000000: must be at"),
+    (["--model-path", "{tiny}", "--prompt", "a", "--steps", "100000"], "--steps 100000: must be at most 10000"),
+    (["--model-path", "{tiny}", "--prompt", "a", "--height", "20000"], "--height 20000: must be at most 16384"),
+    (["--model-path", "{tiny}", "--prompt", "a", "--repeat", "100000"], "--repeat 100000: must be at most"),
+    (["--model-path", "{tiny}", "--prompt", "a", "--true-cfg", "inf"], "--true-cfg inf: must be a finite number"),
+    (["--model-path", "{tiny}", "--prompt", "a", "--guidance", "nan"], "--guidance nan: must be a finite number"),
 ]
 
 
 @pytest.mark.parametrize(("argv", "needle"), BAD_BEFORE_LOADING, ids=[n for _, n in BAD_BEFORE_LOADING])
 def test_bad_input_exits_2_before_loading(
-    argv: list[str], needle: str, tiny_flux_dir: Path, tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
+    argv: list[str],
+    needle: str,
+    tiny_flux_dir: Path,
+    tiny_wan_dir: Path,
+    broken_flux_dirs: dict[str, Path],
+    tmp_path: Path,
+    capsys: Any,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv("FLUX_DIR", raising=False)
 
@@ -287,17 +316,43 @@ def test_bad_input_exits_2_before_loading(
 
     monkeypatch.setattr(Session, "load", refuse)
     out = tmp_path / "out"
-    values = {"tiny": str(tiny_flux_dir), "missing": str(tmp_path / "nowhere"), "out": str(out)}
+    (tmp_path / "file").write_text("not a directory")
+    values = {
+        "tiny": str(tiny_flux_dir),
+        "wan": str(tiny_wan_dir),
+        "missing": str(tmp_path / "nowhere"),
+        "out": str(out),
+        "file": str(tmp_path / "file"),
+        **{kind: str(path) for kind, path in broken_flux_dirs.items()},
+    }
     argv = [a.format(**values) for a in argv]
     code, stdout, err = _run(capsys, *argv, *([] if "--out" in argv else ["--out", str(out / "x.png")]))
     assert code == 2
     lines = _error_lines(err)
     assert len(lines) == 1 and needle in lines[0], err
     assert stdout == "" and not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing created, not even a directory
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root writes into read-only directories")
+def test_a_read_only_output_directory_exits_2_before_loading(
+    tiny_flux_dir: Path, tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(Session, "load", lambda *_, **__: pytest.fail("loaded weights before checking --out"))
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    try:
+        code, _, err = _run(capsys, "--model-path", str(tiny_flux_dir), "--prompt", "a", "--out", f"{locked}/x.png")
+    finally:
+        locked.chmod(0o700)
+    assert code == 2 and _error_lines(err) == [
+        f"fastdit: error: argument --out {locked}/x.png: {locked} is not writable (Permission denied)"
+    ]
 
 
 BAD_AFTER_LOADING = [
     (["--height", "30"], {}, "--height 30"),
+    (["--true-cfg", "1e30"], {}, "argument --true-cfg 1e+30 is far above the usual guidance scales"),
     (["--width", "34"], {}, "--width 34"),
     (["--cache", "dbcache"], {}, "fn=8"),
     (["--parallel", "tp=2"], {"WORLD_SIZE": "2", "RANK": "0"}, "--parallel"),
@@ -326,6 +381,94 @@ def test_bad_input_found_after_loading_writes_nothing(
     lines = _error_lines(err)
     assert len(lines) == 1 and needle in lines[0], err
     assert stdout == "" and not out.parent.exists()
+
+
+@pytest.mark.parametrize(
+    ("kind", "needle"),
+    [
+        ("garbled-config", "--model-path {dir}: cannot be loaded as FluxPipeline: OSError: "),
+        ("nan-weights", "likely cause: the weights of transformer hold NaN or inf values"),
+    ],
+)
+def test_broken_weights_found_while_loading_or_running_write_nothing(
+    kind: str, needle: str, broken_flux_dirs: dict[str, Path], tmp_path: Path, capsys: Any
+) -> None:
+    directory = broken_flux_dirs[kind]
+    out = tmp_path / "out" / "x.png"
+    code, stdout, err = _run(capsys, "--model-path", str(directory), "--prompt", "a", *TINY, "--out", str(out))
+    assert code == 2
+    lines = _error_lines(err)
+    assert len(lines) == 1 and needle.format(dir=directory) in lines[0], err
+    assert stdout == "" and list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_save_of_several_outputs_leaves_none(
+    tiny_flux_dir: Path, tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_save, calls = Image.Image.save, []
+
+    def full_disk_at_the_third(self: Image.Image, *args: Any, **kwargs: Any) -> None:
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(self, *args, **kwargs)
+
+    monkeypatch.setattr(Image.Image, "save", full_disk_at_the_third)
+    prompts = [arg for index in range(6) for arg in ("--prompt", f"a cat number {index}")]
+    out = tmp_path / "cats"
+    code, stdout, err = _run(capsys, "--model-path", str(tiny_flux_dir), *prompts, *TINY, "--out", str(out))
+    assert code == 2
+    assert _error_lines(err) == [
+        f"fastdit: error: argument --out {out}: cannot save ([Errno 28] No space left on device); nothing was saved"
+    ]
+    assert stdout == "" and list(tmp_path.iterdir()) == []  # no image, no staging directory
+
+
+def test_out_expands_home_and_collapses_dot_dot(
+    tiny_flux_dir: Path, tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    base = ["--model-path", str(tiny_flux_dir), "--prompt", "a", *TINY]
+    code, stdout, _ = _run(capsys, *base, "--out", "~/x.png", "--json")
+    assert code == 0 and _last_json(stdout)["out"] == str(home / "x.png")
+    assert [p.name for p in home.iterdir()] == ["x.png"]
+    code, stdout, _ = _run(capsys, *base, "--out", "a/sub/../y.png", "--json")
+    assert code == 0 and _last_json(stdout)["out"] == "a/y.png"
+    assert sorted(str(p.relative_to(work)) for p in work.rglob("*")) == ["a", "a/y.png"]  # no empty a/sub
+
+
+def test_errors_after_the_pipeline_import_are_one_line(tiny_flux_dir: Path) -> None:
+    """Importing a pipeline prints no notes about missing optional backends (torchvision) before the error."""
+    done = _subprocess("--model-path", str(tiny_flux_dir), "--prompt", "a", *TINY, "--height", "30")
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "fastdit: error: argument --height 30: must be a multiple of 4 for FluxPipeline (VAE factor × patch size)"
+    ]
+
+
+@pytest.mark.skipif(os.name != "posix", reason="SIGINT to a child process is POSIX")
+def test_ctrl_c_is_one_line_and_exit_130(tiny_flux_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "never.png"
+    argv = ["--model-path", str(tiny_flux_dir), "--prompt", "a", "--height", "32", "--width", "32"]
+    env = {**os.environ, "FASTDIT_TEST_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "fastdit", "generate", *argv, "--steps", "10000", "--out", str(out)]
+    child = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+    assert child.stderr is not None
+    seen = ""
+    while seen.count("/10000") < 2:  # the progress bar moved: the denoising loop is running
+        char = child.stderr.read(1)
+        assert char, f"the run ended before denoising: {seen}"
+        seen += char
+    child.send_signal(signal.SIGINT)
+    rest = child.stderr.read()
+    assert child.wait(timeout=120) == 130
+    lines = [line for line in (seen + rest).splitlines() if line.strip()]  # the pipe reads "\r" as "\n"
+    assert lines[-1] == "fastdit: interrupted"
+    assert "Traceback" not in seen + rest and not list(tmp_path.iterdir())
 
 
 def _subprocess(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -375,7 +518,8 @@ def test_torchrun_context_parallel_writes_once(tiny_flux_dir: Path, tmp_path: Pa
     argv = ["--model-path", str(tiny_flux_dir), "--prompt", "a cat", *TINY, "--parallel", "ulysses=2"]
     payload = _torchrun_generate(argv, out)
     assert payload["world_size"] == 2 and payload["acceleration"]["parallel"]["ulysses"] == 2
-    assert payload["psnr_min"] == "inf" or payload["psnr_min"] > 35  # context parallel is exact up to float order
+    # Exact up to the order of float sums: measured 142 dB; a split or gather bug costs tens of dB.
+    assert payload["psnr_min"] == "inf" or payload["psnr_min"] > 100
     assert [p.name for p in tmp_path.iterdir()] == ["cp.png"]
 
 

@@ -4,7 +4,9 @@ A command module ``fastdit.cli.<name>`` exposes ``add_parser(subparsers) -> argp
 ``run(args) -> int``. Bad user input is reported by raising :class:`CLIError`, which :func:`main` turns into one line
 ``fastdit: error: <message>`` on stderr and exit code 2 — the same code argparse uses for usage errors. A
 :class:`~fastdit.errors.FieldError` that leaves a command (a config value refused once the model is loaded) is reported
-the same way, naming the flags that set its field (found by its owner and field, not by its message).
+the same way, naming the flags that set its field (found by its owner and field, not by its message), and so is a
+:class:`~fastdit.errors.NonFiniteOutputError` (an output with NaN or infinite values, never saved). Ctrl-C ends
+with one line ``fastdit: interrupted`` and exit code :data:`EXIT_INTERRUPTED`, without a traceback.
 """
 
 from __future__ import annotations
@@ -13,16 +15,20 @@ import argparse
 import importlib
 import sys
 from collections.abc import Callable
+from typing import Any
 
-from fastdit.errors import FieldError
+from fastdit.errors import FieldError, NonFiniteOutputError
 
-__all__ = ["COMMANDS", "EXIT_USAGE", "CLIError", "build_parser", "main"]
+__all__ = ["COMMANDS", "EXIT_INTERRUPTED", "EXIT_USAGE", "CLIError", "build_parser", "main"]
 
 COMMANDS: tuple[str, ...] = ("generate", "list", "bench", "metrics")
 """Command modules under ``fastdit.cli``, in help order; adding a command is adding its name here."""
 
 EXIT_USAGE = 2
 """Exit code for bad input, shared with argparse's usage errors."""
+
+EXIT_INTERRUPTED = 130
+"""Exit code after Ctrl-C (SIGINT): 128 + the signal number, what shells report for a process the signal ended."""
 
 
 class CLIError(Exception):
@@ -57,6 +63,30 @@ def _one_line(message: str) -> str:
     return " ".join(str(message).split())
 
 
+def _error(message: str) -> int:
+    print(f"fastdit: error: {_one_line(message)}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _run(args: argparse.Namespace) -> int:
+    run: Callable[[argparse.Namespace], int] = args.run
+    try:
+        return run(args)
+    except CLIError as error:
+        return _error(str(error))
+    except FieldError as error:
+        # Here, not in the command: only the parsed arguments tell which of the flags that can set the field were
+        # passed. Commands apply their configs before writing anything, so this is bad input like a CLIError.
+        from fastdit.cli.options import field_error_message
+
+        return _error(field_error_message(error, args))
+    except NonFiniteOutputError as error:
+        # Raised before anything is saved; the likely causes are values the user gave (guidance, weights, dtype).
+        from fastdit.cli.fields import non_finite_message
+
+        return _error(non_finite_message(error))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the ``fastdit`` command line.
 
@@ -64,25 +94,27 @@ def main(argv: list[str] | None = None) -> int:
         argv: Arguments without the program name; ``None`` reads ``sys.argv[1:]``.
 
     Returns:
-        The exit code: 0 on success, 2 on bad input or usage errors, or what the command returns.
+        The exit code: 0 on success, 2 on bad input or usage errors, 130 after Ctrl-C, or what the command returns.
     """
-    parser = build_parser()
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as exit_:
-        # argparse exits for --help/--version (0) and usage errors (2); return the code so that in-process callers
-        # get an int like every other outcome.
-        return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
-    run: Callable[[argparse.Namespace], int] = args.run
-    try:
-        return run(args)
-    except CLIError as error:
-        print(f"fastdit: error: {_one_line(str(error))}", file=sys.stderr)
-        return EXIT_USAGE
-    except FieldError as error:
-        # Here, not in the command: only the parsed arguments tell which of the flags that can set the field were
-        # passed. Commands apply their configs before writing anything, so this is bad input like a CLIError.
-        from fastdit.cli.options import field_error_message
+        parser = build_parser()
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as exit_:
+            # argparse exits for --help/--version (0) and usage errors (2); return the code so that in-process
+            # callers get an int like every other outcome.
+            return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
+        return _run(args)
+    except KeyboardInterrupt:
+        # Writers clean up on the way out (fastdit.io), so there is nothing to report but the interruption. On a
+        # terminal the line starts after the "^C" it echoed.
+        newline = "\n" if _on_terminal(sys.stderr) else ""
+        print(f"{newline}fastdit: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
-        print(f"fastdit: error: {_one_line(field_error_message(error, args))}", file=sys.stderr)
-        return EXIT_USAGE
+
+def _on_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # replaced or closed streams
+        return False

@@ -32,11 +32,13 @@ from fastdit.cli.options import (
     check_positive,
     check_size,
     configure_threads,
+    output_path,
     resolve_device,
     resolve_dtype,
     resolve_source,
 )
 from fastdit.errors import FieldError
+from fastdit.io import check_writable
 from fastdit.process import is_main_process
 from fastdit.session import (
     Case,
@@ -46,7 +48,7 @@ from fastdit.session import (
     call_parameters,
     default_steps,
     is_video_pipeline,
-    save_output,
+    save_outputs,
 )
 
 __all__ = ["add_parser", "run"]
@@ -102,6 +104,8 @@ def _seeds(text: str) -> list[int]:
         raise CLIError(f"argument --seeds {text}: expected comma-separated integers") from None
     if not seeds or min(seeds) < 0:
         raise CLIError(f"argument --seeds {text}: expected one or more non-negative integers")
+    for seed in seeds:
+        check_positive("--seeds", seed, allow_zero=True)
     return seeds
 
 
@@ -127,9 +131,11 @@ def _plan(args: argparse.Namespace) -> _Plan:
     check_call_numbers(args)
     check_positive("--repeat", args.repeat)
     check_positive("--warmup", args.warmup, allow_zero=True)
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise CLIError(f"argument --out {args.out}: exists and is not a directory")
+    out = output_path(args.out)
+    try:
+        check_writable(out, directory=True)
+    except OSError as error:
+        raise CLIError(f"argument --out {args.out}: {error.filename} {error.strerror}") from None
     seeds = _seeds(args.seeds)
     source, pipeline_class = resolve_source(args)
     try:
@@ -173,8 +179,8 @@ def _save_images(plan: _Plan, results: list[RunResult]) -> None:
     for index, result in enumerate(results):
         # Numbered directories: configuration names hold characters that do not belong in file names.
         directory = plan.out / "images" / f"{index:02d}"
-        for number, output in enumerate(result.outputs):
-            save_output(directory / f"{number:04d}{suffix}", output)
+        paths = [directory / f"{number:04d}{suffix}" for number in range(len(result.outputs))]
+        save_outputs(paths, result.outputs)  # all of a row or none of it
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,10 +8,12 @@ neutrally (owner ``"model"``, field ``"model_path"``); this module is the one pl
 
 from __future__ import annotations
 
-from fastdit.cli import CLIError
-from fastdit.errors import FieldError
+import math
 
-__all__ = ["CALL_FLAGS", "cli_error", "field_message"]
+from fastdit.cli import CLIError
+from fastdit.errors import FieldError, NonFiniteOutputError
+
+__all__ = ["CALL_FLAGS", "cli_error", "field_message", "non_finite_message"]
 
 CALL_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("steps", "--steps", "num_inference_steps"),
@@ -25,7 +27,12 @@ CALL_FLAGS: tuple[tuple[str, str, str], ...] = (
 """``(argparse dest, flag, pipeline __call__ parameter)`` for the call flags that map one to one."""
 
 # Fields of ``fastdit.bench`` runs and of ``fastdit.process`` that a flag sets.
-_FLAGS = {("run", "warmup"): "--warmup", ("run", "repeat"): "--repeat", ("process", "device"): "--device"}
+_FLAGS = {
+    ("run", "warmup"): "--warmup",
+    ("run", "repeat"): "--repeat",
+    ("process", "device"): "--device",
+    ("call", "seed"): "--seed",
+}
 
 
 def _missing_weights(model: str | None) -> str:
@@ -88,3 +95,34 @@ def field_message(error: FieldError, *, model: str | None = None) -> str:
 def cli_error(error: FieldError, *, model: str | None = None) -> CLIError:
     """``error`` as the :class:`CLIError` that :func:`fastdit.cli.main` reports (see :func:`field_message`)."""
     return CLIError(field_message(error, model=model))
+
+
+def _call_flag(parameter: str) -> str | None:
+    return next((flag for _, flag, name in CALL_FLAGS if name == parameter), None)
+
+
+def _argument_cause(parameter: str, value: float) -> str:
+    flag = _call_flag(parameter)
+    named = f"argument {flag} {value}" if flag else f"{parameter}={value!r}"
+    what = "far above the usual guidance scales (1-20)" if math.isfinite(value) else "not a finite number"
+    return f"{named} is {what}"
+
+
+def non_finite_message(error: NonFiniteOutputError) -> str:
+    """The CLI's message for an output with NaN or infinite values, naming the flags of its likely cause.
+
+    Args:
+        error: From :meth:`fastdit.session.Session.call`.
+
+    Returns:
+        The message (without the ``fastdit: error:`` prefix); it says that nothing was saved.
+    """
+    causes = [_argument_cause(parameter, value) for parameter, value in error.arguments.items()]
+    if error.components:
+        causes.append(
+            f"the weights of {', '.join(error.components)} hold NaN or inf values (a damaged model directory)"
+        )
+    if not causes and error.float16:
+        causes.append("--dtype float16 overflowed; try --dtype bfloat16 or float32")
+    cause = f"likely cause: {'; '.join(causes)}" if causes else error.likely_cause
+    return f"{error.finding}, so nothing was saved; {cause}"

@@ -34,6 +34,7 @@ from fastdit.cli.options import (
     check_positive,
     check_size,
     configure_threads,
+    output_path,
     parse_parallel,
     resolve_device,
     resolve_dtype,
@@ -41,7 +42,7 @@ from fastdit.cli.options import (
 )
 from fastdit.config import ATTENTION_BACKENDS, Attention, Compile, CudaGraph
 from fastdit.errors import FieldError
-from fastdit.io import IMAGE_SUFFIXES, VIDEO_SUFFIXES
+from fastdit.io import IMAGE_SUFFIXES, VIDEO_SUFFIXES, check_writable
 from fastdit.process import is_main_process, process_count, process_group_scope
 from fastdit.session import (
     Case,
@@ -52,7 +53,7 @@ from fastdit.session import (
     default_steps,
     is_video_pipeline,
     output_paths,
-    save_output,
+    save_outputs,
 )
 
 __all__ = ["GeneratePlan", "GenerateRun", "add_parser", "execute", "plan_from_args", "run"]
@@ -211,26 +212,32 @@ def _acceleration(args: argparse.Namespace, num_steps: int | None) -> dict[str, 
     return options
 
 
-def _outputs(args: argparse.Namespace, count: int, video: bool) -> list[Path]:
-    if args.out is None:
-        return []
-    out = Path(args.out)
+def _output_files(args: argparse.Namespace, out: Path, count: int, video: bool) -> list[Path]:
     suffixes = VIDEO_SUFFIXES if video else IMAGE_SUFFIXES
-    kind = "video" if video else "image"
     if count > 1:
         if out.suffix.lower() in IMAGE_SUFFIXES | VIDEO_SUFFIXES or out.is_file():
             raise CLIError(f"argument --out {args.out}: {count} prompts need a directory, not a file")
-        paths = output_paths(out, count, ".mp4" if video else ".png")
-    else:
-        if out.is_dir():
-            raise CLIError(f"argument --out {args.out}: is a directory; one prompt is saved to a file")
-        if out.suffix.lower() not in suffixes:
-            raise CLIError(
-                f"argument --out {args.out}: a {kind} needs one of the suffixes {', '.join(sorted(suffixes))}"
-            )
-        paths = [out]
+        return output_paths(out, count, ".mp4" if video else ".png")
+    if out.is_dir():
+        raise CLIError(f"argument --out {args.out}: is a directory; one prompt is saved to a file")
+    if out.suffix.lower() not in suffixes:
+        kind = "a video" if video else "an image"
+        raise CLIError(f"argument --out {args.out}: {kind} needs one of the suffixes {', '.join(sorted(suffixes))}")
+    return [out]
+
+
+def _outputs(args: argparse.Namespace, count: int, video: bool) -> list[Path]:
+    """Where the outputs go, checked to be writable before any weights are loaded (nothing is created)."""
+    if args.out is None:
+        return []
+    out = output_path(args.out)
+    paths = _output_files(args, out, count, video)
     if video and any(p.suffix.lower() != ".gif" for p in paths) and importlib.util.find_spec("imageio") is None:
         raise CLIError(f"argument --out {args.out}: mp4 needs imageio and imageio-ffmpeg (pip install fastdit[video])")
+    try:
+        check_writable(out, directory=count > 1)
+    except OSError as error:
+        raise CLIError(f"argument --out {args.out}: {error.filename} {error.strerror}") from None
     return paths
 
 
@@ -391,6 +398,13 @@ def _report(payload: dict[str, Any], stream: TextIO) -> None:
     line("saved", ", ".join(payload["files"]) if payload["files"] else "nothing (pass --out PATH to save)")
 
 
+def _save(plan: GeneratePlan, done: GenerateRun, args: argparse.Namespace) -> None:
+    try:
+        save_outputs(plan.outputs, done.result.outputs, fps=args.fps)
+    except OSError as error:  # a full disk, a directory changed meanwhile: all or nothing, so nothing was saved
+        raise CLIError(f"argument --out {args.out}: cannot save ({error}); nothing was saved") from None
+
+
 def run(args: argparse.Namespace) -> int:
     """Generate, report, and save (rank 0 only).
 
@@ -401,7 +415,7 @@ def run(args: argparse.Namespace) -> int:
         0 on success.
 
     Raises:
-        CLIError: On bad input (before anything is written).
+        CLIError: On bad input (before anything is written), or when saving fails (nothing is saved).
     """
     plan = plan_from_args(args)
     main = is_main_process()
@@ -409,8 +423,7 @@ def run(args: argparse.Namespace) -> int:
     with process_group_scope():
         done = execute(plan, progress=main and not args.quiet, track_memory=args.track_memory)
     if main and plan.outputs:
-        for path, output in zip(plan.outputs, done.result.outputs, strict=True):
-            save_output(path, output, fps=args.fps)
+        _save(plan, done, args)
     payload = _payload(plan, done)
     if not main:
         return 0

@@ -12,11 +12,14 @@ one line naming the flag (exit code 2) rather than as an argparse usage dump. A 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from functools import cache
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -24,15 +27,16 @@ import torch
 
 from fastdit.cache.presets import CACHE_PRESETS, DEFAULT_CACHE_PRESET, NO_CACHE, cache_config, get_cache_preset
 from fastdit.cli import CLIError
-from fastdit.cli.fields import CALL_FLAGS, cli_error
+from fastdit.cli.fields import CALL_FLAGS, cli_error, field_message
 from fastdit.config import STEP_MASK_PRESETS, DBCache, DBPrune, Parallel, StepMask, TaylorSeer, config_fields
 from fastdit.errors import FieldError, FieldsError
 from fastdit.process import choose_device
-from fastdit.session import ModelSource, call_parameters, import_pipeline_class, resolve_model
+from fastdit.session import MAX_SEED, ModelSource, call_parameters, import_pipeline_class, resolve_model
 from fastdit.session import check_size as check_call_size
 
 __all__ = [
     "DTYPES",
+    "LIMITS",
     "CacheFlag",
     "add_call_arguments",
     "add_model_arguments",
@@ -46,6 +50,7 @@ __all__ = [
     "check_size",
     "configure_threads",
     "field_error_message",
+    "output_path",
     "parse_parallel",
     "parse_value",
     "resolve_device",
@@ -473,8 +478,9 @@ def field_error_message(error: FieldError, args: argparse.Namespace) -> str:
         args: The command's parsed arguments (which flags were passed, and how).
 
     Returns:
-        ``argument FLAG VALUE: <error>``, ``arguments FLAG VALUE, FLAG VALUE: <error>``, or the error alone when no
-        flag the user passed set the field.
+        ``argument FLAG VALUE: <error>``, ``arguments FLAG VALUE, FLAG VALUE: <error>``, or, when no flag the user
+        passed set the field, :func:`fastdit.cli.fields.field_message` (the library's own message for a field the
+        CLI does not know).
     """
     names = list(error.fields) if isinstance(error, FieldsError) else [error.field]
     flags = [flag for name in names if (flag := _field_flag_name(error.owner, name)) is not None]
@@ -482,7 +488,8 @@ def field_error_message(error: FieldError, args: argparse.Namespace) -> str:
     if not given:
         given = [text for flag in _CONFIG_FLAGS.get(error.owner, ()) if (text := _given(args, flag)) is not None]
     if not given:
-        return str(error)
+        # Not a config field (a model directory that failed to load, a call argument): the library's field names.
+        return field_message(error, model=getattr(args, "model", None))
     return f"argument{'s' * (len(given) > 1)} {', '.join(given)}: {error}"
 
 
@@ -524,13 +531,41 @@ def check_cache_fits(pipe: Any, cache: DBCache | DBPrune | None) -> None:
             )
 
 
+LIMITS: Mapping[str, int | float] = MappingProxyType(
+    {
+        "--seed": MAX_SEED,
+        "--seeds": MAX_SEED,
+        "--steps": 10_000,
+        "--height": 16_384,
+        "--width": 16_384,
+        "--frames": 10_000,
+        "--warmup": 10_000,
+        "--repeat": 10_000,
+        "--prompts": 10_000,
+        "--threads": 4_096,
+        "--fps": 1_000.0,
+    }
+)
+"""The largest value each numeric flag takes.
+
+Far above what any model runs (diffusion samplers use tens of steps, models are trained below 4096 pixels a side),
+so a limit only stops a typo: ``--steps 100000`` would run for days and ``--steps 1000000000000`` would first try to
+allocate terabytes of timesteps. Seeds are signed 64-bit integers (:data:`fastdit.session.MAX_SEED`).
+"""
+
+
 def check_positive(option: str, value: int | float | None, *, allow_zero: bool = False) -> None:
-    """Reject a negative (or zero) number given for ``option``."""
+    """Reject a negative (or zero), non-finite or too large number given for ``option`` (see :data:`LIMITS`)."""
     if value is None:
         return
+    if isinstance(value, float) and not math.isfinite(value):  # NaN passes every comparison below
+        raise CLIError(f"argument {option} {value}: must be a finite number")
     if value < 0 or (value == 0 and not allow_zero):
         bound = "non-negative" if allow_zero else "positive"
         raise CLIError(f"argument {option} {value}: must be {bound}")
+    limit = LIMITS.get(option)
+    if limit is not None and value > limit:
+        raise CLIError(f"argument {option} {value}: must be at most {limit}")
 
 
 def resolve_device(text: str | None, environ: Mapping[str, str] | None = None) -> torch.device:
@@ -613,11 +648,20 @@ def add_call_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_call_numbers(args: argparse.Namespace) -> None:
-    """Reject non-positive steps, sizes and frames, and negative guidance scales."""
+    """Reject non-positive or too large steps, sizes and frames, and negative or non-finite guidance scales."""
     for option in ("--steps", "--height", "--width", "--frames"):
         check_positive(option, getattr(args, option[2:]))
     check_positive("--guidance", args.guidance, allow_zero=True)
     check_positive("--true-cfg", args.true_cfg, allow_zero=True)
+
+
+def output_path(text: str) -> Path:
+    """``--out``: ``~`` expanded, and ``.``/``..`` collapsed as text (``a/sub/../x.png`` is ``a/x.png``).
+
+    Collapsed before anything is created: resolving ``..`` through the file system would first create ``a/sub``
+    and leave it behind, empty.
+    """
+    return Path(os.path.normpath(os.path.expanduser(text)))
 
 
 def resolve_source(args: argparse.Namespace) -> tuple[ModelSource, type]:
@@ -660,7 +704,7 @@ def _load_image(path: str) -> Any:
     from fastdit.io import load_image
 
     try:
-        return Image.fromarray(load_image(path))
+        return Image.fromarray(load_image(os.path.expanduser(path)))
     except (OSError, ValueError) as error:
         raise CLIError(f"argument --image: cannot read '{path}': {error}") from None
 
