@@ -21,6 +21,7 @@ from typing import Any, TextIO
 import torch
 
 from fastdit.bench import RunResult, compare_outputs, default_prompts, plain_options, run_variants, timed_load
+from fastdit.cache.policy import check_run_length
 from fastdit.cli import CLIError
 from fastdit.cli.fields import cli_error
 from fastdit.cli.options import (
@@ -39,7 +40,7 @@ from fastdit.cli.options import (
     resolve_dtype,
     resolve_source,
 )
-from fastdit.config import ATTENTION_BACKENDS, Attention, Compile, CudaGraph
+from fastdit.config import ATTENTION_BACKENDS, Attention, Compile, CudaGraph, DBCache
 from fastdit.errors import FieldError
 from fastdit.io import IMAGE_SUFFIXES, VIDEO_SUFFIXES
 from fastdit.process import is_main_process, process_count, process_group_scope
@@ -211,6 +212,13 @@ def _acceleration(args: argparse.Namespace, num_steps: int | None) -> dict[str, 
     return options
 
 
+def _check_step_mask(cache: Any, num_steps: int | None) -> None:
+    """Refuse a step mask laid out for fewer steps than the run before loading anything (the run would refuse it
+    at its first step; ``fastdit.cli.main`` names the flag that set the mask's ``num_steps``)."""
+    if num_steps is not None and isinstance(cache, DBCache):
+        check_run_length(cache.step_mask, num_steps)
+
+
 def _outputs(args: argparse.Namespace, count: int, video: bool) -> list[Path]:
     if args.out is None:
         return []
@@ -249,6 +257,7 @@ def plan_from_args(args: argparse.Namespace) -> GeneratePlan:
     num_steps = default_steps(pipeline_class, kwargs)
     cases = _cases(args, source, pipeline_class)
     acceleration = _acceleration(args, num_steps)
+    _check_step_mask(acceleration.get("cache"), num_steps)
     compare = args.compare if args.compare is not None else source.reference and bool(acceleration)
     if compare and not acceleration:
         raise CLIError("argument --compare: nothing to compare, ask for an acceleration (--cache, --compile, ...)")
