@@ -264,6 +264,12 @@ class DBPrune:
         )
 
 
+# Long enough for the legitimate waits of a healthy run — ranks joining after loading the weights at different
+# speeds, the first calls compiling or capturing graphs one rank ahead of another — and far shorter than torch's
+# 10 minutes (NCCL) or 30 (gloo), so a rank that stalls ends the run in minutes.
+DEFAULT_TIMEOUT_S = 300.0
+
+
 @dataclass(frozen=True, kw_only=True)
 class Parallel:
     """Degrees of parallelism. Their product must equal the number of processes (under ``torchrun``)."""
@@ -282,6 +288,11 @@ class Parallel:
     comm_fp8: bool = _doc(
         "Send Ulysses all-to-alls as float8 with per-tensor scales (lossy; half the bf16 bytes).", False
     )
+    timeout_s: float = _doc(
+        "Seconds a rank waits for the others (in a collective, or to join the process group) before the run fails "
+        "naming the ranks that did not answer; applies to the process groups fastdit creates.",
+        DEFAULT_TIMEOUT_S,
+    )
 
     def __post_init__(self) -> None:
         _check_fields(
@@ -294,6 +305,7 @@ class Parallel:
             vae=_BOOL,
             ulysses_chunks=_integer(1),
             comm_fp8=_BOOL,
+            timeout_s=_number(1),
         )
 
     @property
