@@ -8,8 +8,12 @@ from typing import Any
 
 import pytest
 
+from fastdit.cli import build_parser, main
 from fastdit.cli import generate as generate_module
-from fastdit.cli import main
+from fastdit.cli.distributed import EXIT_FAILED, EXIT_INTERRUPTED, report_stop
+from fastdit.cli.generate import plan_from_args
+from fastdit.config import DEFAULT_TIMEOUT_S
+from fastdit.parallel.failures import CollectiveError
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -42,3 +46,72 @@ def test_a_step_mask_shorter_than_the_run_is_refused_before_loading(
     (line,) = err.strip().splitlines()
     assert line.startswith("fastdit: error: argument --step-mask-num-steps 2: StepMask.num_steps=2: ")
     assert "this run has 3 steps" in line
+
+
+def _plan(*argv: str) -> Any:
+    return plan_from_args(build_parser().parse_args(["generate", *argv]))
+
+
+def test_dist_timeout_sets_parallel_timeout_s(tiny_flux_dir: Path) -> None:
+    plan = _plan("--model-path", str(tiny_flux_dir), "--prompt", "a", *TINY, "--parallel", "ulysses=1")
+    assert plan.acceleration["parallel"].timeout_s == DEFAULT_TIMEOUT_S
+    plan = _plan(
+        "--model-path", str(tiny_flux_dir), "--prompt", "a", *TINY, "--parallel", "ulysses=1", "--dist-timeout", "7.5"
+    )
+    assert plan.acceleration["parallel"].timeout_s == 7.5
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--dist-timeout", "5"], "argument --dist-timeout: applies only to a run with --parallel"),
+        (
+            ["--parallel", "ulysses=1", "--dist-timeout", "0"],
+            "argument --dist-timeout 0: Parallel.timeout_s=0.0: must be a finite number >= 1",
+        ),
+    ],
+)
+def test_bad_dist_timeout_is_one_line(
+    argv: list[str], message: str, tiny_flux_dir: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _never_load(monkeypatch)
+    code, stdout, err = _run(capsys, "--model-path", str(tiny_flux_dir), "--prompt", "a", *TINY, *argv)
+    assert code == 2 and stdout == ""
+    assert err.strip().splitlines() == [f"fastdit: error: {message}"]
+
+
+def _timeout(unanswered: list[int] | None) -> CollectiveError:
+    cause = "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation to complete"
+    return CollectiveError(rank=0, world_size=4, kind="timeout", timeout_s=3.0, unanswered=unanswered, cause=cause)
+
+
+@pytest.mark.parametrize(
+    ("stop", "code", "line"),
+    [
+        (
+            _timeout([2]),
+            EXIT_FAILED,
+            "fastdit: error: rank 0 of 4: a collective timed out after 3 s: rank 2 stopped answering (stalled, "
+            "stopped, or still busy elsewhere); --dist-timeout sets how long ranks wait",
+        ),
+        (
+            CollectiveError(rank=1, world_size=2, kind="left", timeout_s=None, unanswered=[0], cause="reset"),
+            EXIT_FAILED,
+            "fastdit: error: rank 1 of 2: rank 0 left the run during a collective (killed, interrupted or ended by "
+            "its own error: see its output)",
+        ),
+        (KeyboardInterrupt(), EXIT_INTERRUPTED, "fastdit: interrupted (rank 1 of 2)"),
+    ],
+)
+def test_a_lost_rank_or_an_interrupt_under_torchrun_is_one_line(
+    stop: BaseException, code: int, line: str, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert report_stop(stop) == code
+    assert capsys.readouterr().err.splitlines() == [line]
+
+
+def test_an_interrupt_of_one_process_is_left_to_the_command_line() -> None:
+    with pytest.raises(KeyboardInterrupt):
+        report_stop(KeyboardInterrupt())

@@ -23,6 +23,7 @@ import torch
 from fastdit.bench import RunResult, compare_outputs, default_prompts, plain_options, run_variants, timed_load
 from fastdit.cache.policy import check_run_length
 from fastdit.cli import CLIError
+from fastdit.cli.distributed import add_timeout_argument, report_stop, with_timeout
 from fastdit.cli.fields import cli_error
 from fastdit.cli.options import (
     add_cache_arguments,
@@ -43,6 +44,7 @@ from fastdit.cli.options import (
 from fastdit.config import ATTENTION_BACKENDS, Attention, Compile, CudaGraph, DBCache
 from fastdit.errors import FieldError
 from fastdit.io import IMAGE_SUFFIXES, VIDEO_SUFFIXES
+from fastdit.parallel.failures import CollectiveError, collective_failures
 from fastdit.process import is_main_process, process_count, process_group_scope
 from fastdit.session import (
     Case,
@@ -94,6 +96,7 @@ def _add_acceleration_arguments(parser: argparse.ArgumentParser) -> None:
         help="degrees as key=value pairs, e.g. ulysses=2,ring=1 (keys: ulysses, ring, tp, cfg, text_encoder, vae); "
         "their product must equal the number of processes (torchrun)",
     )
+    add_timeout_argument(group)
     group.add_argument("--compile", action="store_true", help="torch.compile the transformer blocks")
     group.add_argument(
         "--cuda-graph",
@@ -199,7 +202,9 @@ def _acceleration(args: argparse.Namespace, num_steps: int | None) -> dict[str, 
             num_processes = process_count()
         except FieldError as error:  # a malformed WORLD_SIZE
             raise cli_error(error) from None
-        options["parallel"] = parse_parallel(args.parallel, num_processes)
+        options["parallel"] = with_timeout(args, parse_parallel(args.parallel, num_processes))
+    else:
+        with_timeout(args, None)  # refuses --dist-timeout alone
     if args.compile:
         options["compile"] = Compile()
     if args.cuda_graph:  # graphs without dynamo unless --compile is given too
@@ -421,16 +426,22 @@ def run(args: argparse.Namespace) -> int:
         args: Parsed arguments of the ``generate`` command.
 
     Returns:
-        0 on success.
+        0 on success; under ``torchrun``, 1 when a collective lost a rank and 130 when interrupted (after one line
+        on stderr per rank).
 
     Raises:
         CLIError: On bad input (before anything is written).
     """
     plan = plan_from_args(args)
     main = is_main_process()
-    # The process group that accelerating with --parallel starts under torchrun ends once the runs are done.
-    with process_group_scope():
-        done = execute(plan, progress=main and not args.quiet, track_memory=args.track_memory)
+    parallel = plan.acceleration.get("parallel")
+    try:
+        # The process group that accelerating with --parallel starts under torchrun ends once the runs are done;
+        # a collective that lost a rank is explained while the group still exists.
+        with process_group_scope(), collective_failures(parallel.timeout_s if parallel else None):
+            done = execute(plan, progress=main and not args.quiet, track_memory=args.track_memory)
+    except (CollectiveError, KeyboardInterrupt) as stop:
+        return report_stop(stop)
     if main and plan.outputs:
         for path, output in zip(plan.outputs, done.result.outputs, strict=True):
             save_output(path, output, fps=args.fps)
