@@ -3,6 +3,12 @@ that loses a rank (timeout, interrupt) ends: one line per rank, never a raw back
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -115,3 +121,66 @@ def test_a_lost_rank_or_an_interrupt_under_torchrun_is_one_line(
 def test_an_interrupt_of_one_process_is_left_to_the_command_line() -> None:
     with pytest.raises(KeyboardInterrupt):
         report_stop(KeyboardInterrupt())
+
+
+def _children(pid: int) -> dict[int, int]:
+    """The processes ``torchrun`` (``pid``) started, by their ``RANK``."""
+    ranks = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):  # gone meanwhile, or not ours to read
+            continue
+        rank = [item[5:] for item in environ if item.startswith(b"RANK=")]
+        if parent == pid and rank:
+            ranks[int(rank[0])] = int(entry.name)
+    return ranks
+
+
+def _interrupted_torchrun(tiny_flux_dir: Path, logs: Path, target: str) -> dict[int, list[str]]:
+    """Start a long 2-rank run, SIGINT ``target`` ("torchrun", as Ctrl-C does, or "rank1") mid-denoising; return
+    each rank's stderr lines (torchrun's own stay apart: ``--redirects`` sends the ranks' to files)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(name, None)
+    command = [
+        *(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"),
+        *("--log-dir", str(logs), "--redirects", "3", "-m", "fastdit", "generate"),
+        *("--model-path", str(tiny_flux_dir), "--prompt", "a cat", "--height", "32", "--width", "32"),
+        *("--steps", "5000", "--parallel", "ulysses=2"),
+    ]
+    launcher = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 180
+        while not any("/5000 [" in p.read_text() for p in logs.glob("**/0/stderr.log")):  # rank 0's progress bar
+            assert launcher.poll() is None and time.monotonic() < deadline, "the run did not reach its steps"
+            time.sleep(0.2)
+        victim = launcher.pid if target == "torchrun" else _children(launcher.pid)[1]
+        os.kill(victim, signal.SIGINT)
+        launcher.wait(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode != 0
+    return {
+        int(path.parent.name): [line.strip() for line in re.split(r"[\r\n]", path.read_text()) if line.strip()]
+        for path in logs.glob("**/stderr.log")
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["torchrun", "rank1"])
+def test_an_interrupted_torchrun_ends_each_rank_with_one_line(tiny_flux_dir: Path, tmp_path: Path, target: str) -> None:
+    lines = _interrupted_torchrun(tiny_flux_dir, tmp_path / "logs", target)
+    assert sorted(lines) == [0, 1]
+    for rank, output in lines.items():
+        assert not [line for line in output if "Traceback" in line or "gloo" in line], output
+        ours = [line for line in output if line.startswith("fastdit:")]
+        interrupted = f"fastdit: interrupted (rank {rank} of 2)"
+        assert len(ours) == 1 and (ours[0] == interrupted or ours[0].startswith(f"fastdit: error: rank {rank} of 2: "))
+    if target == "rank1":  # the survivor says who left, instead of the backend's socket error
+        assert lines[1][-1] == "fastdit: interrupted (rank 1 of 2)"
+        assert lines[0][-1].startswith("fastdit: error: rank 0 of 2: rank 1 left the run during a collective")
