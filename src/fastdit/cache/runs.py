@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from fastdit.cache.state import RunTracker
 
-__all__ = ["reset_on_new_schedule", "scheduled_steps"]
+__all__ = ["Resettable", "reset_on_new_schedule", "scheduled_steps"]
 
 
 def scheduled_steps(scheduler: Any) -> int | None:
@@ -36,8 +36,16 @@ def scheduled_steps(scheduler: Any) -> int | None:
     return count - begin if isinstance(begin, int) and 0 <= begin <= count else count
 
 
-def reset_on_new_schedule(pipeline: Any, trackers: Sequence[RunTracker]) -> Callable[[], None] | None:
+class Resettable(Protocol):
+    """Per-run state that a new run clears (a :class:`RunTracker`, a once-per-run check)."""
+
+    def reset(self) -> None: ...
+
+
+def reset_on_new_schedule(pipeline: Any, trackers: Sequence[Resettable]) -> Callable[[], None] | None:
     """End the trackers' runs whenever ``pipeline``'s scheduler sets new timesteps; return the undo.
+
+    :class:`RunTracker` s also learn how many steps the new run has (:attr:`RunTracker.schedule`).
 
     Returns ``None`` (nothing installed) for a bare module or a pipeline without a scheduler; the trackers' own
     run detection (timestep direction, input shapes) then remains the only boundary.
@@ -51,14 +59,15 @@ def reset_on_new_schedule(pipeline: Any, trackers: Sequence[RunTracker]) -> Call
     # Pipelines inspect set_timesteps' signature for the arguments it takes (sigmas, mu ...): keep it visible.
     # With several denoisers (Wan 2.2's two experts) each one runs only part of the schedule: its length says
     # nothing about one denoiser's steps, and only their own step counters check the mask.
-    schedule = functools.partial(scheduled_steps, scheduler) if len(trackers) == 1 else None
+    runs = [tracker for tracker in trackers if isinstance(tracker, RunTracker)]
+    schedule = functools.partial(scheduled_steps, scheduler) if len(runs) == 1 else None
 
     @functools.wraps(original)
     def set_timesteps(*args: Any, **kwargs: Any) -> Any:
         for tracker in trackers:
             tracker.reset()
         result = original(*args, **kwargs)
-        for tracker in trackers:
+        for tracker in runs:
             tracker.schedule = schedule
         return result
 
