@@ -13,6 +13,7 @@ run's first step instead of part-way through (:func:`scheduled_steps`).
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -42,6 +43,41 @@ class Resettable(Protocol):
     def reset(self) -> None: ...
 
 
+class _ResetOnNewSchedule:
+    """A scheduler's ``set_timesteps`` (set on the instance) that first ends the trackers' runs.
+
+    A deep copy of the scheduler (LTX-2 copies the pipeline's scheduler for its audio latents) gets its class's
+    plain ``set_timesteps`` bound to the copy: a copied wrapper would still call the original scheduler's method,
+    so the copy would never get timesteps of its own and the original would be set twice.
+    """
+
+    def __init__(
+        self, scheduler: Any, original: Callable[..., Any], trackers: Sequence[Resettable], runs: list[RunTracker]
+    ) -> None:
+        functools.update_wrapper(self, original)  # pipelines inspect the signature (sigmas, mu ...): keep it visible
+        self.scheduler = scheduler
+        self.original = original
+        self.trackers = list(trackers)
+        self.runs = runs
+        # With several denoisers (Wan 2.2's two experts) each one runs only part of the schedule: its length says
+        # nothing about one denoiser's steps, and only their own step counters check the mask.
+        self.schedule = functools.partial(scheduled_steps, scheduler) if len(runs) == 1 else None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        for tracker in self.trackers:
+            tracker.reset()
+        result = self.original(*args, **kwargs)
+        for tracker in self.runs:
+            tracker.schedule = self.schedule
+        return result
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        copy = memo.get(id(self.scheduler))
+        if copy is None:  # the wrapper copied on its own, not as part of its scheduler
+            return self
+        return types.MethodType(type(copy).set_timesteps, copy)
+
+
 def reset_on_new_schedule(pipeline: Any, trackers: Sequence[Resettable]) -> Callable[[], None] | None:
     """End the trackers' runs whenever ``pipeline``'s scheduler sets new timesteps; return the undo.
 
@@ -55,23 +91,8 @@ def reset_on_new_schedule(pipeline: Any, trackers: Sequence[Resettable]) -> Call
     if scheduler is None or not callable(original) or not trackers:
         return None
     own = "set_timesteps" in vars(scheduler)  # someone set an instance attribute before us: put it back on undo
-
-    # Pipelines inspect set_timesteps' signature for the arguments it takes (sigmas, mu ...): keep it visible.
-    # With several denoisers (Wan 2.2's two experts) each one runs only part of the schedule: its length says
-    # nothing about one denoiser's steps, and only their own step counters check the mask.
     runs = [tracker for tracker in trackers if isinstance(tracker, RunTracker)]
-    schedule = functools.partial(scheduled_steps, scheduler) if len(runs) == 1 else None
-
-    @functools.wraps(original)
-    def set_timesteps(*args: Any, **kwargs: Any) -> Any:
-        for tracker in trackers:
-            tracker.reset()
-        result = original(*args, **kwargs)
-        for tracker in runs:
-            tracker.schedule = schedule
-        return result
-
-    scheduler.set_timesteps = set_timesteps
+    scheduler.set_timesteps = _ResetOnNewSchedule(scheduler, original, trackers, runs)
 
     def undo() -> None:
         if own:
