@@ -92,7 +92,28 @@ def _peer_left(rank: int, world_size: int) -> None:
         fastdit.disable(pipe)
 
 
+def _short_mask(rank: int, world_size: int) -> None:
+    """A step mask laid out for 2 steps, a run of 3, the sequence split over the ranks."""
+    pipe = _tiny_pipeline()
+    mask = fastdit.StepMask.preset("fast", 2)
+    cache = fastdit.DBCache(fn=1, bn=0, warmup_steps=0, step_mask=mask)
+    fastdit.accelerate(pipe, parallel=fastdit.Parallel(ulysses=world_size), cache=cache)
+    try:
+        pipe(**{**TINY_CALL, "num_inference_steps": 3}, generator=torch.Generator().manual_seed(0))
+    finally:
+        fastdit.disable(pipe)
+
+
 # --- tests ---
+
+
+def test_a_step_mask_shorter_than_the_run_is_refused_alike_on_every_rank(dist2: WorkerPool) -> None:
+    with pytest.raises(DistributedTestError) as info:
+        dist2.run(_short_mask, timeout=90)
+    assert sorted(info.value.failures) == [0, 1] and not info.value.unfinished
+    assert set(info.value.exc_types.values()) == {"fastdit.errors.FieldError"}
+    (message,) = {failure.message for failure in info.value.failures.values()}
+    assert message.startswith("StepMask.num_steps=2: the mask was laid out for a run of 2 steps, this run has 3")
 
 
 def test_sub_groups_wait_parallel_timeout_s_not_torch_default(dist2: WorkerPool) -> None:
@@ -100,7 +121,7 @@ def test_sub_groups_wait_parallel_timeout_s_not_torch_default(dist2: WorkerPool)
     with pytest.raises(DistributedTestError) as info:
         dist2.run(_stall_in_a_sub_group, 2.0, timeout=60)
     seconds, kind, message = _timed(info.value.failures[0].message)
-    assert kind == "RuntimeError" and "TimedError out" in message
+    assert kind == "RuntimeError" and "Timed out" in message
     assert 1.5 < seconds < 5
 
 
