@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -140,9 +141,19 @@ def _children(pid: int) -> dict[int, int]:
     return ranks
 
 
-def _interrupted_torchrun(tiny_flux_dir: Path, logs: Path, target: str) -> dict[int, list[str]]:
-    """Start a long 2-rank run, SIGINT ``target`` ("torchrun", as Ctrl-C does, or "rank1") mid-denoising; return
-    each rank's stderr lines (torchrun's own stay apart: ``--redirects`` sends the ranks' to files)."""
+def _rank_lines(logs: Path) -> dict[int, list[str]]:
+    """Each rank's stderr lines so far (``--redirects`` sends them to files, apart from torchrun's own)."""
+    return {
+        int(path.parent.name): [line.strip() for line in re.split(r"[\r\n]", path.read_text()) if line.strip()]
+        for path in logs.glob("**/stderr.log")
+    }
+
+
+def _torchrun_until(
+    tiny_flux_dir: Path, logs: Path, act: Callable[[subprocess.Popen], None], *flags: str
+) -> dict[int, list[str]]:
+    """Start a long 2-rank run, call ``act`` with the launcher once rank 0 denoises, wait for the end; return each
+    rank's stderr lines."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(name, None)
@@ -150,37 +161,64 @@ def _interrupted_torchrun(tiny_flux_dir: Path, logs: Path, target: str) -> dict[
         *(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"),
         *("--log-dir", str(logs), "--redirects", "3", "-m", "fastdit", "generate"),
         *("--model-path", str(tiny_flux_dir), "--prompt", "a cat", "--height", "32", "--width", "32"),
-        *("--steps", "5000", "--parallel", "ulysses=2"),
+        *("--steps", "5000", "--parallel", "ulysses=2", *flags),
     ]
     launcher = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 180
-        while not any("/5000 [" in p.read_text() for p in logs.glob("**/0/stderr.log")):  # rank 0's progress bar
+        while not any("/5000 [" in line for line in _rank_lines(logs).get(0, [])):  # rank 0's progress bar
             assert launcher.poll() is None and time.monotonic() < deadline, "the run did not reach its steps"
             time.sleep(0.2)
-        victim = launcher.pid if target == "torchrun" else _children(launcher.pid)[1]
-        os.kill(victim, signal.SIGINT)
+        act(launcher)
         launcher.wait(timeout=60)
     finally:
         if launcher.poll() is None:
             launcher.kill()
     assert launcher.returncode != 0
-    return {
-        int(path.parent.name): [line.strip() for line in re.split(r"[\r\n]", path.read_text()) if line.strip()]
-        for path in logs.glob("**/stderr.log")
-    }
+    return _rank_lines(logs)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("target", ["torchrun", "rank1"])
-def test_an_interrupted_torchrun_ends_each_rank_with_one_line(tiny_flux_dir: Path, tmp_path: Path, target: str) -> None:
-    lines = _interrupted_torchrun(tiny_flux_dir, tmp_path / "logs", target)
+def _assert_one_line_each(lines: dict[int, list[str]]) -> None:
     assert sorted(lines) == [0, 1]
     for rank, output in lines.items():
         assert not [line for line in output if "Traceback" in line or "gloo" in line], output
         ours = [line for line in output if line.startswith("fastdit:")]
         interrupted = f"fastdit: interrupted (rank {rank} of 2)"
         assert len(ours) == 1 and (ours[0] == interrupted or ours[0].startswith(f"fastdit: error: rank {rank} of 2: "))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["torchrun", "rank1"])
+def test_an_interrupted_torchrun_ends_each_rank_with_one_line(tiny_flux_dir: Path, tmp_path: Path, target: str) -> None:
+    """Ctrl-C reaches torchrun, which passes SIGINT to every rank; or one rank alone is interrupted."""
+
+    def interrupt(launcher: subprocess.Popen) -> None:
+        os.kill(launcher.pid if target == "torchrun" else _children(launcher.pid)[1], signal.SIGINT)
+
+    lines = _torchrun_until(tiny_flux_dir, tmp_path / "logs", interrupt)
+    _assert_one_line_each(lines)
     if target == "rank1":  # the survivor says who left, instead of the backend's socket error
         assert lines[1][-1] == "fastdit: interrupted (rank 1 of 2)"
         assert lines[0][-1].startswith("fastdit: error: rank 0 of 2: rank 1 left the run during a collective")
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_under_torchrun_ends_its_peer_after_dist_timeout(tiny_flux_dir: Path, tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    waited: list[float] = []
+
+    def stop_rank_1(launcher: subprocess.Popen) -> None:
+        stopped = _children(launcher.pid)[1]
+        os.kill(stopped, signal.SIGSTOP)
+        start = time.monotonic()
+        while not any(line.startswith("fastdit:") for line in _rank_lines(logs).get(0, [])):
+            assert time.monotonic() - start < 60, "rank 0 kept waiting"
+            time.sleep(0.1)
+        waited.append(time.monotonic() - start)
+        os.kill(stopped, signal.SIGKILL)  # torchrun would wait 30 s for a stopped rank to honour its SIGTERM
+
+    lines = _torchrun_until(tiny_flux_dir, logs, stop_rank_1, "--dist-timeout", "3")
+    assert 2.5 < waited[0] < 3.0 + 1.0 + 3.0  # the timeout, the answer grace, slack for a busy machine
+    (line,) = [line for line in lines[0] if line.startswith("fastdit:")]
+    assert line.startswith("fastdit: error: rank 0 of 2: a collective timed out after 3 s: rank 1 stopped answering")
+    assert line.endswith("--dist-timeout sets how long ranks wait")
