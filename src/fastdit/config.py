@@ -16,6 +16,7 @@ from typing import Any, Literal
 from fastdit.errors import FieldError, FieldsError
 
 __all__ = [
+    "DEFAULT_TIMEOUT_S",
     "Attention",
     "Compile",
     "CudaGraph",

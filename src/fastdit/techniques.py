@@ -6,10 +6,9 @@ module is touched) and its ``apply`` (which records an undo, and any state it ke
 
 The order is the *application* order: tensor parallel → context parallel → the input check of the ranks that share
 a sample → CFG parallel → cache → compile → CUDA graphs, then the text-encoder and VAE techniques on their own
-modules. Later entries may read what earlier ones
-recorded (the cache reads the split layout's process groups through the runtime, graphs key block calls on the
-split layout). How the hooks of different techniques *nest* on one module does not depend on this order: that is
-the layer table of :mod:`fastdit.hooks.layers`.
+modules. Later entries may read what earlier ones recorded (the cache reads the split layout's process groups
+through the runtime, graphs key block calls on the split layout). How the hooks of different techniques *nest* on
+one module does not depend on this order: that is the layer table of :mod:`fastdit.hooks.layers`.
 
 Adding a technique is one entry here plus its own module with an ``apply_<technique>(module, plan, config)``.
 """

@@ -41,7 +41,7 @@ from fastdit.cli.options import (
     resolve_dtype,
     resolve_source,
 )
-from fastdit.config import ATTENTION_BACKENDS, Attention, Compile, CudaGraph, DBCache
+from fastdit.config import ATTENTION_BACKENDS, Attention, Compile, CudaGraph, DBCache, DBPrune
 from fastdit.errors import FieldError
 from fastdit.io import IMAGE_SUFFIXES, VIDEO_SUFFIXES
 from fastdit.parallel.failures import CollectiveError, collective_failures
@@ -217,7 +217,7 @@ def _acceleration(args: argparse.Namespace, num_steps: int | None) -> dict[str, 
     return options
 
 
-def _check_step_mask(cache: Any, num_steps: int | None) -> None:
+def _check_step_mask(cache: DBCache | DBPrune | None, num_steps: int | None) -> None:
     """Refuse a step mask laid out for fewer steps than the run before loading anything (the run would refuse it
     at its first step; ``fastdit.cli.main`` names the flag that set the mask's ``num_steps``)."""
     if num_steps is not None and isinstance(cache, DBCache):
