@@ -79,3 +79,38 @@ def test_a_mask_without_num_steps_keeps_its_meaning_beyond_its_steps() -> None:
     finally:
         fastdit.disable(model)
     assert branch["cached_steps"] == [1, 3, 4, 5]
+
+
+def _families() -> list[str]:
+    from fastdit.models.registry import all_adapters
+
+    return [adapter.family for adapter in all_adapters() if adapter.tiny_pipelines]
+
+
+@pytest.mark.parametrize("family", _families())
+def test_every_family_runs_its_mask_and_refuses_a_longer_run_up_front(family: str) -> None:
+    """The scheduler's count never exceeds the real one (a run the mask fits is never refused) and tells every
+    family's longer run before its first transformer call."""
+    pipe, tiny = build_tiny(family)
+    steps = tiny.call_kwargs.get("num_inference_steps", 2)
+    transformer = next(m for name, m in pipe.components.items() if name.startswith("transformer") and m is not None)
+    calls = _count_calls(transformer)
+    fastdit.accelerate(pipe, cache=_cache(fastdit.StepMask.preset("fast", steps)))
+    try:
+        run_tiny(pipe, tiny, num_inference_steps=steps)
+        done = len(calls)
+        with pytest.raises(FieldError, match=rf"StepMask.num_steps={steps}: .*this run has {steps + 1} steps"):
+            run_tiny(pipe, tiny, num_inference_steps=steps + 1)
+    finally:
+        fastdit.disable(pipe)
+    assert done >= steps and len(calls) == done
+
+
+def test_a_schedule_listing_a_timestep_it_never_runs_is_not_refused() -> None:
+    """Sana Sprint's SCM schedule has 3 timesteps for 2 steps (the last is never called): a 2-step mask fits."""
+    pipe, tiny = build_tiny("sana", "sprint")
+    fastdit.accelerate(pipe, cache=_cache(fastdit.StepMask.preset("fast", 2)))
+    try:
+        run_tiny(pipe, tiny, num_inference_steps=2)
+    finally:
+        fastdit.disable(pipe)

@@ -23,18 +23,26 @@ __all__ = ["Resettable", "reset_on_new_schedule", "scheduled_steps"]
 
 
 def scheduled_steps(scheduler: Any) -> int | None:
-    """How many denoiser calls per branch the scheduler's current timesteps give (``None`` if it does not say).
+    """At most how many denoiser calls per branch the scheduler's current schedule gives (``None``: it does not say).
 
-    One call per timestep (second-order samplers list the intermediate ones too), from the begin index that
-    image-to-image pipelines set to skip the first timesteps (``strength``).
+    A lower bound of the run's real length, never above it, so a run it refuses is longer than the mask for sure
+    (the step counter refuses the rest exactly): at most one call per timestep and per inference step — Sana
+    Sprint's SCM schedule lists a final timestep its pipeline never calls, second-order samplers list their
+    intermediate ones — from the begin index image-to-image pipelines set to skip the first steps (``strength``).
     """
     timesteps = getattr(scheduler, "timesteps", None)
     try:
         count = len(timesteps)
     except TypeError:  # not set yet, or not a sequence
         return None
+    steps = getattr(scheduler, "num_inference_steps", None)
+    if isinstance(steps, int) and steps > 0:
+        count = min(count, steps)
     begin = getattr(scheduler, "begin_index", None)
-    return count - begin if isinstance(begin, int) and 0 <= begin <= count else count
+    order = getattr(scheduler, "order", 1)
+    if isinstance(begin, int) and begin > 0 and isinstance(order, int) and order > 0:
+        count -= begin // order  # the begin index counts timesteps, ``order`` of them per step
+    return max(count, 0)
 
 
 class Resettable(Protocol):
