@@ -16,6 +16,7 @@ from typing import Any, Literal
 from fastdit.errors import FieldError, FieldsError
 
 __all__ = [
+    "DEFAULT_TIMEOUT_S",
     "Attention",
     "Compile",
     "CudaGraph",
@@ -149,17 +150,33 @@ class StepMask:
 
     With ``policy="static"`` every step in ``compute_steps`` computes and every other step is served from the cache.
     With ``policy="dynamic"`` the listed steps compute and the others fall back to the residual-difference test.
+
+    A mask that knows the run it was laid out for (``num_steps``, set by :meth:`preset`) refuses a longer run: the
+    steps past its end would otherwise all be cached (static) or tested (dynamic) without the mask's last computed
+    steps, which loses several dB of quality without a word. A mask without ``num_steps`` applies to any run.
     """
 
     compute_steps: tuple[int, ...] = _doc("Step indices (0-based) that always compute.", ())
     policy: Literal["static", "dynamic"] = _doc("'static' caches every other step; 'dynamic' tests them.", "dynamic")
+    num_steps: int | None = _doc(
+        "Steps of the run the mask was laid out for; a longer run is refused (None: any run, steps past the listed "
+        "ones follow the policy).",
+        None,
+    )
 
     def __post_init__(self) -> None:
         steps = self.compute_steps
         if isinstance(steps, Iterable) and not isinstance(steps, (str, bytes)):
             # Lists and ranges are natural to write; the frozen config keeps a tuple so it stays hashable.
             object.__setattr__(self, "compute_steps", tuple(steps))
-        _check_fields(self, compute_steps=_STEPS, policy=_one_of("static", "dynamic"))
+        _check_fields(self, compute_steps=_STEPS, policy=_one_of("static", "dynamic"), num_steps=_optional(_integer(1)))
+        beyond = [s for s in self.compute_steps if self.num_steps is not None and s >= self.num_steps]
+        if beyond:
+            raise FieldsError(
+                "StepMask",
+                {"compute_steps": self.compute_steps, "num_steps": self.num_steps},
+                f"steps {beyond} are past the end of a run of {self.num_steps} steps (indices are 0-based)",
+            )
 
     @classmethod
     def preset(cls, name: str, num_steps: int, *, policy: Literal["static", "dynamic"] = "static") -> StepMask:
@@ -170,7 +187,7 @@ class StepMask:
 
         Args:
             name: One of ``slow``, ``medium``, ``fast``, ``ultra``.
-            num_steps: Number of denoising steps of the run.
+            num_steps: Number of denoising steps of the run; the mask records it and refuses longer runs.
             policy: ``static`` (the mask alone decides) or ``dynamic``.
         """
         _one_of(*STEP_MASK_PRESETS).check("StepMask", "preset", name)
@@ -178,7 +195,7 @@ class StepMask:
         head, every = {"slow": (4, 2), "medium": (4, 3), "fast": (3, 4), "ultra": (2, 6)}[name]
         head = min(head, num_steps)
         steps = set(range(head)) | set(range(head, num_steps, every)) | {num_steps - 1}
-        return cls(compute_steps=tuple(sorted(steps)), policy=policy)
+        return cls(compute_steps=tuple(sorted(steps)), policy=policy, num_steps=num_steps)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -248,6 +265,12 @@ class DBPrune:
         )
 
 
+# Long enough for the legitimate waits of a healthy run — ranks joining after loading the weights at different
+# speeds, the first calls compiling or capturing graphs one rank ahead of another — and far shorter than torch's
+# 10 minutes (NCCL) or 30 (gloo), so a rank that stalls ends the run in minutes.
+DEFAULT_TIMEOUT_S = 300.0
+
+
 @dataclass(frozen=True, kw_only=True)
 class Parallel:
     """Degrees of parallelism. Their product must equal the number of processes (under ``torchrun``)."""
@@ -266,6 +289,11 @@ class Parallel:
     comm_fp8: bool = _doc(
         "Send Ulysses all-to-alls as float8 with per-tensor scales (lossy; half the bf16 bytes).", False
     )
+    timeout_s: float = _doc(
+        "Seconds a rank waits for the others (in a collective, or to join the process group) before the run fails "
+        "naming the ranks that did not answer; applies to the process groups fastdit creates.",
+        DEFAULT_TIMEOUT_S,
+    )
 
     def __post_init__(self) -> None:
         _check_fields(
@@ -278,6 +306,7 @@ class Parallel:
             vae=_BOOL,
             ulysses_chunks=_integer(1),
             comm_fp8=_BOOL,
+            timeout_s=_number(1),
         )
 
     @property

@@ -40,6 +40,11 @@ class Request:
         return self.parallel is not None and self.parallel.ulysses * self.parallel.ring > 1
 
     @property
+    def shares_samples(self) -> bool:
+        """Whether several ranks compute one sample together (context or tensor parallel degree > 1)."""
+        return self.parallel is not None and self.parallel.ulysses * self.parallel.ring * self.parallel.tp > 1
+
+    @property
     def distributed(self) -> bool:
         """Whether a process group is needed (any degree > 1)."""
         return self.parallel is not None and self.parallel.world_size > 1

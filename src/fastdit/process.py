@@ -16,9 +16,11 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Mapping
+from datetime import timedelta
 
 import torch
 
+from fastdit.config import DEFAULT_TIMEOUT_S
 from fastdit.errors import FieldError
 
 __all__ = [
@@ -135,10 +137,14 @@ def synchronize(device: torch.device | str, *, barrier: bool = False) -> None:
         dist.barrier()
 
 
-def join_process_group(device: torch.device | str) -> bool:
+def join_process_group(device: torch.device | str, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
     """Create the default process group from ``torchrun``'s variables, unless there is one or no launcher.
 
     NCCL on a CUDA device (which becomes this process's current device), gloo on the CPU.
+
+    Args:
+        device: This process's device.
+        timeout_s: How long the group's collectives wait for the other ranks (as :attr:`Parallel.timeout_s`).
 
     Returns:
         Whether this call created the group (then the caller ends it, e.g. through :func:`process_group_scope`).
@@ -150,7 +156,7 @@ def join_process_group(device: torch.device | str) -> bool:
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(dist.get_default_backend_for_device(device))
+    dist.init_process_group(dist.get_default_backend_for_device(device), timeout=timedelta(seconds=timeout_s))
     return True
 
 

@@ -4,11 +4,11 @@ Each entry declares which request field turns it on, its checks (run for every r
 module is touched) and its ``apply`` (which records an undo, and any state it keeps, in the :class:`Context`).
 :func:`fastdit.accelerate` walks the tuple in order; :func:`fastdit.disable` undoes the records in reverse.
 
-The order is the *application* order: tensor parallel → context parallel → CFG parallel → cache → compile → CUDA
-graphs, then the text-encoder and VAE techniques on their own modules. Later entries may read what earlier ones
-recorded (the cache reads the split layout's process groups through the runtime, graphs key block calls on the
-split layout). How the hooks of different techniques *nest* on one module does not depend on this order: that is
-the layer table of :mod:`fastdit.hooks.layers`.
+The order is the *application* order: tensor parallel → context parallel → the input check of the ranks that share
+a sample → CFG parallel → cache → compile → CUDA graphs, then the text-encoder and VAE techniques on their own
+modules. Later entries may read what earlier ones recorded (the cache reads the split layout's process groups
+through the runtime, graphs key block calls on the split layout). How the hooks of different techniques *nest* on
+one module does not depend on this order: that is the layer table of :mod:`fastdit.hooks.layers`.
 
 Adding a technique is one entry here plus its own module with an ``apply_<technique>(module, plan, config)``.
 """
@@ -123,6 +123,37 @@ class _ContextParallel:
             context.add(self.name, item.name, applied.undo, applied.state)
 
 
+class _InputCheck:
+    """Equal inputs on the ranks that compute one sample, checked at each run's first transformer call."""
+
+    name = "input_check"
+    needs_components = True
+
+    def requested(self, request: Request) -> bool:
+        return request.shares_samples
+
+    def check(self, request: Request, components: Components) -> None:
+        pass  # nothing can be wrong before the first call
+
+    def apply(self, context: Context) -> None:
+        from fastdit.cache.runs import reset_on_new_schedule
+        from fastdit.parallel.input_check import install_input_check
+
+        runtime = context.runtime
+        group = None if runtime is None else runtime.sample_group()
+        if group is None:  # one rank per sample after all: nothing to compare
+            return
+        hooks = []
+        for item in context.components.denoisers:
+            hook, undo = install_input_check(item.module, group, runtime.device, item.name)
+            context.add(self.name, item.name, undo, hook)
+            hooks.append(hook)
+        # A call that raised never reaches the pipeline's end-of-call reset: the next one's schedule starts a run.
+        undo = reset_on_new_schedule(context.components.pipeline, hooks)
+        if undo is not None:
+            context.add("input_check.runs", "scheduler", undo)
+
+
 class _Cache:
     needs_components = True
     name = "cache"
@@ -209,6 +240,7 @@ class _CudaGraph:
 TECHNIQUES: tuple[Technique, ...] = (
     _Unavailable("tensor_parallel", "tp", "tp"),
     _ContextParallel(),
+    _InputCheck(),
     _Unavailable("cfg_parallel", "cfg", "cfg"),
     _Cache(),
     _Compile(),

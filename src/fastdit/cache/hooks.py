@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fastdit.cache.policy import Reducer, decide
+from fastdit.cache.policy import Reducer, check_run_length, decide
 from fastdit.cache.state import BranchState, RunTracker, SegmentMemory
 from fastdit.cache.taylorseer import taylor_predict, taylor_update
 from fastdit.config import DBCache
@@ -67,7 +67,19 @@ class CacheEngine:
         return len(self.slots)
 
     def begin_call(self, context: str, timestep: float | None, signature: tuple) -> None:
+        """Start a transformer call: find its branch and step; refuse a step the step mask does not cover.
+
+        Raises:
+            FieldError: ``StepMask.num_steps`` is shorter than the run (the whole scheduled run, checked at its
+                first step, or the step counter, which is equal on every rank).
+        """
         state = self.tracker.begin_call(context, timestep, signature)
+        mask = self.config.step_mask
+        if state.step == 0 and self.tracker.schedule is not None:
+            scheduled = self.tracker.schedule()
+            if scheduled is not None:
+                check_run_length(mask, scheduled)
+        check_run_length(mask, state.step + 1, reached=True)
         state.blocks_total += self.num_blocks
         state.computing = True
 
@@ -99,8 +111,8 @@ class TransformerCacheHook(layers.LayerHook):
 
     def around(self, inner: Callable[..., Any], module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         signature = tuple(tuple(a.shape) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
-        self.engine.begin_call(layers.announced_context(module), self._timestep(args, kwargs), signature)
-        try:
+        try:  # a refused call ends too: no block hook may think it runs inside it
+            self.engine.begin_call(layers.announced_context(module), self._timestep(args, kwargs), signature)
             return inner(*args, **kwargs)
         finally:
             self.engine.tracker.end_call()

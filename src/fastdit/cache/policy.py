@@ -12,9 +12,10 @@ import torch
 
 from fastdit.cache.state import BranchState
 from fastdit.cache.taylorseer import taylor_predict, taylor_update
-from fastdit.config import DBCache
+from fastdit.config import DBCache, StepMask
+from fastdit.errors import FieldError
 
-__all__ = ["Reducer", "decide", "forced_decision", "relative_l1"]
+__all__ = ["Reducer", "check_run_length", "decide", "forced_decision", "relative_l1"]
 
 # Sums a small tensor across the ranks that share one sample (identity on one process).
 Reducer = Callable[[torch.Tensor], torch.Tensor]
@@ -29,6 +30,33 @@ def relative_l1(current: torch.Tensor, previous: torch.Tensor, reduce: Reducer |
         sums = reduce(sums)
     num, den = sums.tolist()
     return num / den if den > 0 else float("inf")
+
+
+def check_run_length(mask: StepMask | None, steps: int, *, reached: bool = False) -> None:
+    """Refuse a run longer than the one ``mask`` was laid out for (:attr:`StepMask.num_steps`).
+
+    Called with the run's length when it is known up front, and with each step's count as the run goes (the step
+    counter is global state, equal on every rank, so every rank raises at the same step).
+
+    Args:
+        mask: The cache's step mask (``None`` or one without ``num_steps``: nothing to check).
+        steps: The run's number of steps, or with ``reached`` the number of steps it has reached so far.
+        reached: ``steps`` counts the steps reached so far (the run may have more) instead of the whole run.
+
+    Raises:
+        FieldError: Owner ``StepMask``, field ``num_steps``: the run has more steps than the mask.
+    """
+    if mask is None or mask.num_steps is None or steps <= mask.num_steps:
+        return
+    run = f"more than {steps - 1} steps" if reached else f"{steps} steps"
+    fix = f"StepMask.preset(name, {steps})" if not reached else "StepMask.preset(name, num_steps)"
+    raise FieldError(
+        "StepMask",
+        "num_steps",
+        mask.num_steps,
+        f"the mask was laid out for a run of {mask.num_steps} steps, this run has {run}; lay it out for this run "
+        f"({fix}) or leave num_steps unset to let the steps past the mask follow its policy",
+    )
 
 
 def forced_decision(config: DBCache, state: BranchState, has_cache: bool) -> bool | None:

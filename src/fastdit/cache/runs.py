@@ -5,6 +5,9 @@ in a step callback, an out-of-memory error) never gets there, and the next call 
 its first timestep then looks like a second CFG branch of the interrupted step, and its later steps reuse the
 interrupted run's residuals. Every diffusers pipeline sets the scheduler's timesteps before its first transformer
 call, so that call is where a run starts, whatever happened to the last one.
+
+The timesteps also tell how many steps the run will take, so a step mask laid out for fewer steps is refused at the
+run's first step instead of part-way through (:func:`scheduled_steps`).
 """
 
 from __future__ import annotations
@@ -12,39 +15,96 @@ from __future__ import annotations
 import functools
 import types
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from fastdit.cache.state import RunTracker
 
-__all__ = ["reset_on_new_schedule"]
+__all__ = ["Resettable", "reset_on_new_schedule", "scheduled_steps"]
 
 
-def reset_on_new_schedule(pipeline: Any, trackers: Sequence[RunTracker]) -> Callable[[], None] | None:
+def scheduled_steps(scheduler: Any) -> int | None:
+    """At most how many denoiser calls per branch the scheduler's current schedule gives (``None``: it does not say).
+
+    A lower bound of the run's real length, never above it, so a run it refuses is longer than the mask for sure
+    (the step counter refuses the rest exactly): at most one call per timestep and per inference step — Sana
+    Sprint's SCM schedule lists a final timestep its pipeline never calls, second-order samplers list their
+    intermediate ones — from the begin index image-to-image pipelines set to skip the first steps (``strength``).
+    """
+    timesteps = getattr(scheduler, "timesteps", None)
+    try:
+        count = len(timesteps)
+    except TypeError:  # not set yet, or not a sequence
+        return None
+    steps = getattr(scheduler, "num_inference_steps", None)
+    if isinstance(steps, int) and steps > 0:
+        count = min(count, steps)
+    begin = getattr(scheduler, "begin_index", None)
+    order = getattr(scheduler, "order", 1)
+    if isinstance(begin, int) and begin > 0 and isinstance(order, int) and order > 0:
+        count -= begin // order  # the begin index counts timesteps, ``order`` of them per step
+    return max(count, 0)
+
+
+class Resettable(Protocol):
+    """Per-run state that a new run clears (a :class:`RunTracker`, a once-per-run check)."""
+
+    def reset(self) -> None: ...
+
+
+class _ResetOnNewSchedule:
+    """A scheduler's ``set_timesteps`` (set on the instance) that first ends the trackers' runs.
+
+    A deep copy of the scheduler (LTX-2 copies the pipeline's scheduler for its audio latents) gets its class's
+    plain ``set_timesteps`` bound to the copy: a copied wrapper would still call the original scheduler's method,
+    so the copy would never get timesteps of its own and the original would be set twice.
+    """
+
+    def __init__(
+        self, scheduler: Any, original: Callable[..., Any], trackers: Sequence[Resettable], runs: list[RunTracker]
+    ) -> None:
+        functools.update_wrapper(self, original)  # pipelines inspect the signature (sigmas, mu ...): keep it visible
+        self.scheduler = scheduler
+        self.original = original
+        self.trackers = list(trackers)
+        self.runs = runs
+        # With several denoisers (Wan 2.2's two experts) each one runs only part of the schedule: its length says
+        # nothing about one denoiser's steps, and only their own step counters check the mask.
+        self.schedule = functools.partial(scheduled_steps, scheduler) if len(runs) == 1 else None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        for tracker in self.trackers:
+            tracker.reset()
+        result = self.original(*args, **kwargs)
+        for tracker in self.runs:
+            tracker.schedule = self.schedule
+        return result
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        copy = memo.get(id(self.scheduler))
+        if copy is None:  # the wrapper copied on its own, not as part of its scheduler
+            return self
+        return types.MethodType(type(copy).set_timesteps, copy)
+
+
+def reset_on_new_schedule(pipeline: Any, trackers: Sequence[Resettable]) -> Callable[[], None] | None:
     """End the trackers' runs whenever ``pipeline``'s scheduler sets new timesteps; return the undo.
+
+    :class:`RunTracker` s also learn how many steps the new run has (:attr:`RunTracker.schedule`).
 
     Returns ``None`` (nothing installed) for a bare module or a pipeline without a scheduler; the trackers' own
     run detection (timestep direction, input shapes) then remains the only boundary.
     """
     scheduler = getattr(pipeline, "scheduler", None)
-    if scheduler is None or not callable(getattr(scheduler, "set_timesteps", None)) or not trackers:
+    original = getattr(scheduler, "set_timesteps", None)
+    if scheduler is None or not callable(original) or not trackers:
         return None
-    previous = vars(scheduler).get("set_timesteps")  # an instance attribute someone set before us, if any
-    unbound = type(scheduler).set_timesteps
-
-    # Pipelines inspect set_timesteps' signature for the arguments it takes (sigmas, mu ...): keep it visible.
-    @functools.wraps(unbound)
-    def set_timesteps(self: Any, *args: Any, **kwargs: Any) -> Any:
-        for tracker in trackers:
-            tracker.reset()
-        return previous(*args, **kwargs) if previous is not None else unbound(self, *args, **kwargs)
-
-    # A bound method, not a closure over this scheduler: a deep copy of the scheduler (LTX-2 copies it for its audio
-    # stream) rebinds it to the copy, which then sets its own timesteps.
-    scheduler.set_timesteps = types.MethodType(set_timesteps, scheduler)
+    own = "set_timesteps" in vars(scheduler)  # someone set an instance attribute before us: put it back on undo
+    runs = [tracker for tracker in trackers if isinstance(tracker, RunTracker)]
+    scheduler.set_timesteps = _ResetOnNewSchedule(scheduler, original, trackers, runs)
 
     def undo() -> None:
-        if previous is not None:
-            scheduler.set_timesteps = previous
+        if own:
+            scheduler.set_timesteps = original
         else:
             vars(scheduler).pop("set_timesteps", None)
 

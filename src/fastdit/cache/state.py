@@ -9,6 +9,7 @@ or a change of input shape, starts a new run.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +102,10 @@ class RunTracker:
 
     Args:
         separate_branches: Keep one state per CFG branch (``False`` shares one state by all calls).
+
+    Attributes:
+        schedule: Counts the steps the current run will take, when a pipeline's scheduler tells
+            (:func:`fastdit.cache.runs.reset_on_new_schedule` sets it for the run; ``None`` otherwise).
     """
 
     def __init__(self, separate_branches: bool = True) -> None:
@@ -109,6 +114,7 @@ class RunTracker:
         self.active: BranchState | None = None
         self.runs = 0
         self._finished: dict[str, BranchState] = {}
+        self.schedule: Callable[[], int | None] | None = None
 
     def reset(self) -> None:
         """End the current run (the next call starts a new one); its statistics stay readable via :meth:`report`.
@@ -120,6 +126,7 @@ class RunTracker:
             self._finished = self.branches()
         self._contexts.clear()
         self.active = None
+        self.schedule = None  # the next run's scheduler sets its own
 
     def report(self) -> dict[str, BranchState]:
         """The branches of the current run, or of the last finished one if none is in progress."""

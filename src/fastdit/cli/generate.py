@@ -21,7 +21,9 @@ from typing import Any, TextIO
 import torch
 
 from fastdit.bench import RunResult, compare_outputs, default_prompts, plain_options, run_variants, timed_load
+from fastdit.cache.policy import check_run_length
 from fastdit.cli import CLIError
+from fastdit.cli.distributed import add_timeout_argument, report_stop, with_timeout
 from fastdit.cli.fields import cli_error
 from fastdit.cli.options import (
     add_cache_arguments,
@@ -40,9 +42,10 @@ from fastdit.cli.options import (
     resolve_dtype,
     resolve_source,
 )
-from fastdit.config import ATTENTION_BACKENDS, Attention, Compile, CudaGraph
+from fastdit.config import ATTENTION_BACKENDS, Attention, Compile, CudaGraph, DBCache, DBPrune
 from fastdit.errors import FieldError
 from fastdit.io import IMAGE_SUFFIXES, VIDEO_SUFFIXES, check_writable
+from fastdit.parallel.failures import CollectiveError, collective_failures
 from fastdit.process import is_main_process, process_count, process_group_scope
 from fastdit.session import (
     Case,
@@ -94,6 +97,7 @@ def _add_acceleration_arguments(parser: argparse.ArgumentParser) -> None:
         help="degrees as key=value pairs, e.g. ulysses=2,ring=1 (keys: ulysses, ring, tp, cfg, text_encoder, vae); "
         "their product must equal the number of processes (torchrun)",
     )
+    add_timeout_argument(group)
     group.add_argument("--compile", action="store_true", help="torch.compile the transformer blocks")
     group.add_argument(
         "--cuda-graph",
@@ -199,7 +203,9 @@ def _acceleration(args: argparse.Namespace, num_steps: int | None) -> dict[str, 
             num_processes = process_count()
         except FieldError as error:  # a malformed WORLD_SIZE
             raise cli_error(error) from None
-        options["parallel"] = parse_parallel(args.parallel, num_processes)
+        options["parallel"] = with_timeout(args, parse_parallel(args.parallel, num_processes))
+    else:
+        with_timeout(args, None)  # refuses --dist-timeout alone
     if args.compile:
         options["compile"] = Compile()
     if args.cuda_graph:  # graphs without dynamo unless --compile is given too
@@ -210,6 +216,13 @@ def _acceleration(args: argparse.Namespace, num_steps: int | None) -> dict[str, 
         except ValueError as error:
             raise CLIError(f"argument --attention {args.attention}: {error}") from None
     return options
+
+
+def _check_step_mask(cache: DBCache | DBPrune | None, num_steps: int | None) -> None:
+    """Refuse a step mask laid out for fewer steps than the run before loading anything (the run would refuse it
+    at its first step; ``fastdit.cli.main`` names the flag that set the mask's ``num_steps``)."""
+    if num_steps is not None and isinstance(cache, DBCache):
+        check_run_length(cache.step_mask, num_steps)
 
 
 def _output_files(args: argparse.Namespace, out: Path, count: int, video: bool) -> list[Path]:
@@ -256,6 +269,7 @@ def plan_from_args(args: argparse.Namespace) -> GeneratePlan:
     num_steps = default_steps(pipeline_class, kwargs)
     cases = _cases(args, source, pipeline_class)
     acceleration = _acceleration(args, num_steps)
+    _check_step_mask(acceleration.get("cache"), num_steps)
     compare = args.compare if args.compare is not None else source.reference and bool(acceleration)
     if compare and not acceleration:
         raise CLIError("argument --compare: nothing to compare, ask for an acceleration (--cache, --compile, ...)")
@@ -412,16 +426,22 @@ def run(args: argparse.Namespace) -> int:
         args: Parsed arguments of the ``generate`` command.
 
     Returns:
-        0 on success.
+        0 on success; under ``torchrun``, 1 when a collective lost a rank and 130 when interrupted (after one line
+        on stderr per rank).
 
     Raises:
         CLIError: On bad input (before anything is written), or when saving fails (nothing is saved).
     """
     plan = plan_from_args(args)
     main = is_main_process()
-    # The process group that accelerating with --parallel starts under torchrun ends once the runs are done.
-    with process_group_scope():
-        done = execute(plan, progress=main and not args.quiet, track_memory=args.track_memory)
+    parallel = plan.acceleration.get("parallel")
+    try:
+        # The process group that accelerating with --parallel starts under torchrun ends once the runs are done;
+        # a collective that lost a rank is explained while the group still exists.
+        with process_group_scope(), collective_failures(parallel.timeout_s if parallel else None):
+            done = execute(plan, progress=main and not args.quiet, track_memory=args.track_memory)
+    except (CollectiveError, KeyboardInterrupt) as stop:
+        return report_stop(stop)
     if main and plan.outputs:
         _save(plan, done, args)
     payload = _payload(plan, done)

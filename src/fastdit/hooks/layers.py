@@ -8,6 +8,8 @@ first:
 ==================  =====================================================================  ==============
 layer               what sits there                                                         may skip inner
 ==================  =====================================================================  ==============
+``CHECK``           checks of a call's global inputs that must run eagerly on every call,  no (may raise)
+                    graphed or not: the parallel input check (equal inputs on all ranks)
 ``GRAPH``           a CUDA graph of the whole call (it records everything below)           no (replays)
 ``TRACK``           observers of a call with its *global* inputs: the cache's step,        no
                     branch and run tracking (every rank sees the same values)
@@ -21,9 +23,10 @@ layer               what sits there                                             
 
 Why this order: a hook that may skip the wrapped call must sit *inside* every transform that has to run on every
 call, or a cached block would skip a gather that the next module (and the other ranks) wait for; observers of
-global inputs sit outside the splits so that every rank tracks steps from the same values; a whole-call graph is
-outermost so that replaying it replays every hook. :func:`install` refuses a hook that declares it may skip at any
-layer but ``SKIP``, so the contract is checked, not assumed.
+global inputs sit outside the splits so that every rank tracks steps from the same values; a whole-call graph sits
+outside every transform so that replaying it replays them; checks that read values on the host sit outside the
+graph, which could neither capture a host read nor run Python on a replay. :func:`install` refuses a hook that
+declares it may skip at any layer but ``SKIP``, so the contract is checked, not assumed.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ STACK_HOOK = "fastdit"
 class Layer(enum.IntEnum):
     """Where a hook nests on its module: lower values are outer (see the module docstring for the table)."""
 
+    CHECK = 5
     GRAPH = 10
     TRACK = 20
     PARALLEL_INPUT = 30

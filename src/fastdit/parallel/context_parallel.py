@@ -76,7 +76,7 @@ def context_parallel_group(runtime: ParallelRuntime) -> dist.ProcessGroup | None
     if parallel.ulysses == 1:
         return runtime.group("ring")
     # USP: the split runs over both dims; a flattened sub-mesh gives the ring-major rank order USP expects.
-    return runtime.mesh["ring", "ulysses"]._flatten("fastdit_cp").get_group()
+    return runtime.flat_group(("ring", "ulysses"))
 
 
 class _Splitter:

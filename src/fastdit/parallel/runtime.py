@@ -4,6 +4,10 @@
 parallelism". It reuses a process group the caller already created, creates one when launched by ``torchrun``, and
 needs none at all for a single process. The mesh always has the four dims of :data:`MESH_DIMS`, size-1 ones included,
 so code can ask for ``group("ulysses")`` without first checking which techniques are enabled.
+
+Every group it creates — the default one under ``torchrun``, each mesh dim's, the flattened ones — waits
+:attr:`Parallel.timeout_s` for the other ranks: torch would give sub-groups its own default (10 minutes for NCCL, 30
+for gloo) whatever the default group's timeout, so one stalled rank would hang the others that long.
 """
 
 from __future__ import annotations
@@ -18,15 +22,15 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fastdit.config import Parallel
 
-__all__ = ["MESH_DIMS", "ParallelRuntime", "sum_reducer"]
+__all__ = ["MESH_DIMS", "ParallelRuntime", "group_options", "sum_reducer"]
 
 # Outermost to innermost: ranks adjacent in number (same node, fastest links) share the innermost dims, which carry
 # the most traffic (tensor parallel every layer, Ulysses all-to-all every attention); CFG ranks exchange almost nothing.
 MESH_DIMS: tuple[str, ...] = ("cfg", "ring", "ulysses", "tp")
 
-# One mesh per (world group, device type, shape): building a mesh creates sub-groups collectively, so repeated
-# runtimes in one process (accelerate, disable, accelerate again) reuse it instead of leaking groups.
-_MESHES: dict[tuple[str, tuple[int, ...]], tuple[object, DeviceMesh]] = {}
+# One mesh per (world group, device type, shape, timeout): building a mesh creates sub-groups collectively, so
+# repeated runtimes in one process (accelerate, disable, accelerate again) reuse it instead of leaking groups.
+_MESHES: dict[tuple[str, tuple[int, ...], float], tuple[object, DeviceMesh]] = {}
 
 
 def _describe(parallel: Parallel) -> str:
@@ -80,7 +84,7 @@ def _resolve_device(device: torch.device | str | None, local_rank: int) -> torch
     return device
 
 
-def _init_from_env(device: torch.device, init_method: str | None) -> None:
+def _init_from_env(device: torch.device, init_method: str | None, timeout_s: float) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = dist.get_default_backend_for_device(device)
@@ -89,17 +93,35 @@ def _init_from_env(device: torch.device, init_method: str | None) -> None:
         init_method=init_method or "env://",
         rank=_env_int("RANK"),
         world_size=_env_int("WORLD_SIZE"),
-        timeout=timedelta(minutes=10),
+        timeout=timedelta(seconds=timeout_s),
     )
 
 
-def _mesh(device_type: str, shape: tuple[int, ...]) -> DeviceMesh:
+def group_options(timeout_s: float) -> dist.Backend.Options:
+    """Options that give a sub-group of the default group's backend a timeout of ``timeout_s`` seconds.
+
+    NCCL takes only its own options class; gloo reads nothing but the timeout, which the device mesh passes on.
+    """
+    if dist.is_nccl_available() and "nccl" in str(dist.get_backend()):
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False  # what new_group gives NCCL groups without options
+    else:
+        options = dist.ProcessGroupGloo._Options()
+    options._timeout = timedelta(seconds=timeout_s)
+    return options
+
+
+def _mesh(device_type: str, shape: tuple[int, ...], timeout_s: float) -> DeviceMesh:
     world = dist.group.WORLD
-    cached = _MESHES.get((device_type, shape))
+    key = (device_type, shape, timeout_s)
+    cached = _MESHES.get(key)
     if cached is not None and cached[0] is world:
         return cached[1]
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
-    _MESHES[(device_type, shape)] = (world, mesh)
+    options = group_options(timeout_s)
+    mesh = init_device_mesh(
+        device_type, shape, mesh_dim_names=MESH_DIMS, backend_override=dict.fromkeys(MESH_DIMS, options)
+    )
+    _MESHES[key] = (world, mesh)
     return mesh
 
 
@@ -162,7 +184,7 @@ class ParallelRuntime:
             if not _launched_by_torchrun():
                 return cls._single_process(parallel, device)
             device = _resolve_device(device, _local_rank(_env_int("RANK")))
-            _init_from_env(device, init_method)
+            _init_from_env(device, init_method, parallel.timeout_s)
             owns_group = True
         rank = dist.get_rank()
         local_rank = _local_rank(rank)
@@ -174,7 +196,7 @@ class ParallelRuntime:
             world_size=dist.get_world_size(),
             local_rank=local_rank,
             device=device,
-            mesh=_mesh(device.type, shape),
+            mesh=_mesh(device.type, shape, parallel.timeout_s),
             owns_process_group=owns_group,
         )
 
@@ -221,7 +243,23 @@ class ParallelRuntime:
             return None
         if len(dims) == 1:
             return self.mesh.get_group(dims[0])
-        return self.mesh[dims]._flatten("fastdit_" + "_".join(dims)).get_group()
+        return self.flat_group(dims)
+
+    def flat_group(self, dims: tuple[str, ...]) -> dist.ProcessGroup:
+        """One group over several mesh dims (the first one outermost in rank order), with this runtime's timeout.
+
+        Raises:
+            ValueError: Without a process group.
+        """
+        for dim in dims:
+            _check_dim(dim)
+        if self.mesh is None:
+            raise ValueError(f"mesh dims {dims}: this runtime has no process group")
+        flat = self.mesh[dims]._flatten("fastdit_" + "_".join(dims), backend_override=self._options())
+        return flat.get_group()
+
+    def _options(self) -> dist.Backend.Options:
+        return group_options(self.parallel.timeout_s)
 
     def sample_reducer(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """A function summing a small tensor over :meth:`sample_group` (``None`` when the group has one rank)."""
