@@ -165,10 +165,13 @@ class _Cache:
         from fastdit.cache.hooks import plan_slots
         from fastdit.models.validate import block_lists, check_adapter, resolve_interleaved
 
+        cache = request.cache
         for item in components.denoisers:
             check_adapter(item.module, item.adapter)
             resolve_interleaved(item.module, item.adapter.block_groups, item.adapter.family)
-            plan_slots(block_lists(item.module, item.adapter), request.cache.fn, request.cache.bn)
+            groups = block_lists(item.module, item.adapter)
+            where = (item.name, type(item.module).__name__)
+            plan_slots(groups, cache.fn, cache.bn, owner=type(cache).__name__, where=where)
 
     def apply(self, context: Context) -> None:
         from fastdit.cache import apply_cache

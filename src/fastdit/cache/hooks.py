@@ -215,12 +215,25 @@ class BlockCacheHook(layers.LayerHook):
         return memory.encoder_residual if encoder else memory.hidden_residual
 
 
-def plan_slots(groups: list[tuple[BlockGroup, torch.nn.ModuleList]], fn: int, bn: int) -> list[BlockSlot]:
-    """Assign each block its role (front / middle / back) and middle segment."""
+def plan_slots(
+    groups: list[tuple[BlockGroup, torch.nn.ModuleList]],
+    fn: int,
+    bn: int,
+    *,
+    owner: str = "DBCache",
+    where: tuple[str, str] | None = None,
+) -> list[BlockSlot]:
+    """Assign each block its role (front / middle / back) and middle segment.
+
+    Raises:
+        FieldsError: ``fn + bn`` leaves no middle block (``owner`` is the config class; ``where`` is the model's
+            component and class names, for the message).
+    """
     total = sum(len(blocks) for _, blocks in groups)
     if fn + bn >= total:
+        model = f"{where[0]} ({where[1]}, {total} blocks)" if where else f"a model of {total} blocks"
         raise FieldsError(
-            "DBCache", {"fn": fn, "bn": bn}, f"leaves no middle block to cache in a model of {total} blocks"
+            owner, {"fn": fn, "bn": bn}, f"leaves no middle block to cache in {model}: fn + bn must be below {total}"
         )
     slots: list[BlockSlot] = []
     index = 0
@@ -298,7 +311,7 @@ def install(
         reducer: Sums small tensors across the ranks that share a sample.
         interleaved: Per group, the resolved :attr:`BlockGroup.interleaved` list (or ``None``), same order.
     """
-    slots = plan_slots(groups, config.fn, config.bn)
+    slots = plan_slots(groups, config.fn, config.bn, owner=type(config).__name__)
     engine = CacheEngine(config, slots, reducer)
     undo = [
         layers.install(

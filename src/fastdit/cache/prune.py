@@ -107,7 +107,7 @@ def install(
     reducer: Reducer | None = None,
 ) -> tuple[PruneEngine, Callable[[], None]]:
     """Install the transformer hook and one prune hook per block; return the engine and the undo."""
-    slots = plan_slots(groups, config.fn, config.bn)
+    slots = plan_slots(groups, config.fn, config.bn, owner=type(config).__name__)
     engine = PruneEngine(config, slots, reducer)
     track = TransformerCacheHook(engine, transformer, timestep_arg)
     undo = [layers.install(transformer, layers.Layer.TRACK, TRANSFORMER_HOOK, track)]

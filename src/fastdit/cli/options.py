@@ -496,10 +496,10 @@ def field_error_message(error: FieldError, args: argparse.Namespace) -> str:
 def check_cache_fits(pipe: Any, cache: DBCache | DBPrune | None) -> None:
     """Refuse a :class:`DBCache` whose front and back blocks leave no middle block in a transformer of ``pipe``.
 
-    Accelerating refuses it too (``fastdit.cache.hooks.plan_slots``, same rule), but with a plain ``ValueError``;
-    checking first gives a :class:`~fastdit.errors.FieldsError` that names both fields, so the command line can
-    blame ``--cache-fn`` and ``--cache-bn`` rather than a flag the user never passed. The block count is known only
-    once the model is built, so this runs after loading, before accelerating.
+    This is the cache technique's own up-front check (``fastdit.techniques``), run on its own: its
+    :class:`~fastdit.errors.FieldsError` names both fields, so the command line blames ``--cache-fn`` and
+    ``--cache-bn`` rather than a flag the user never passed. Problems of the adapter itself are left to
+    accelerating, which reports them. The block count is known only once the model is built.
 
     Args:
         pipe: The loaded pipeline.
@@ -510,25 +510,21 @@ def check_cache_fits(pipe: Any, cache: DBCache | DBPrune | None) -> None:
     """
     if not isinstance(cache, DBCache):
         return
-    from fastdit.api import find_transformers
-    from fastdit.models.validate import block_lists
+    from fastdit.components import walk
+    from fastdit.context import Request
+    from fastdit.techniques import TECHNIQUES
 
     try:
-        transformers = find_transformers(pipe)
+        components = walk(pipe)
     except ValueError:  # no adapter: accelerating reports it
         return
-    for name, (module, adapter) in transformers.items():
-        try:
-            total = sum(len(blocks) for _group, blocks in block_lists(module, adapter))
-        except ValueError:  # an adapter that does not fit: accelerating reports it
-            continue
-        if cache.fn + cache.bn >= total:
-            raise FieldsError(
-                "DBCache",
-                {"fn": cache.fn, "bn": cache.bn},
-                f"leaves no middle block to cache in {name} ({type(module).__name__}, {total} blocks): "
-                f"fn + bn must be below {total}",
-            )
+    cache_check = next(t for t in TECHNIQUES if t.name == "cache")
+    try:
+        cache_check.check(Request(cache=cache), components)  # the cache's own up-front check, run early
+    except FieldsError:
+        raise
+    except ValueError:  # an adapter that does not fit: accelerating reports it
+        return
 
 
 LIMITS: Mapping[str, int | float] = MappingProxyType(

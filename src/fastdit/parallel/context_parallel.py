@@ -205,9 +205,7 @@ class _ArgPositions:
             if not self.args.passed(name, args, kwargs):
                 continue
             value = self.args.get(name, args, kwargs)
-            self.args.replace(
-                name, _adjust_arg(value, spec, splitter, name, self._unit(spec, args, kwargs)), args, kwargs
-            )
+            self.args.replace(name, spec.adjust(value, splitter, name, self._unit(spec, args, kwargs)), args, kwargs)
         return tuple(args), kwargs
 
     def _unit(self, spec: _Spec, args: list, kwargs: dict) -> int:
@@ -219,10 +217,6 @@ class _ArgPositions:
                 raise ValueError(f"context parallel: split unit {name!r} is {value!r}, not an int")
             unit *= value
         return unit
-
-
-def _adjust_arg(value: Any, spec: _Spec, splitter: _Splitter, name: str, unit: int = 1) -> Any:
-    return spec.adjust(value, splitter, name, unit)  # each spec owns how it changes its argument
 
 
 def _splits_then_counts(specs: Mapping[str, _Spec]) -> tuple[dict[str, _Spec], dict[str, _Spec]]:
