@@ -91,7 +91,12 @@ def _runtime(request: Request, context: Context) -> Any:
 
     first = context.components.denoisers[0].module
     param = next(first.parameters(), None)
-    return ParallelRuntime.from_config(request.parallel, device=None if param is None else param.device)
+    device = None if param is None else param.device
+    if request.parallel.tp > 1 and device is not None and device.type == "cpu":
+        # Tensor parallelism places each rank's slices on its device itself: a pipeline loaded on the CPU (so that
+        # no device ever holds the whole transformer) runs on the accelerator when there is one.
+        device = None
+    return ParallelRuntime.from_config(request.parallel, device=device)
 
 
 def accelerate(
@@ -229,6 +234,9 @@ def summary(target: Any) -> Summary:
         engine = context.state("cache", item.name)
         if engine is not None:
             info["cache"] = cache_summary(engine)
+        split = context.state("tensor_parallel", item.name)
+        if split is not None:
+            info["tensor_parallel"] = split.stats()
         graphs = context.state("cuda_graph", item.name)
         if graphs is not None:
             info["cuda_graph"] = graphs.stats()

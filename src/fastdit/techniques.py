@@ -74,6 +74,47 @@ class _Unavailable:
         raise _not_available(self.what, context.request)
 
 
+class _TensorParallel:
+    name = "tensor_parallel"
+    needs_components = True
+
+    def requested(self, request: Request) -> bool:
+        return request.parallel is not None and request.parallel.tp > 1
+
+    def check(self, request: Request, components: Components) -> None:
+        from fastdit.parallel.tensor_parallel import check_unsplit
+        from fastdit.parallel.tp_plan import resolve_tp_plan
+
+        for item in components.denoisers:
+            plan = item.adapter.tp_plan
+            if plan is None:
+                raise ArgumentError(
+                    "accelerate",
+                    "parallel",
+                    request.parallel,
+                    f"{item.name}: model family {item.adapter.family!r} has no tensor-parallel plan",
+                )
+            try:
+                used = resolve_tp_plan(item.module, plan, request.parallel.tp, item.adapter.family)
+                check_unsplit(item.module, used)
+            except ValueError as error:
+                raise ArgumentError("accelerate", "parallel", request.parallel, f"{item.name}: {error}") from error
+
+    def apply(self, context: Context) -> None:
+        from fastdit.parallel.tensor_parallel import apply_tensor_parallel
+
+        runtime = context.runtime
+        for item in context.components.denoisers:
+            applied = apply_tensor_parallel(
+                item.module,
+                item.adapter.tp_plan,
+                runtime.mesh["tp"],
+                device=runtime.device,
+                family=item.adapter.family,
+            )
+            context.add(self.name, item.name, applied.undo, applied.state)
+
+
 class _ContextParallel:
     name = "context_parallel"
     needs_components = True
@@ -241,7 +282,7 @@ class _CudaGraph:
 
 
 TECHNIQUES: tuple[Technique, ...] = (
-    _Unavailable("tensor_parallel", "tp", "tp"),
+    _TensorParallel(),
     _ContextParallel(),
     _InputCheck(),
     _Unavailable("cfg_parallel", "cfg", "cfg"),

@@ -15,6 +15,7 @@ import torch
 
 if TYPE_CHECKING:
     from fastdit.parallel.plan import ContextParallelPlan
+    from fastdit.parallel.tp_plan import TensorParallelPlan
 
 __all__ = ["BlockGroup", "CachePlan", "ForwardPattern", "ModelAdapter", "ModelPreset", "TinyPipeline"]
 
@@ -182,6 +183,8 @@ class ModelAdapter:
         notes: Free text for ``docs/models.md`` (limitations, why a feature is unsupported).
         cp_plan: Where the family splits and gathers its sequence under context parallelism
             (:class:`~fastdit.parallel.plan.ContextParallelPlan`); ``None``: context parallelism is unsupported.
+        tp_plan: How the family's layers split under tensor parallelism
+            (:class:`~fastdit.parallel.tp_plan.TensorParallelPlan`); ``None``: tensor parallelism is unsupported.
     """
 
     family: str
@@ -193,6 +196,7 @@ class ModelAdapter:
     presets: tuple[ModelPreset, ...] = ()
     notes: str = ""
     cp_plan: ContextParallelPlan | None = None
+    tp_plan: TensorParallelPlan | None = None
 
     def __post_init__(self) -> None:
         if not self.family:

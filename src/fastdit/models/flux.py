@@ -11,6 +11,7 @@ from fastdit.models._lazy import LazyKwargs, tiny_image
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan_shapes import mmdit_root_plan
+from fastdit.parallel.tp_plan import Colwise, Rowwise, TensorParallelPlan
 
 TRANSFORMER = "diffusers.models.transformers.transformer_flux.FluxTransformer2DModel"
 
@@ -82,6 +83,41 @@ CP_PLAN = mmdit_root_plan(
     notes="RoPE from img_ids/txt_ids, split on their sequence dim with the streams: no RoPE patch needed.",
 )
 
+# Tensor parallelism: diffusers' `_tp_plan` for the attention and FFN linears, plus the AdaLN modulation linears split
+# with a gathered output, which diffusers keeps whole: they are ~27 % of FLUX.1-dev's weights (dim → 6·dim per stream
+# and double block, dim → 3·dim per single block), and their gathered output is one small (B, k·dim) all-gather per
+# block. The single block's proj_out reads cat([attn_out, mlp_hidden]): each stream is split on its own.
+_MMDIT_ATTENTION = {
+    "attn.to_q": Colwise(),
+    "attn.to_k": Colwise(),
+    "attn.to_v": Colwise(),
+    "attn.to_out.0": Rowwise(),
+    "attn.add_q_proj": Colwise(),
+    "attn.add_k_proj": Colwise(),
+    "attn.add_v_proj": Colwise(),
+    "attn.to_add_out": Rowwise(),
+}
+TP_PLAN = TensorParallelPlan(
+    layers={
+        **{f"transformer_blocks.*.{k}": v for k, v in _MMDIT_ATTENTION.items()},
+        "transformer_blocks.*.ff.net.0.proj": Colwise(),
+        "transformer_blocks.*.ff.net.2": Rowwise(),
+        "transformer_blocks.*.ff_context.net.0.proj": Colwise(),
+        "transformer_blocks.*.ff_context.net.2": Rowwise(),
+        "transformer_blocks.*.norm1.linear": Colwise(gather_output=True),
+        "transformer_blocks.*.norm1_context.linear": Colwise(gather_output=True),
+        "single_transformer_blocks.*.attn.to_q": Colwise(),
+        "single_transformer_blocks.*.attn.to_k": Colwise(),
+        "single_transformer_blocks.*.attn.to_v": Colwise(),
+        "single_transformer_blocks.*.proj_mlp": Colwise(),
+        "single_transformer_blocks.*.proj_out": Rowwise(segments=("attn.inner_dim", "mlp_hidden_dim")),
+        "single_transformer_blocks.*.norm.linear": Colwise(gather_output=True),
+    },
+    divide=("transformer_blocks.*.attn.heads", "single_transformer_blocks.*.attn.heads"),
+    notes="diffusers' plan plus AdaLN modulation split with a gathered output (~27 % of the weights); "
+    "QK-norms are per head (replicated).",
+)
+
 _CALL = {
     "prompt": "a cat holding a sign",
     "height": 32,
@@ -99,6 +135,7 @@ ADAPTER = register(
             BlockGroup(path="single_transformer_blocks", pattern=ForwardPattern.P1),
         ),
         cp_plan=CP_PLAN,
+        tp_plan=TP_PLAN,
         tiny_pipelines=(
             TinyPipeline(name="flux", build=tiny_flux, call_kwargs={**_CALL, "guidance_scale": 3.5}),
             TinyPipeline(

@@ -1,0 +1,347 @@
+"""Apply a :class:`~fastdit.parallel.tp_plan.TensorParallelPlan` to a transformer with DTensor.
+
+Each split ``Linear`` gets its rank's slice of the weight as a ``DTensor`` (``Shard(0)`` column-wise, ``Shard(1)``
+row-wise) built from the local slice alone, then torch's ``ColwiseParallel`` / ``RowwiseParallel`` install the
+input/output layouts (``parallelize_module`` finds the parameters already distributed and moves nothing). Fused
+weights are re-laid on the way: rank ``r``'s slice is the concatenation of every segment's ``r``-th part, so the
+logical (global) weight of the DTensor is the segment-interleaved one and the processor's split of the local output
+lines up. Norms over split features become :class:`~fastdit.parallel.sharded_norm.ShardedNormModule`; divided
+attributes are divided.
+
+Memory: slices are cut where the weights are (the CPU, for a pipeline loaded there) and only the slice moves to the
+rank's device; the rest of the transformer (embedders, replicated modulation, norms) is copied to the device. The
+original parameters stay referenced for :func:`fastdit.disable`, on the CPU: a full weight that was on an accelerator
+is moved to the CPU while the model is split, and moved back when it is restored — so no rank's device ever holds
+the full transformer, and ``disable`` gives back the exact original tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from fastdit.hooks.state import Applied
+from fastdit.parallel.sharded_norm import ShardedNormModule
+from fastdit.parallel.tp_plan import (
+    Colwise,
+    ShardedNorm,
+    Style,
+    TensorParallelPlan,
+    divided_attributes,
+    norm_kind,
+    parent_of,
+    plan_layers,
+    resolve_tp_plan,
+    segment_sizes,
+)
+
+__all__ = ["TensorParallelState", "apply_tensor_parallel", "check_unsplit", "parameter_bytes"]
+
+Undo = Callable[[], None]
+
+
+@dataclass
+class TensorParallelState:
+    """What tensor parallelism did to one transformer.
+
+    Attributes:
+        degree: The TP degree.
+        plan: The name of the plan applied (a fallback's when the degree does not fit the full plan).
+        num_split_layers: ``Linear`` layers split column- or row-wise.
+        num_split_norms: Norms replaced by their split form.
+        num_divided_attributes: Attributes divided by the degree.
+        split_bytes: Bytes of the split parameters in the unsplit model.
+        replicated_bytes: Bytes of the parameters every rank holds whole.
+        local_bytes: Parameter bytes this rank holds (``split_bytes / degree + replicated_bytes``).
+    """
+
+    degree: int
+    plan: str = "full"
+    num_split_layers: int = 0
+    num_split_norms: int = 0
+    num_divided_attributes: int = 0
+    split_bytes: int = 0
+    replicated_bytes: int = 0
+    local_bytes: int = 0
+
+    def stats(self) -> dict[str, Any]:
+        """JSON-ready form for :func:`fastdit.summary`."""
+        return {
+            "degree": self.degree,
+            "plan": self.plan,
+            "split_layers": self.num_split_layers,
+            "split_norms": self.num_split_norms,
+            "divided_attributes": self.num_divided_attributes,
+            "split_bytes": self.split_bytes,
+            "replicated_bytes": self.replicated_bytes,
+            "parameter_bytes_per_rank": self.local_bytes,
+        }
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def parameter_bytes(module: torch.nn.Module) -> int:
+    """Bytes of ``module``'s parameters held by this process (a DTensor counts its local slice)."""
+    total = 0
+    for p in module.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        total += _bytes(local)
+    return total
+
+
+def check_unsplit(transformer: torch.nn.Module, plan: TensorParallelPlan) -> None:
+    """Refuse a model whose planned layers are already split (DTensor) or quantized (a tensor subclass).
+
+    Raises:
+        ValueError: naming the layer and what its weight is.
+    """
+    for name, module, _ in plan_layers(transformer, plan):
+        for pname, param in module.named_parameters(recurse=False):
+            data = param.data if isinstance(param, torch.nn.Parameter) else param
+            if isinstance(param, DTensor) or type(data) is not torch.Tensor:
+                kind = "split (a DTensor)" if isinstance(param, DTensor) else f"a {type(data).__name__}"
+                raise ValueError(
+                    f"{name}.{pname} is already {kind}: tensor parallelism splits plain weights; apply it before "
+                    "quantizing, and to a model that is not split yet"
+                )
+
+
+def _local_slice(tensor: torch.Tensor, dim: int, sizes: list[int], rank: int, degree: int) -> torch.Tensor:
+    """Rank ``rank``'s part of every segment of ``tensor`` along ``dim``, concatenated (the re-laid slice)."""
+    parts, offset = [], 0
+    for size in sizes:
+        chunk = size // degree
+        parts.append(tensor.narrow(dim, offset + rank * chunk, chunk))
+        offset += size
+    return torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0]
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, out = 1, []
+    for size in reversed(shape):
+        out.append(stride)
+        stride *= size
+    return tuple(reversed(out))
+
+
+def _distributed(
+    tensor: torch.Tensor, mesh: DeviceMesh, device: torch.device, dim: int | None, sizes: list[int]
+) -> torch.nn.Parameter:
+    """A DTensor parameter from this rank's slice of ``tensor`` (``dim=None``: replicated), cut before moving."""
+    rank, degree = mesh.get_local_rank(), mesh.size()
+    with torch.no_grad():
+        if dim is None:
+            local, placement = tensor.detach().to(device, copy=True), Replicate()
+        else:
+            local, placement = _local_slice(tensor.detach(), dim, sizes, rank, degree), Shard(dim)
+            local = local.to(device, copy=True).contiguous()
+    dtensor = DTensor.from_local(
+        local, mesh, [placement], run_check=False, shape=tensor.shape, stride=_contiguous_stride(tensor.shape)
+    )
+    return torch.nn.Parameter(dtensor, requires_grad=False)
+
+
+def _keep_on_cpu(originals: dict[str, torch.nn.Parameter]) -> Undo:
+    """Move the original full weights off the accelerator while the model is split; the undo moves them back."""
+    moved = []
+    for param in originals.values():
+        if param is not None and param.device.type != "cpu":
+            moved.append((param, param.device))
+            param.data = param.data.to("cpu")
+
+    def undo() -> None:
+        for param, device in moved:
+            param.data = param.data.to(device)
+
+    return undo
+
+
+def _hook_dicts(module: torch.nn.Module) -> tuple[dict, ...]:
+    return (module._forward_pre_hooks, module._forward_hooks)
+
+
+def _split_linear(
+    module: torch.nn.Linear, style: Style, sizes: list[int], mesh: DeviceMesh, device: torch.device
+) -> tuple[Undo, int, int]:
+    """Split one ``Linear``; return its undo and the bytes of its original split and replicated parameters."""
+    originals = dict(module._parameters)
+    column = isinstance(style, Colwise)
+    bias_bytes = 0 if module.bias is None else _bytes(module.bias)
+    split_bytes = _bytes(module.weight) + (bias_bytes if column else 0)
+    replicated_bytes = 0 if column else bias_bytes
+    module._parameters["weight"] = _distributed(module.weight, mesh, device, 0 if column else 1, sizes)
+    if module.bias is not None:
+        # A column-split bias follows the output features; a row-split one is added once, after the sum.
+        bias_dim = 0 if column else None
+        module._parameters["bias"] = _distributed(module.bias, mesh, device, bias_dim, sizes if column else [])
+    hooks_before = [set(d) for d in _hook_dicts(module)]
+    if column:
+        parallel = ColwiseParallel(output_layouts=Replicate() if style.gather_output else Shard(-1))
+    else:
+        parallel = RowwiseParallel()
+    parallelize_module(module, mesh, parallel)
+    offload = _keep_on_cpu(originals)
+
+    def undo() -> None:
+        for hooks, before in zip(_hook_dicts(module), hooks_before, strict=True):
+            for key in set(hooks) - before:
+                del hooks[key]
+        module.__dict__.pop("_distribute_module_applied", None)
+        offload()
+        for name, param in originals.items():
+            module._parameters[name] = param
+
+    return undo, split_bytes, replicated_bytes
+
+
+def _split_norm(
+    transformer: torch.nn.Module,
+    path: str,
+    module: torch.nn.Module,
+    sizes: list[int],
+    mesh: DeviceMesh,
+    device: torch.device,
+) -> tuple[Undo, int]:
+    """Replace one norm over split features by its sharded form; return its undo and its original bytes."""
+    rank, degree = mesh.get_local_rank(), mesh.size()
+    originals = dict(module.named_parameters(recurse=False))
+    split_bytes = sum(_bytes(p) for p in originals.values())
+
+    def part(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        return _local_slice(t.detach(), 0, sizes, rank, degree).to(device, copy=True).contiguous()
+
+    eps = module.eps if module.eps is not None else torch.finfo(module.weight.dtype).eps
+    sharded = ShardedNormModule(
+        norm_kind(module),
+        sum(sizes),
+        float(eps),
+        part(getattr(module, "weight", None)),
+        part(getattr(module, "bias", None)),
+        mesh.get_group(),
+    )
+    parent, child = parent_of(transformer, path)
+    setattr(parent, child, sharded)
+    offload = _keep_on_cpu(originals)
+
+    def undo() -> None:
+        offload()
+        setattr(parent, child, module)
+
+    return undo, split_bytes
+
+
+def _divide(transformer: torch.nn.Module, plan: TensorParallelPlan, degree: int) -> tuple[Undo, int]:
+    changed = []
+    for _, module, attr in divided_attributes(transformer, plan):
+        value = getattr(module, attr)
+        changed.append((module, attr, value))
+        setattr(module, attr, value // degree)
+
+    def undo() -> None:
+        for module, attr, value in reversed(changed):
+            setattr(module, attr, value)
+
+    return undo, len(changed)
+
+
+def _place_rest(transformer: torch.nn.Module, device: torch.device) -> tuple[Undo, int]:
+    """Copy the parameters and buffers that are not split to ``device``; return the undo and their bytes."""
+    replaced: list[tuple[dict, str, Any]] = []
+    copies: dict[int, Any] = {}  # tied parameters stay tied
+    total = 0
+    for module in transformer.modules():
+        if isinstance(module, ShardedNormModule):  # its parameters are already the rank's slices, on the device
+            continue
+        for table, is_param in ((module._parameters, True), (module._buffers, False)):
+            for name, value in list(table.items()):
+                if value is None or isinstance(value, DTensor):
+                    continue
+                if is_param:
+                    total += _bytes(value) if id(value) not in copies else 0
+                if value.device == device:
+                    continue
+                if id(value) not in copies:
+                    with torch.no_grad():
+                        moved = value.detach().to(device, copy=True)
+                    copies[id(value)] = (
+                        torch.nn.Parameter(moved, requires_grad=value.requires_grad) if is_param else moved
+                    )
+                replaced.append((table, name, value))
+                table[name] = copies[id(value)]
+
+    def undo() -> None:
+        for table, name, value in reversed(replaced):
+            table[name] = value
+
+    return undo, total
+
+
+def apply_tensor_parallel(
+    transformer: torch.nn.Module,
+    plan: TensorParallelPlan,
+    mesh: DeviceMesh,
+    *,
+    device: torch.device | None = None,
+    family: str = "",
+) -> Applied:
+    """Split ``transformer`` over the 1-D tensor-parallel ``mesh`` as ``plan`` says.
+
+    Args:
+        transformer: The transformer; its weights may be on the CPU or on ``device``.
+        plan: The family's plan.
+        mesh: The tensor-parallel mesh (a size-1 mesh runs the same code path unsplit).
+        device: This rank's device (default: the mesh's device type, current index).
+        family: Family name, for messages.
+
+    Returns:
+        The undo (restores the original parameters, modules and attributes) and a :class:`TensorParallelState`.
+
+    Raises:
+        ValueError: the plan does not fit the module tree or the degree, or the model is already split or quantized.
+    """
+    degree = mesh.size()
+    plan = resolve_tp_plan(transformer, plan, degree, family)
+    check_unsplit(transformer, plan)
+    if device is None:
+        cuda = mesh.device_type == "cuda"
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device(mesh.device_type)
+    state = TensorParallelState(degree=degree, plan=plan.name)
+    undos: list[Undo] = []
+
+    def undo_all() -> None:
+        while undos:
+            undos.pop()()
+
+    try:
+        for name, module, style in plan_layers(transformer, plan):
+            owner, _ = parent_of(transformer, name)
+            sizes = segment_sizes(owner, module, style, name)  # before any attribute is divided
+            if isinstance(style, ShardedNorm):
+                undo, nbytes = _split_norm(transformer, name, module, sizes, mesh, device)
+                state.num_split_norms += 1
+            else:
+                undo, nbytes, whole = _split_linear(module, style, sizes, mesh, device)
+                state.num_split_layers += 1
+                state.replicated_bytes += whole
+            undos.append(undo)
+            state.split_bytes += nbytes
+        undo, state.num_divided_attributes = _divide(transformer, plan, degree)
+        undos.append(undo)
+        undo, rest_bytes = _place_rest(transformer, device)
+        undos.append(undo)
+        state.replicated_bytes += rest_bytes
+    except BaseException:
+        undo_all()
+        raise
+    state.local_bytes = parameter_bytes(transformer)
+    return Applied(undo_all, state)

@@ -1,0 +1,305 @@
+"""Tensor-parallel plans as data, and their checks against a module tree (which work on the ``meta`` device).
+
+A :class:`TensorParallelPlan` maps module paths of a transformer (``*`` matches one path component) to a style:
+
+* :class:`Colwise` — a ``Linear`` whose *output* features are split over the TP ranks (attention q/k/v, FFN up and
+  gate). ``segments`` describes a fused weight (``[Q|K|V]``, ``[gate|up]``, FLUX.2's ``[Q|K|V|gate|up]``): each
+  segment is split on its own, so rank ``r`` holds ``[Q_r|K_r|V_r]`` and the processor's ``split`` of the local output
+  finds its own heads. ``gather_output`` all-gathers the output (AdaLN modulation: the weight is split, every rank
+  gets the whole modulation vector).
+* :class:`Rowwise` — a ``Linear`` whose *input* features are split (attention out, FFN down); the partial outputs are
+  summed over the ranks. ``segments`` describes an input that concatenates several split streams (FLUX.1's single
+  block ``proj_out`` over ``cat([attn_out, mlp_hidden])``).
+* :class:`ShardedNorm` — an RMSNorm / LayerNorm over a feature dim that is split (Wan's QK-norm over the whole inner
+  dim): its weight is split like the features and its statistics are summed over the ranks, instead of a silently
+  wrong local norm.
+
+``divide`` names the attributes the model's code reshapes with (``heads``, ``inner_dim``, an MLP hidden size):
+they are divided by the degree so the processor sees the local sizes.
+
+A segment size is an ``int`` (a proportion of the feature count, e.g. ``(1, 1, 1)`` for ``[Q|K|V]``) or a ``str``:
+a dotted attribute path read on the module that owns the ``Linear`` (``"attn.inner_dim"``), so a checkpoint with
+another MLP ratio still splits right.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from fastdit.models.base import resolve_attr
+from fastdit.parallel.plan import match_modules
+
+__all__ = [
+    "Colwise",
+    "Rowwise",
+    "ShardedNorm",
+    "Style",
+    "TensorParallelPlan",
+    "divided_attributes",
+    "norm_kind",
+    "plan_layers",
+    "resolve_tp_plan",
+    "segment_sizes",
+    "validate_tp_plan",
+]
+
+Segment = int | str
+
+
+def _check_segments(owner: str, segments: tuple[Segment, ...]) -> None:
+    for segment in segments:
+        if isinstance(segment, bool) or not isinstance(segment, (int, str)) or segment in (0, ""):
+            raise ValueError(f"{owner}.segments={segments!r}: each segment is a positive int or an attribute path")
+        if isinstance(segment, int) and segment < 0:
+            raise ValueError(f"{owner}.segments={segments!r}: each segment is a positive int or an attribute path")
+
+
+@dataclass(frozen=True)
+class Colwise:
+    """Split a ``Linear``'s output features (weight rows) over the TP ranks.
+
+    Attributes:
+        segments: The fused parts of the output, each split on its own (empty: one part).
+        gather_output: All-gather the output so every rank gets all features (AdaLN modulation).
+    """
+
+    segments: tuple[Segment, ...] = ()
+    gather_output: bool = False
+
+    def __post_init__(self) -> None:
+        _check_segments("Colwise", self.segments)
+
+
+@dataclass(frozen=True)
+class Rowwise:
+    """Split a ``Linear``'s input features (weight columns); the partial outputs are summed over the ranks.
+
+    Attributes:
+        segments: The concatenated parts of the input, each split on its own (empty: one part).
+    """
+
+    segments: tuple[Segment, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_segments("Rowwise", self.segments)
+
+
+@dataclass(frozen=True)
+class ShardedNorm:
+    """A norm over split features: its weight split like them, its statistics summed over the ranks.
+
+    Attributes:
+        segments: The parts of the normalised features, as for :class:`Colwise` (empty: one part).
+    """
+
+    segments: tuple[Segment, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_segments("ShardedNorm", self.segments)
+
+
+Style = Colwise | Rowwise | ShardedNorm
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorParallelPlan:
+    """How one transformer family is split over the tensor-parallel ranks.
+
+    Attributes:
+        layers: Module path pattern → style. Every pattern must match at least one module.
+        divide: Attribute paths (``"transformer_blocks.*.attn.heads"``) divided by the degree after splitting.
+        notes: One line for ``docs/models.md`` (what stays replicated and why).
+        fallback: A plan used when ``tp`` does not divide this one's sizes (e.g. FFN-only for a model whose KV heads
+            do not divide the degree); ``None``: such a degree is refused.
+        name: What :func:`fastdit.summary` calls this plan (``"full"``, ``"ffn-only"``).
+    """
+
+    layers: Mapping[str, Style]
+    divide: tuple[str, ...] = ()
+    notes: str = ""
+    fallback: TensorParallelPlan | None = None
+    name: str = "full"
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ValueError("TensorParallelPlan.layers={}: name at least one layer")
+        for path, style in self.layers.items():
+            if not isinstance(style, (Colwise, Rowwise, ShardedNorm)):
+                raise ValueError(
+                    f"TensorParallelPlan.layers[{path!r}]={style!r}: expected Colwise, Rowwise or ShardedNorm"
+                )
+        for path in self.divide:
+            if "." not in path:
+                raise ValueError(f"TensorParallelPlan.divide entry {path!r}: expected 'module.path.attribute'")
+        # A copy: the plan is shared by every transformer of the family, whatever the caller does to its dict.
+        object.__setattr__(self, "layers", dict(self.layers))
+
+
+# The norms :class:`ShardedNorm` knows how to split, by exact class.
+_NORM_KINDS = {
+    "torch.nn.modules.normalization.RMSNorm": "rms",
+    "diffusers.models.normalization.RMSNorm": "rms",
+    "torch.nn.modules.normalization.LayerNorm": "layer",
+}
+
+
+def norm_kind(module: torch.nn.Module) -> str | None:
+    """``"rms"`` or ``"layer"`` for a norm :class:`ShardedNorm` can split, else ``None``."""
+    cls = type(module)
+    return _NORM_KINDS.get(f"{cls.__module__}.{cls.__qualname__}")
+
+
+def plan_layers(transformer: torch.nn.Module, plan: TensorParallelPlan) -> list[tuple[str, torch.nn.Module, Style]]:
+    """Every module the plan splits, with its style, in module order.
+
+    Raises:
+        ValueError: a pattern matches nothing, or a module is matched twice.
+    """
+    cls = type(transformer).__name__
+    found: dict[str, tuple[torch.nn.Module, Style]] = {}
+    for pattern, style in plan.layers.items():
+        matches = match_modules(transformer, pattern)
+        if not matches:
+            raise ValueError(f"tensor-parallel plan: path {pattern!r} matches no module of {cls}")
+        for name, module in matches:
+            if name in found:
+                raise ValueError(f"tensor-parallel plan: module {name!r} of {cls} is matched by two patterns")
+            found[name] = (module, style)
+    order = {name: i for i, (name, _) in enumerate(transformer.named_modules())}
+    return [(name, module, style) for name, (module, style) in sorted(found.items(), key=lambda kv: order[kv[0]])]
+
+
+def divided_attributes(
+    transformer: torch.nn.Module, plan: TensorParallelPlan
+) -> list[tuple[str, torch.nn.Module, str]]:
+    """``(module path, module, attribute)`` of every attribute the plan divides.
+
+    Raises:
+        ValueError: a path matches no module, or a matched module lacks the attribute or holds no int.
+    """
+    cls = type(transformer).__name__
+    out = []
+    for entry in plan.divide:
+        path, _, attr = entry.rpartition(".")
+        matches = match_modules(transformer, path)
+        if not matches:
+            raise ValueError(f"tensor-parallel plan: divide {entry!r}: {path!r} matches no module of {cls}")
+        for name, module in matches:
+            value = getattr(module, attr, None)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(
+                    f"tensor-parallel plan: divide {entry!r}: {name!r} ({type(module).__name__}) has no int "
+                    f"attribute {attr!r} (got {value!r})"
+                )
+            out.append((name, module, attr))
+    return out
+
+
+def _feature_count(module: torch.nn.Module, style: Style) -> int:
+    if isinstance(style, ShardedNorm):
+        return module.weight.shape[0] if getattr(module, "weight", None) is not None else module.normalized_shape[-1]
+    return module.out_features if isinstance(style, Colwise) else module.in_features
+
+
+def segment_sizes(owner: torch.nn.Module | None, module: torch.nn.Module, style: Style, where: str) -> list[int]:
+    """The absolute sizes of the style's segments on ``module`` (summing to the split feature count).
+
+    Args:
+        owner: The module holding ``module`` (attribute segments are read on it).
+        module: The split module.
+        style: Its style.
+        where: The module's path, for messages.
+
+    Raises:
+        ValueError: the segments do not add up to the feature count.
+    """
+    total = _feature_count(module, style)
+    if not style.segments:
+        return [total]
+    if all(isinstance(s, int) for s in style.segments):
+        unit, rest = divmod(total, sum(style.segments))
+        if rest:
+            raise ValueError(
+                f"tensor-parallel plan: {where!r} has {total} features, not divisible into segments {style.segments}"
+            )
+        return [s * unit for s in style.segments]
+    sizes = []
+    for segment in style.segments:
+        if isinstance(segment, int):
+            raise ValueError(f"tensor-parallel plan: {where!r} segments {style.segments} mix ints and attributes")
+        value = resolve_attr(owner, segment)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"tensor-parallel plan: {where!r} segment {segment!r} is not an int attribute ({value!r})")
+        sizes.append(value)
+    if sum(sizes) != total:
+        raise ValueError(
+            f"tensor-parallel plan: {where!r} has {total} features, but its segments {style.segments} add up to "
+            f"{sum(sizes)} ({sizes})"
+        )
+    return sizes
+
+
+def parent_of(transformer: torch.nn.Module, path: str) -> tuple[torch.nn.Module, str]:
+    """The module holding ``path``'s last component, and that component's name."""
+    parent_path, _, child = path.rpartition(".")
+    return (transformer.get_submodule(parent_path) if parent_path else transformer), child
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(2, n + 1) if n % d == 0]
+
+
+def validate_tp_plan(transformer: torch.nn.Module, plan: TensorParallelPlan, degree: int, family: str) -> None:
+    """Check ``plan`` against ``transformer`` for ``degree`` ranks, without moving or reading a weight.
+
+    Raises:
+        ValueError: naming the family, the path or attribute, its value and the degrees that would work.
+    """
+    sizes: list[tuple[str, int]] = []
+    for name, module, style in plan_layers(transformer, plan):
+        if isinstance(style, ShardedNorm):
+            if norm_kind(module) is None:
+                raise ValueError(
+                    f"tensor-parallel plan of {family!r}: {name!r} is a {type(module).__name__}, which ShardedNorm "
+                    "cannot split (RMSNorm or LayerNorm only)"
+                )
+        elif not isinstance(module, torch.nn.Linear) or type(module) is not torch.nn.Linear:
+            raise ValueError(
+                f"tensor-parallel plan of {family!r}: {name!r} is a {type(module).__name__}, not a torch.nn.Linear"
+            )
+        owner, _ = parent_of(transformer, name)
+        sizes += [(f"{name} segment {i}", s) for i, s in enumerate(segment_sizes(owner, module, style, name))]
+    for name, module, attr in divided_attributes(transformer, plan):
+        sizes.append((f"{name}.{attr}" if name else attr, getattr(module, attr)))
+    common = math.gcd(*(size for _, size in sizes))
+    for what, size in sizes:
+        if size % degree:
+            valid = ", ".join(map(str, _divisors(common))) or "none"
+            raise ValueError(
+                f"tensor-parallel plan of {family!r}: {what} = {size} is not divisible by tp={degree}; "
+                f"valid tp degrees for this model: {valid}"
+            )
+
+
+def resolve_tp_plan(
+    transformer: torch.nn.Module, plan: TensorParallelPlan, degree: int, family: str
+) -> TensorParallelPlan:
+    """The plan that fits ``degree``: ``plan`` itself, else the first of its fallbacks that does.
+
+    Raises:
+        ValueError: no plan of the chain fits; the message is the first plan's (the one the user expects).
+    """
+    candidate: TensorParallelPlan | None = plan
+    first_error: ValueError | None = None
+    while candidate is not None:
+        try:
+            validate_tp_plan(transformer, candidate, degree, family)
+            return candidate
+        except ValueError as error:
+            first_error = first_error or error
+            candidate = candidate.fallback
+    raise first_error
