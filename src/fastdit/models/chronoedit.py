@@ -12,6 +12,7 @@ from fastdit.models._lazy import LazyKwargs, tiny_image
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan_shapes import wan_blocks_plan
+from fastdit.parallel.tp_shapes import wan_tp_plan
 
 TRANSFORMER = "diffusers.models.transformers.transformer_chronoedit.ChronoEditTransformer3DModel"
 
@@ -79,12 +80,21 @@ CP_PLAN = wan_blocks_plan(
     notes="RoPE tables from `rope` split on dim 1; tokens split at blocks.0; the encoder context is replicated.",
 )
 
+TP_PLAN = wan_tp_plan(
+    "blocks",
+    notes=(
+        "Wan's plan: attention by heads, QK-norms over the inner dim as ShardedNorm; FFN split; "
+        "modulation tables whole."
+    ),
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="chronoedit",
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="blocks", pattern=ForwardPattern.P2),),
         cp_plan=CP_PLAN,
+        tp_plan=TP_PLAN,
         tiny_pipelines=(
             TinyPipeline(
                 name="edit",

@@ -12,6 +12,7 @@ from fastdit.models._lazy import LazyKwargs, tiny_image
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
+from fastdit.parallel.tp_shapes import wan_tp_plan
 
 TRANSFORMER = "diffusers.models.transformers.transformer_skyreels_v2.SkyReelsV2Transformer3DModel"
 
@@ -126,12 +127,21 @@ CP_PLAN = ContextParallelPlan(
     ),
 )
 
+TP_PLAN = wan_tp_plan(
+    "blocks",
+    notes=(
+        "Wan's plan: attention by heads, QK-norms over the inner dim as ShardedNorm; FFN split; "
+        "modulation tables whole."
+    ),
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="skyreels_v2",
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="blocks", pattern=ForwardPattern.P2),),
         cp_plan=CP_PLAN,
+        tp_plan=TP_PLAN,
         tiny_pipelines=(
             TinyPipeline(name="t2v", build=tiny_skyreels_t2v, call_kwargs=_CALL),
             TinyPipeline(name="i2v", build=tiny_skyreels_i2v, call_kwargs=LazyKwargs({**_CALL, "image": tiny_image()})),

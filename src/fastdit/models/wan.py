@@ -12,6 +12,7 @@ from fastdit.models._lazy import LazyKwargs, tiny_image
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan_shapes import wan_blocks_plan
+from fastdit.parallel.tp_shapes import wan_tp_plan
 
 TRANSFORMER = "diffusers.models.transformers.transformer_wan.WanTransformer3DModel"
 
@@ -149,12 +150,21 @@ _CALL = {
     "max_sequence_length": 16,
 }
 
+TP_PLAN = wan_tp_plan(
+    "blocks",
+    notes=(
+        "self/cross-attention by heads, QK-norms over the inner dim as ShardedNorm (mean square summed "
+        "over ranks); FFN split; scale_shift_table modulation whole."
+    ),
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="wan",
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="blocks", pattern=ForwardPattern.P2),),
         cp_plan=CP_PLAN,
+        tp_plan=TP_PLAN,
         tiny_pipelines=(
             TinyPipeline(name="t2v", build=tiny_wan_t2v, call_kwargs=_CALL),
             TinyPipeline(name="i2v", build=tiny_wan_i2v, call_kwargs=LazyKwargs({**_CALL, "image": tiny_image()})),

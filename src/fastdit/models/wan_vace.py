@@ -27,6 +27,7 @@ import numpy as np
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
+from fastdit.parallel.tp_shapes import wan_tp_plan
 
 TRANSFORMER = "diffusers.models.transformers.transformer_wan_vace.WanVACETransformer3DModel"
 
@@ -155,12 +156,19 @@ _CALL = {
     "max_sequence_length": 16,
 }
 
+TP_PLAN = wan_tp_plan(
+    "blocks",
+    "vace_blocks",
+    notes="Wan's plan over blocks and vace_blocks; the VACE hint projections (dim → dim) stay whole.",
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="wan_vace",
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="blocks", pattern=ForwardPattern.P2),),
         cp_plan=CP_PLAN,
+        tp_plan=TP_PLAN,
         tiny_pipelines=(
             # No control video: the pipeline conditions on an all-zero video under an all-ones mask (text to video).
             TinyPipeline(name="t2v", build=tiny_wan_vace, call_kwargs=_CALL),

@@ -113,6 +113,8 @@ class TensorParallelPlan:
         layers: Module path pattern → style. Every pattern must match at least one module.
         divide: Attribute paths (``"transformer_blocks.*.attn.heads"``) divided by the degree after splitting.
         notes: One line for ``docs/models.md`` (what stays replicated and why).
+        optional: Patterns of ``layers`` (or of ``divide``, without the attribute) that models of the family may
+            lack (an image-to-video model's image projections); every other pattern must match.
         fallback: A plan used when ``tp`` does not divide this one's sizes (e.g. FFN-only for a model whose KV heads
             do not divide the degree); ``None``: such a degree is refused.
         name: What :func:`fastdit.summary` calls this plan (``"full"``, ``"ffn-only"``).
@@ -121,6 +123,7 @@ class TensorParallelPlan:
     layers: Mapping[str, Style]
     divide: tuple[str, ...] = ()
     notes: str = ""
+    optional: tuple[str, ...] = ()
     fallback: TensorParallelPlan | None = None
     name: str = "full"
 
@@ -132,6 +135,10 @@ class TensorParallelPlan:
                 raise ValueError(
                     f"TensorParallelPlan.layers[{path!r}]={style!r}: expected Colwise, Rowwise or ShardedNorm"
                 )
+        known = {*self.layers, *(path.rpartition(".")[0] for path in self.divide)}
+        for path in self.optional:
+            if path not in known:
+                raise ValueError(f"TensorParallelPlan.optional entry {path!r}: not a pattern of layers or divide")
         for path in self.divide:
             if "." not in path:
                 raise ValueError(f"TensorParallelPlan.divide entry {path!r}: expected 'module.path.attribute'")
@@ -163,7 +170,7 @@ def plan_layers(transformer: torch.nn.Module, plan: TensorParallelPlan) -> list[
     found: dict[str, tuple[torch.nn.Module, Style]] = {}
     for pattern, style in plan.layers.items():
         matches = match_modules(transformer, pattern)
-        if not matches:
+        if not matches and pattern not in plan.optional:
             raise ValueError(f"tensor-parallel plan: path {pattern!r} matches no module of {cls}")
         for name, module in matches:
             if name in found:
@@ -186,7 +193,7 @@ def divided_attributes(
     for entry in plan.divide:
         path, _, attr = entry.rpartition(".")
         matches = match_modules(transformer, path)
-        if not matches:
+        if not matches and path not in plan.optional:
             raise ValueError(f"tensor-parallel plan: divide {entry!r}: {path!r} matches no module of {cls}")
         for name, module in matches:
             value = getattr(module, attr, None)

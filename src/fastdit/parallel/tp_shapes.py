@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from fastdit.parallel.tp_plan import Colwise, Rowwise, Style
+from fastdit.parallel.tp_plan import Colwise, Rowwise, ShardedNorm, Style, TensorParallelPlan
 
-__all__ = ["attention", "feed_forward", "joint_attention", "modulation", "under"]
+__all__ = ["attention", "feed_forward", "joint_attention", "modulation", "under", "wan_tp_plan"]
 
 
 def under(prefix: str, layers: Mapping[str, Style]) -> dict[str, Style]:
@@ -40,3 +40,42 @@ def feed_forward(ff: str = "ff", *, up: str = "net.0.proj", down: str = "net.2")
 def modulation(*linears: str) -> dict[str, Style]:
     """AdaLN modulation linears split column-wise with a gathered output (every rank needs the whole vector)."""
     return {path: Colwise(gather_output=True) for path in linears}
+
+
+def _wan_block(prefix: str) -> tuple[dict[str, Style], tuple[str, ...]]:
+    layers = {
+        **under(prefix, attention("attn1")),
+        **under(prefix, attention("attn2")),
+        **under(prefix, feed_forward("ffn")),
+    }
+    optional = []
+    for attn in ("attn1", "attn2"):
+        for norm in ("norm_q", "norm_k"):
+            layers[f"{prefix}.{attn}.{norm}"] = ShardedNorm()
+    # Image-to-video models project the image tokens for cross-attention; text-to-video ones have none.
+    image = {
+        f"{prefix}.attn2.add_k_proj": Colwise(),
+        f"{prefix}.attn2.add_v_proj": Colwise(),
+        f"{prefix}.attn2.norm_added_k": ShardedNorm(),
+    }
+    layers.update(image)
+    optional += list(image)
+    return layers, tuple(optional)
+
+
+def wan_tp_plan(*block_lists: str, notes: str) -> TensorParallelPlan:
+    """The plan of a Wan-style video DiT (Wan 2.x, VACE, SkyReels-V2, ChronoEdit) over ``block_lists``.
+
+    Self- and cross-attention split by heads; their QK-norms are RMSNorms over the whole inner dim (not per head),
+    so they become :class:`ShardedNorm` (the mean square summed over the ranks) — a local norm would be silently
+    wrong. The modulation is a per-block ``scale_shift_table`` added to one shared time projection: it stays whole.
+    """
+    layers: dict[str, Style] = {}
+    optional: tuple[str, ...] = ()
+    divide = []
+    for blocks in block_lists:
+        block_layers, block_optional = _wan_block(f"{blocks}.*")
+        layers.update(block_layers)
+        optional += block_optional
+        divide += [f"{blocks}.*.attn1.heads", f"{blocks}.*.attn2.heads"]
+    return TensorParallelPlan(layers=layers, divide=tuple(divide), optional=optional, notes=notes)
