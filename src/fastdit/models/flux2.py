@@ -13,6 +13,8 @@ from fastdit.models._lazy import LazyKwargs, tiny_image
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan_shapes import mmdit_root_plan
+from fastdit.parallel.tp_plan import Colwise, Rowwise, TensorParallelPlan
+from fastdit.parallel.tp_shapes import joint_attention, under
 
 TRANSFORMER = "diffusers.models.transformers.transformer_flux2.Flux2Transformer2DModel"
 
@@ -129,6 +131,26 @@ _CALL = {
     "text_encoder_out_layers": _TEXT_OUT_LAYERS,
 }
 
+# Tensor parallelism (the same split as diffusers' `_tp_plan`): the double blocks' attention and SwiGLU FFNs (gate and
+# up fused in `linear_in`: two segments), the single blocks' fused [Q|K|V|gate|up] input projection and their output
+# projection over cat([attn_out, mlp_hidden]) split segment by segment. The processor splits the fused output by its
+# global ratio, so only `heads` needs dividing. The modulation is three model-level linears shared by every block:
+# small, kept whole. QK-norms are per head.
+_SWIGLU = {"linear_in": Colwise(segments=(1, 1)), "linear_out": Rowwise()}
+TP_PLAN = TensorParallelPlan(
+    layers={
+        **under("transformer_blocks.*", joint_attention("attn")),
+        **under("transformer_blocks.*.ff", _SWIGLU),
+        **under("transformer_blocks.*.ff_context", _SWIGLU),
+        "single_transformer_blocks.*.attn.to_qkv_mlp_proj": Colwise(
+            segments=("inner_dim", "inner_dim", "inner_dim", "mlp_hidden_dim", "mlp_hidden_dim")
+        ),
+        "single_transformer_blocks.*.attn.to_out": Rowwise(segments=("inner_dim", "mlp_hidden_dim")),
+    },
+    divide=("transformer_blocks.*.attn.heads", "single_transformer_blocks.*.attn.heads"),
+    notes="diffusers' plan: fused [Q|K|V|gate|up] and SwiGLU weights split per segment; shared modulation whole.",
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="flux2",
@@ -138,6 +160,7 @@ ADAPTER = register(
             BlockGroup(path="single_transformer_blocks", pattern=ForwardPattern.P3),
         ),
         cp_plan=CP_PLAN,
+        tp_plan=TP_PLAN,
         tiny_pipelines=(
             TinyPipeline(name="dev", build=tiny_flux2_dev, call_kwargs={**_CALL, "guidance_scale": 4.0}),
             TinyPipeline(name="klein", build=tiny_flux2_klein, call_kwargs={**_CALL, "guidance_scale": 4.0}),

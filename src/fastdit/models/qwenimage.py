@@ -14,6 +14,8 @@ from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelP
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 from fastdit.parallel.plan_shapes import streams
+from fastdit.parallel.tp_plan import TensorParallelPlan
+from fastdit.parallel.tp_shapes import feed_forward, joint_attention, modulation, under
 
 TRANSFORMER = "diffusers.models.transformers.transformer_qwenimage.QwenImageTransformer2DModel"
 
@@ -111,12 +113,31 @@ _CALL = {
     "max_sequence_length": 16,
 }
 
+# Tensor parallelism: diffusers' `_tp_plan` (joint attention, image and text FFNs) plus the per-block AdaLN modulation
+# (`img_mod.1`, `txt_mod.1`: dim → 6·dim each, ~1/3 of Qwen-Image's weights) split with a gathered output, which
+# diffusers keeps whole — the reason a TP-2 Qwen-Image elsewhere is barely smaller than one GPU. The processor takes
+# head_dim as inner_dim // heads, so both are divided (their ratio stays the head size).
+TP_PLAN = TensorParallelPlan(
+    layers=under(
+        "transformer_blocks.*",
+        {
+            **joint_attention("attn"),
+            **feed_forward("img_mlp"),
+            **feed_forward("txt_mlp"),
+            **modulation("img_mod.1", "txt_mod.1"),
+        },
+    ),
+    divide=("transformer_blocks.*.attn.heads", "transformer_blocks.*.attn.inner_dim"),
+    notes="diffusers' plan plus per-block modulation split with a gathered output (~1/3 of the weights).",
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="qwenimage",
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P1),),
         cp_plan=CP_PLAN,
+        tp_plan=TP_PLAN,
         tiny_pipelines=(
             TinyPipeline(name="qwen-image", build=tiny_qwen_image, call_kwargs={**_CALL, "height": 32, "width": 32}),
             TinyPipeline(

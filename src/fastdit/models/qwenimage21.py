@@ -28,6 +28,8 @@ from typing import Any
 from fastdit.models._lazy import LazyKwargs, tiny_image
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.tp_plan import Colwise, Rowwise, TensorParallelPlan
+from fastdit.parallel.tp_shapes import attention, under
 
 TRANSFORMER = "diffusers.models.transformers.transformer_qwenimage21.QwenImage21Transformer2DModel"
 
@@ -153,11 +155,29 @@ _CALL = {
     "use_kv_cache": False,
 }
 
+# Tensor parallelism (diffusers' `_tp_plan`): one joint stream whose attention and SwiGLU (separate gate and up
+# projections) split Megatron-style. The one shared modulation linear feeds every block and stays whole. The
+# processors take head_dim as inner_dim // heads, so both are divided.
+TP_PLAN = TensorParallelPlan(
+    layers=under(
+        "transformer_blocks.*",
+        {
+            **attention("attn"),
+            "img_mlp.proj": Colwise(),
+            "img_mlp.gate_layer": Colwise(),
+            "img_mlp.out": Rowwise(),
+        },
+    ),
+    divide=("transformer_blocks.*.attn.heads", "transformer_blocks.*.attn.inner_dim"),
+    notes="diffusers' plan (attention and SwiGLU split); the shared modulation stays whole.",
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="qwenimage21",
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P3),),
+        tp_plan=TP_PLAN,
         tiny_pipelines=(
             TinyPipeline(
                 name="t2i",
