@@ -53,6 +53,7 @@ def transformer_classes() -> list[type]:
 
 
 NO_PLAN = "No context-parallel plan:"
+NO_TP_PLAN = "No tensor-parallel plan:"
 
 
 def cp_status(adapter) -> str:
@@ -65,23 +66,39 @@ def cp_status(adapter) -> str:
     return "❌ not planned yet"
 
 
+def tp_status(adapter) -> str:
+    """The tensor-parallel cell: the plan's one-line summary (and its fallback's name), or the recorded reason."""
+    plan = adapter.tp_plan
+    if plan is not None:
+        fallback = f" Fallback: {plan.fallback.name} ({plan.fallback.notes})." if plan.fallback is not None else ""
+        return "✅ " + (plan.notes or "plan") + fallback
+    notes = " ".join(adapter.notes.split())
+    if NO_TP_PLAN in notes:
+        return "❌ " + notes[notes.index(NO_TP_PLAN) + len(NO_TP_PLAN) :].strip()
+    return "❌ not planned yet"
+
+
 def render() -> str:
     by_class = {name: adapter for adapter in all_adapters() for name in adapter.transformer_classes}
     rows = []
-    supported = with_cp = 0
+    supported = with_cp = with_tp = 0
     for cls in transformer_classes():
         adapter = by_class.get(qualified_name(cls))
         if adapter is not None:
             supported += 1
             with_cp += adapter.cp_plan is not None
+            with_tp += adapter.tp_plan is not None
             groups = ", ".join(f"`{g.path}` (P{g.pattern.value})" for g in adapter.block_groups)
             tiny = ", ".join(t.name for t in adapter.tiny_pipelines)
             presets = ", ".join(f"`{p.name}`" for p in adapter.presets) or "—"
             cp = cp_status(adapter).replace("|", "\\|")
-            rows.append(f"| `{cls.__name__}` | `{adapter.family}` | ✅ cache | {cp} | {groups} | {tiny} | {presets} |")
+            tp = tp_status(adapter).replace("|", "\\|")
+            rows.append(
+                f"| `{cls.__name__}` | `{adapter.family}` | ✅ cache | {cp} | {tp} | {groups} | {tiny} | {presets} |"
+            )
         else:
             reason = REASONS.get(cls.__name__, "DiT not integrated yet")
-            rows.append(f"| `{cls.__name__}` | — | ❌ {reason} | | | | |")
+            rows.append(f"| `{cls.__name__}` | — | ❌ {reason} | | | | | |")
     header = [
         "# Model families",
         "",
@@ -97,12 +114,16 @@ def render() -> str:
         "",
         "The context-parallel column gives the family's plan (where the sequence is split, see",
         "[parallel.md](parallel.md)) — every plan is tested on 2 and 3 gloo ranks against one process — or why there",
-        "is none. Tensor, text-encoder and VAE parallelism are not available yet.",
+        "is none. The tensor-parallel column gives what the family's plan splits (see",
+        "[tensor_parallel.md](tensor_parallel.md)) — every plan is tested on 2 gloo ranks against one process, alone",
+        "and under a step cache — or why there is none. Text-encoder and VAE parallelism are not available yet.",
         "",
-        f"**{supported} transformer classes supported; {with_cp} with context parallelism.**",
+        f"**{supported} transformer classes supported; {with_cp} with context parallelism; {with_tp} with tensor "
+        "parallelism.**",
         "",
-        "| diffusers class | family | cache | context parallel | block lists (pattern) | tiny pipelines | CLI names |",
-        "|---|---|---|---|---|---|---|",
+        "| diffusers class | family | cache | context parallel | tensor parallel | block lists (pattern) "
+        "| tiny pipelines | CLI names |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     return "\n".join(header + rows) + "\n"
 

@@ -95,8 +95,8 @@ class _TensorParallel:
                     f"{item.name}: model family {item.adapter.family!r} has no tensor-parallel plan",
                 )
             try:
-                used = resolve_tp_plan(item.module, plan, request.parallel.tp, item.adapter.family)
-                check_unsplit(item.module, used)
+                check_unsplit(item.module, plan)
+                resolve_tp_plan(item.module, plan, request.parallel.tp, item.adapter.family)
             except ValueError as error:
                 raise ArgumentError("accelerate", "parallel", request.parallel, f"{item.name}: {error}") from error
 

@@ -18,7 +18,8 @@ import torch
 import fastdit
 from fastdit.components import walk
 from fastdit.models.registry import all_adapters, get_family
-from fastdit.parallel.tp_plan import validate_tp_plan
+from fastdit.parallel.plan import match_modules
+from fastdit.parallel.tp_plan import Colwise, parent_of, plan_layers, segment_sizes, validate_tp_plan
 from fastdit.testing.distributed import WorkerPool
 from fastdit.testing.pipelines import build_tiny, run_tiny
 
@@ -142,3 +143,38 @@ def test_plan_fits_on_meta(family: str) -> None:
         # A degree no divided size meets is refused, naming the family and the valid degrees.
         with pytest.raises(ValueError, match=rf"tensor-parallel plan of {family!r}: .* not divisible by tp=7; valid"):
             validate_tp_plan(meta, adapter.tp_plan, 7, family)
+
+
+# --- agreement with the plans diffusers ships ---
+
+
+def _diffusers_sizes(style: Any, module: torch.nn.Linear) -> tuple[str, list[int]]:
+    """What a diffusers ``_tp_plan`` entry does to ``module``: its kind and the absolute sizes of its blocks."""
+    if isinstance(style, str):
+        kind = {"colwise": "col", "rowwise": "row"}[style]
+        return kind, [module.out_features if kind == "col" else module.in_features]
+    kind = "col" if type(style).__name__ == "PackedColwiseParallel" else "row"
+    blocks = style.blocks or getattr(module, f"_tp_packed_{kind}_blocks")
+    total = module.out_features if kind == "col" else module.in_features
+    unit = total // sum(blocks)
+    return kind, [b * unit for b in blocks]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_plan_agrees_with_diffusers_where_it_ships_one(family: str) -> None:
+    adapter = get_family(family)
+    pipe = adapter.tiny().build()
+    for module in _denoisers(pipe).values():
+        theirs = getattr(type(module), "_tp_plan", None)
+        if not theirs:
+            continue
+        ours = {name: (layer, style) for name, layer, style in plan_layers(module, adapter.tp_plan)}
+        for pattern, style in theirs.items():
+            for name, layer in match_modules(module, pattern):
+                assert name in ours, f"diffusers splits {name}; our plan does not"
+                kind, sizes = _diffusers_sizes(style, layer)
+                our_layer, our_style = ours[name]
+                assert ("col" if isinstance(our_style, Colwise) else "row") == kind, name
+                assert not getattr(our_style, "gather_output", False), name
+                owner, _ = parent_of(module, name)
+                assert segment_sizes(owner, our_layer, our_style, name) == sizes, name

@@ -22,6 +22,8 @@ FEATURES: tuple[tuple[str, Callable[[ModelAdapter], bool]], ...] = (
     ("cache", lambda adapter: bool(adapter.block_groups)),
     # Context parallelism (Ulysses, ring) needs the family's plan of where to split and gather the sequence.
     ("cp", lambda adapter: adapter.cp_plan is not None),
+    # Tensor parallelism needs the family's plan of which layers split and which attributes divide.
+    ("tp", lambda adapter: adapter.tp_plan is not None),
 )
 """Feature name and the test of an adapter that says whether the family supports it, in display order."""
 

@@ -104,6 +104,8 @@ def check_unsplit(transformer: torch.nn.Module, plan: TensorParallelPlan) -> Non
         ValueError: naming the layer and what its weight is.
     """
     for name, module, _ in plan_layers(transformer, plan):
+        if isinstance(module, ShardedNormModule):
+            raise ValueError(f"{name} is already split (a ShardedNormModule): the model is split already")
         for pname, param in module.named_parameters(recurse=False):
             data = param.data if isinstance(param, torch.nn.Parameter) else param
             if isinstance(param, DTensor) or type(data) is not torch.Tensor:
@@ -310,8 +312,8 @@ def apply_tensor_parallel(
         ValueError: the plan does not fit the module tree or the degree, or the model is already split or quantized.
     """
     degree = mesh.size()
-    plan = resolve_tp_plan(transformer, plan, degree, family)
     check_unsplit(transformer, plan)
+    plan = resolve_tp_plan(transformer, plan, degree, family)
     if device is None:
         cuda = mesh.device_type == "cuda"
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device(mesh.device_type)

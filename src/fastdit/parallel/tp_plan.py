@@ -140,7 +140,7 @@ class TensorParallelPlan:
             if path not in known:
                 raise ValueError(f"TensorParallelPlan.optional entry {path!r}: not a pattern of layers or divide")
         for path in self.divide:
-            if "." not in path:
+            if not path or path.endswith(".") or path.startswith("."):
                 raise ValueError(f"TensorParallelPlan.divide entry {path!r}: expected 'module.path.attribute'")
         # A copy: the plan is shared by every transformer of the family, whatever the caller does to its dict.
         object.__setattr__(self, "layers", dict(self.layers))
