@@ -178,3 +178,41 @@ def test_plan_agrees_with_diffusers_where_it_ships_one(family: str) -> None:
                 assert not getattr(our_style, "gather_output", False), name
                 owner, _ = parent_of(module, name)
                 assert segment_sizes(owner, our_layer, our_style, name) == sizes, name
+
+
+# --- on one mesh with context parallelism ---
+
+# Families whose TP × CP composition is checked on 4 ranks (the first tiny pipeline of each).
+MESH_FAMILIES = ("flux", "wan", "qwenimage", "hunyuan_video")
+MESH_LAYOUTS = {"tp2-ulysses2": {"tp": 2, "ulysses": 2}, "tp2-ring2": {"tp": 2, "ring": 2}}
+
+
+def _run_layout(rank: int, world_size: int, family: str, variant: str, layout: dict[str, int], bn: int | None):
+    pipe, tiny = _built(family, variant)
+    cache = None if bn is None else _cache(bn)
+    fastdit.accelerate(pipe, parallel=fastdit.Parallel(**layout), cache=cache)
+    try:
+        overrides = {} if bn is None else _cached_overrides(family, variant)
+        return run_tiny(pipe, tiny, **overrides), fastdit.summary(pipe).num_cached_steps
+    finally:
+        fastdit.disable(pipe)
+
+
+@pytest.mark.parametrize("layout", list(MESH_LAYOUTS), ids=list(MESH_LAYOUTS))
+@pytest.mark.parametrize("family", MESH_FAMILIES)
+def test_tp_with_context_parallel_matches_single_process(dist4: WorkerPool, family: str, layout: str) -> None:
+    variant = get_family(family).tiny_pipelines[0].name
+    pipe, tiny = _built(family, variant)
+    expected = run_tiny(pipe, tiny)
+    for out, _ in dist4.run(_run_layout, family, variant, MESH_LAYOUTS[layout], None, timeout=300):
+        assert np.abs(out - expected).max() < TOLERANCE, f"max abs error {np.abs(out - expected).max():.2e}"
+
+
+@pytest.mark.parametrize("family", MESH_FAMILIES)
+def test_tp_ulysses_cache_matches_single_process_cache(dist4: WorkerPool, family: str) -> None:
+    variant = get_family(family).tiny_pipelines[0].name
+    expected, expected_cached = _run_cached(0, 1, family, variant, 1, 0)
+    results = dist4.run(_run_layout, family, variant, MESH_LAYOUTS["tp2-ulysses2"], 0, timeout=300)
+    for out, cached in results:
+        assert cached == expected_cached
+        assert np.abs(out - expected).max() < TOLERANCE, f"max abs error {np.abs(out - expected).max():.2e}"
