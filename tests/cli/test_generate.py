@@ -513,11 +513,13 @@ def _torchrun_generate(argv: list[str], out: Path) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_torchrun_context_parallel_writes_once(tiny_flux_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("parallel", ["ulysses=2", "tp=2"])
+def test_torchrun_parallel_writes_once(tiny_flux_dir: Path, tmp_path: Path, parallel: str) -> None:
     out = tmp_path / "cp.png"
-    argv = ["--model-path", str(tiny_flux_dir), "--prompt", "a cat", *TINY, "--parallel", "ulysses=2"]
+    argv = ["--model-path", str(tiny_flux_dir), "--prompt", "a cat", *TINY, "--parallel", parallel]
     payload = _torchrun_generate(argv, out)
-    assert payload["world_size"] == 2 and payload["acceleration"]["parallel"]["ulysses"] == 2
+    key, degree = parallel.split("=")
+    assert payload["world_size"] == 2 and payload["acceleration"]["parallel"][key] == int(degree)
     # Exact up to the order of float sums: measured 142 dB; a split or gather bug costs tens of dB.
     assert payload["psnr_min"] == "inf" or payload["psnr_min"] > 100
     assert [p.name for p in tmp_path.iterdir()] == ["cp.png"]
@@ -535,7 +537,7 @@ def _reference_available() -> bool:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _reference_available(), reason="the reference pipeline's weights are not installed")
-@pytest.mark.parametrize("parallel", ["ulysses=2", "ring=2"])
+@pytest.mark.parametrize("parallel", ["ulysses=2", "ring=2", "tp=2"])
 def test_torchrun_reference_pipeline_matches_one_process(parallel: str, tmp_path: Path) -> None:
     """28 steps of the trained reference pipeline on 2 processes equal the same process's unsplit run."""
     payload = _torchrun_generate(["--prompt", "a handwritten digit 5", "--parallel", parallel], tmp_path / "five.png")

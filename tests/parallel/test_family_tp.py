@@ -216,3 +216,25 @@ def test_tp_ulysses_cache_matches_single_process_cache(dist4: WorkerPool, family
     for out, cached in results:
         assert cached == expected_cached
         assert np.abs(out - expected).max() < TOLERANCE, f"max abs error {np.abs(out - expected).max():.2e}"
+
+
+# --- with compiled blocks ---
+
+
+def _run_compiled(rank: int, world_size: int, family: str, variant: str, bn: int) -> np.ndarray:
+    pipe, tiny = _built(family, variant)
+    # Dynamo traces the blocks through DTensor's layouts; the eager backend keeps this a CPU-time test.
+    compile_config = fastdit.Compile(backend="eager", fullgraph=False)
+    fastdit.accelerate(pipe, parallel=fastdit.Parallel(tp=world_size), cache=_cache(bn), compile=compile_config)
+    try:
+        return run_tiny(pipe, tiny, **_cached_overrides(family, variant))
+    finally:
+        fastdit.disable(pipe)
+
+
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_tp_with_compiled_blocks_and_cache(dist2: WorkerPool, family: str) -> None:
+    variant = get_family(family).tiny_pipelines[0].name
+    expected, _ = _run_cached(0, 1, family, variant, 1, 1)
+    for out in dist2.run(_run_compiled, family, variant, 1, timeout=300):
+        assert np.abs(out - expected).max() < TOLERANCE, f"max abs error {np.abs(out - expected).max():.2e}"
