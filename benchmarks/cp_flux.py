@@ -61,13 +61,13 @@ FLUX_DEV = {
 TINY = {**FLUX_DEV, "num_layers": 1, "num_single_layers": 2, "attention_head_dim": 16, "num_attention_heads": 4,
         "joint_attention_dim": 64, "pooled_projection_dim": 32, "axes_dims_rope": (4, 6, 6)}  # fmt: skip
 # A fastdit mode is a layout plus options joined by "+", e.g. "ulysses+compile+chunks2".
-LAYOUTS = ("single", "ulysses", "ring", "usp")
+LAYOUTS = ("single", "ulysses", "ring", "usp", "tp", "tp_ulysses")
 # compile: inductor blocks; graph: transformer calls (or, with cache, block calls) replayed as CUDA graphs
 # (CudaGraph); cudagraphs: torch.compile's own mode="reduce-overhead"; cache: DBCache F1B0 on a fixed
 # schedule computing every other step (random weights never hit a residual threshold: this measures the mechanics).
 # blockgraph: CUDA graphs per block (CudaGraph(scope="blocks")) even without a cache.
 OPTIONS = ("compile", "graph", "blockgraph", "cudagraphs", "fp8", "chunks2", "chunks4", "cache")
-ANCHOR_MODES = ("diffusers_ulysses", "cachedit_ulysses")
+ANCHOR_MODES = ("diffusers_ulysses", "cachedit_ulysses", "diffusers_tp")
 VAE_FLUX = {"block_out_channels": (128, 256, 512, 512), "layers_per_block": 2}
 VAE_TINY = {"block_out_channels": (8, 8, 8, 8), "layers_per_block": 1, "norm_num_groups": 8}
 
@@ -194,6 +194,8 @@ def accelerate_mode(pipe: Any, mode: str, world_size: int, steps: int) -> Callab
         "ulysses": {"ulysses": world_size},
         "ring": {"ring": world_size},
         "usp": {"ulysses": 2, "ring": world_size // 2},  # 4+ processes: Ulysses pairs, ring across them
+        "tp": {"tp": world_size},
+        "tp_ulysses": {"tp": 2, "ulysses": world_size // 2},  # 4+ processes: TP pairs, Ulysses across them
     }[layout]
     parallel = fastdit.Parallel(**degrees, ulysses_chunks=chunks, comm_fp8="fp8" in options) if degrees else None
     cache = cache_for(options, steps)
@@ -230,6 +232,10 @@ def accelerate_anchor(pipe: Any, mode: str, world_size: int) -> Callable[[], Non
         from diffusers import ContextParallelConfig
 
         pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world_size))
+    elif mode == "diffusers_tp":
+        from diffusers.models._modeling_parallel import TensorParallelConfig
+
+        pipe.transformer.enable_parallelism(config=TensorParallelConfig(tp_degree=world_size))
     else:
         import cache_dit
 
@@ -239,7 +245,7 @@ def accelerate_anchor(pipe: Any, mode: str, world_size: int) -> Callable[[], Non
 
 
 def library(mode: str) -> str:
-    if mode == "diffusers_ulysses":
+    if mode in ("diffusers_ulysses", "diffusers_tp"):
         import diffusers
 
         return f"diffusers {diffusers.__version__}"
@@ -301,11 +307,12 @@ def run_modes(
     rows, baseline, profiles = [], None, []
     for mode in args.modes.split(","):
         if (mode.split("+")[0] != "single" and world_size == 1) or (
-            mode.split("+")[0] == "usp" and (world_size < 4 or world_size % 2)
+            mode.split("+")[0] in ("usp", "tp_ulysses") and (world_size < 4 or world_size % 2)
         ):
-            print(f"skipping {mode}: needs more processes under torchrun (usp: an even number, at least 4)")
+            print(f"skipping {mode}: needs more processes under torchrun (usp, tp_ulysses: an even number, 4+)")
             continue
         undo = accelerate_mode(pipe, mode, world_size, steps)
+        memory = model_memory(device)
         try:
             call = functools.partial(generate, pipe, kwargs, args.seed, device)
             (images, latents), seconds = timed(call, args, device)
@@ -315,8 +322,24 @@ def run_modes(
             undo()
         if baseline is None:
             baseline = (images, latents, seconds)
-        rows.append(score(mode, seconds, images, latents, baseline, world_size))
+        rows.append({**score(mode, seconds, images, latents, baseline, world_size), **memory, **peak_memory(device)})
     return rows, profiles, steps, size
+
+
+def model_memory(device: torch.device) -> dict[str, float]:
+    """GiB allocated on this rank's device once a mode is applied (the pipeline's weights there), the max over ranks."""
+    if device.type != "cuda":
+        return {}
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return {"model_gib": round(max_across_processes(torch.cuda.memory_allocated(device) / 2**30, device), 2)}
+
+
+def peak_memory(device: torch.device) -> dict[str, float]:
+    """Peak GiB allocated on this rank's device during the mode's calls, the max over ranks."""
+    if device.type != "cuda":
+        return {}
+    return {"peak_gib": round(max_across_processes(torch.cuda.max_memory_allocated(device) / 2**30, device), 2)}
 
 
 def score(mode: str, seconds: float, images, latents, baseline, world_size: int) -> dict[str, Any]:
@@ -327,7 +350,7 @@ def score(mode: str, seconds: float, images, latents, baseline, world_size: int)
     return {
         "mode": mode,
         "library": library(mode),
-        "degree": 1 if mode.split("+")[0] == "single" else world_size,
+        "degree": 1 if mode.split("+")[0] == "single" else world_size,  # tp_ulysses: the product
         "seconds": round(seconds, 4),
         "speedup": round(base_seconds / seconds, 3),
         "psnr": quality.psnr,
@@ -341,7 +364,8 @@ def report(rows: list[dict[str, Any]], profiles: list[dict[str, Any]], args, wor
     name = device_name(device)
     print(f"\nFLUX.1-dev-sized transformer ({'tiny' if args.tiny else 'full'}), {size}x{size}, {steps} steps, "
           f"{world_size} x {name}\n")  # fmt: skip
-    header = ("mode", "library", "degree", "seconds", "speed-up", "PSNR (dB)", "SSIM", "latent PSNR", "latent max err")
+    header = ("mode", "library", "degree", "seconds", "speed-up", "PSNR (dB)", "SSIM", "latent PSNR", "latent max err",
+              "model GiB/GPU", "peak GiB/GPU")  # fmt: skip
     cells = [
         (
             r["mode"],
@@ -353,6 +377,8 @@ def report(rows: list[dict[str, Any]], profiles: list[dict[str, Any]], args, wor
             f"{r['ssim']:.4f}",
             f"{r['latent_psnr']:.2f}",
             f"{r['latent_max_abs_err']:.2e}",
+            r.get("model_gib", "-"),
+            r.get("peak_gib", "-"),
         )
         for r in rows
     ]
