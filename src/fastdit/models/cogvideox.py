@@ -12,6 +12,8 @@ from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelP
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.parallel.plan_shapes import streams
+from fastdit.parallel.tp_plan import TensorParallelPlan
+from fastdit.parallel.tp_shapes import attention, feed_forward, modulation, under
 
 TRANSFORMER = "diffusers.models.transformers.cogvideox_transformer_3d.CogVideoXTransformer3DModel"
 
@@ -164,12 +166,28 @@ CP_PLAN = ContextParallelPlan(
     notes="Positions added in the patch embedding; the video RoPE (cos, sin) tables split at the root with the tokens.",
 )
 
+# Tensor parallelism: one attention over the concatenated [text, video] tokens (attn1 q/k/v column-wise, to_out
+# row-wise) and one FFN over both streams. The processor takes head_dim = local inner dim // attn.heads and reshapes
+# with attn.heads, so `heads` is divided. The QK-norms are LayerNorm over head_dim (per head): replicated. The AdaLN
+# modulation of norm1 / norm2 (time_embed_dim -> 6 dim, per block, ~14 % of the 5B's weights) is split with a
+# gathered output. Replicated: patch and time embeddings, norm_final, norm_out, proj_out.
+TP_PLAN = TensorParallelPlan(
+    layers=under(
+        "transformer_blocks.*",
+        {**attention("attn1"), **feed_forward("ff"), **modulation("norm1.linear", "norm2.linear")},
+    ),
+    divide=("transformer_blocks.*.attn1.heads",),
+    notes="Joint attention and FFN split; per-block AdaLN modulation (6 dim) split with a gathered output; "
+    "QK-norms per head replicated.",
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="cogvideox",
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P0),),
         cp_plan=CP_PLAN,
+        tp_plan=TP_PLAN,
         tiny_pipelines=(
             TinyPipeline(name="t2v-2b", build=tiny_cogvideox_2b, call_kwargs=_CALL),
             TinyPipeline(name="t2v-5b", build=tiny_cogvideox_5b, call_kwargs=_CALL),

@@ -24,6 +24,8 @@ from fastdit.models._lazy import LazyKwargs, tiny_image
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
+from fastdit.parallel.tp_plan import TensorParallelPlan
+from fastdit.parallel.tp_shapes import attention, feed_forward, under
 
 TRANSFORMER = "diffusers.models.transformers.transformer_cosmos.CosmosTransformer3DModel"
 _MODULE = "diffusers.models.transformers.transformer_cosmos"
@@ -261,6 +263,20 @@ CP_PLAN = ContextParallelPlan(
     ),
 )
 
+# Tensor parallelism: self-attention (attn1) and text cross-attention (attn2) q/k/v column-wise, to_out row-wise; the
+# processors reshape with unflatten(2, (attn.heads, -1)), so `heads` is divided. The QK-norms are RMSNorm over head_dim
+# and the RoPE table (S, head_dim) broadcasts over heads: per head, replicated. FFN split. The AdaLN modulation
+# stays replicated: it is a LoRA bottleneck (dim -> adaln_lora_dim -> 3 dim, a few % of the weights) whose output is
+# per token under per-frame timesteps, where a gathered output would cost an activation-sized all-gather per norm.
+# Not covered: the image-context attention of checkpoints with img_context_dim_in (attn2.q_img/k_img/v_img, which
+# the tiny models lack, and its dim_head = attn.out_dim // attn.heads).
+TP_PLAN = TensorParallelPlan(
+    layers=under("transformer_blocks.*", {**attention("attn1"), **attention("attn2"), **feed_forward("ff")}),
+    divide=("transformer_blocks.*.attn1.heads", "transformer_blocks.*.attn2.heads"),
+    notes="Self- and cross-attention and FFN split; AdaLN-LoRA modulation (small, per token for per-frame timesteps) "
+    "and QK-norms per head replicated; image-context attention (img_context_dim_in) not covered.",
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="cosmos",
@@ -335,5 +351,6 @@ ADAPTER = register(
             "untested."
         ),
         cp_plan=CP_PLAN,
+        tp_plan=TP_PLAN,
     )
 )

@@ -12,6 +12,8 @@ from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelP
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitOutput
 from fastdit.parallel.plan_shapes import streams
+from fastdit.parallel.tp_plan import TensorParallelPlan
+from fastdit.parallel.tp_shapes import feed_forward, joint_attention, modulation, under
 
 TRANSFORMER = "diffusers.models.transformers.transformer_easyanimate.EasyAnimateTransformer3DModel"
 
@@ -95,12 +97,36 @@ CP_PLAN = ContextParallelPlan(
     notes="3-D RoPE (cos, sin) split at the rope module's output with the tokens (split at transformer_blocks.0).",
 )
 
+# Tensor parallelism for MMDiT blocks (every block when mmdit_layers >= num_layers, as in diffusers' default config):
+# joint attention (video q/k/v and the text add_*_proj column-wise, to_out / to_add_out row-wise) and the video and
+# text FFNs. The processor reshapes with unflatten(2, (attn.heads, -1)), so `heads` is divided; the QK-norms are
+# LayerNorm over head_dim (per head): replicated, and the optional norm3 acts on the FFN's reduced output. The AdaLN
+# modulation of norm1 / norm2 (time_embed_dim -> 6 dim, per block) is split with a gathered output. A block built
+# with is_mmdit_block=False would return its text part straight from attention with no out projection (still split):
+# such a checkpoint fails loudly on the residual add. Replicated: text projections, time embedding, norm_out,
+# proj_out.
+TP_PLAN = TensorParallelPlan(
+    layers=under(
+        "transformer_blocks.*",
+        {
+            **joint_attention("attn1"),
+            **feed_forward("ff"),
+            **feed_forward("txt_ff"),
+            **modulation("norm1.linear", "norm2.linear"),
+        },
+    ),
+    divide=("transformer_blocks.*.attn1.heads",),
+    notes="Joint attention and the video / text FFNs split; per-block AdaLN modulation (6 dim) split with a "
+    "gathered output; QK-norms per head replicated; assumes every block is an MMDiT block.",
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="easyanimate",
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P0),),
         cp_plan=CP_PLAN,
+        tp_plan=TP_PLAN,
         tiny_pipelines=(
             TinyPipeline(
                 name="t2v",

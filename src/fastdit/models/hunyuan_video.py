@@ -18,6 +18,8 @@ from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelP
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, LeadingCount, SplitInput
 from fastdit.parallel.plan_shapes import streams
+from fastdit.parallel.tp_plan import Colwise, Rowwise, TensorParallelPlan
+from fastdit.parallel.tp_shapes import feed_forward, joint_attention, modulation, under
 
 TRANSFORMER = "diffusers.models.transformers.transformer_hunyuan_video.HunyuanVideoTransformer3DModel"
 FRAMEPACK_TRANSFORMER = (
@@ -241,6 +243,37 @@ CP_PLAN = ContextParallelPlan(
     ),
 )
 
+# Tensor parallelism, one plan for both transformer classes and the token-replace block classes (same module names):
+# * dual-stream blocks: joint attention (video and text q/k/v column-wise, both outputs row-wise) and both FFNs;
+#   the processor reshapes with unflatten(2, (attn.heads, -1)), so `heads` is divided. QK-norms are RMSNorm over
+#   head_dim (per head): replicated.
+# * single-stream blocks: q/k/v and proj_mlp column-wise; the attention has no to_out (pre_only), proj_out reads
+#   cat([attn_out, gelu(proj_mlp)]) on the feature dim, so it is row-wise with one segment per stream.
+# * AdaLN modulation (norm1 / norm1_context: dim -> 6 dim, single norm: dim -> 3 dim) is per block and large: split
+#   with a gathered output. The token-replace norms call the same linear twice (t and t=0), each call gathered.
+# * Replicated: the text token refiner in context_embedder (2 small blocks on the text only, run locally under CP
+#   too), embedders, FramePack's image projection and history embedders, norm_out, proj_out.
+_DUAL_BLOCK = {
+    **joint_attention("attn"),
+    **feed_forward("ff"),
+    **feed_forward("ff_context"),
+    **modulation("norm1.linear", "norm1_context.linear"),
+}
+_SINGLE_BLOCK = {
+    "attn.to_q": Colwise(),
+    "attn.to_k": Colwise(),
+    "attn.to_v": Colwise(),
+    "proj_mlp": Colwise(),
+    "proj_out": Rowwise(segments=("attn.inner_dim", "proj_mlp.out_features")),
+    **modulation("norm.linear"),
+}
+TP_PLAN = TensorParallelPlan(
+    layers={**under("transformer_blocks.*", _DUAL_BLOCK), **under("single_transformer_blocks.*", _SINGLE_BLOCK)},
+    divide=("transformer_blocks.*.attn.heads", "single_transformer_blocks.*.attn.heads"),
+    notes="Joint attention, FFNs and the single blocks' [attn | mlp] proj_out split; per-block AdaLN modulation "
+    "split with a gathered output; QK-norms per head and the text token refiner replicated.",
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="hunyuan_video",
@@ -250,6 +283,7 @@ ADAPTER = register(
             BlockGroup(path="single_transformer_blocks", pattern=ForwardPattern.P0),
         ),
         cp_plan=CP_PLAN,
+        tp_plan=TP_PLAN,
         tiny_pipelines=(
             TinyPipeline(name="t2v", build=tiny_hunyuan_video, call_kwargs=_CALL),
             TinyPipeline(

@@ -16,6 +16,8 @@ from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelP
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 from fastdit.parallel.plan_shapes import streams
+from fastdit.parallel.tp_plan import TensorParallelPlan
+from fastdit.parallel.tp_shapes import feed_forward, joint_attention, modulation, under
 
 if TYPE_CHECKING:
     import torch
@@ -200,6 +202,26 @@ CP_PLAN = ContextParallelPlan(
     ),
 )
 
+# Tensor parallelism: every block is dual-stream. Joint attention (video and text q/k/v column-wise, both outputs
+# row-wise) and both FFNs are split; the processor reshapes with unflatten(2, (attn.heads, -1)), so `heads` is divided
+# (the mask it builds has no head dim). QK-norms are RMSNorm over head_dim (per head): replicated. AdaLN modulation
+# (norm1 / norm1_context, dim -> 6 dim each) is per block and large: split with a gathered output. Replicated: the text
+# token refiner in context_embedder, the ByT5 and image projections, time_embed, norm_out, proj_out.
+TP_PLAN = TensorParallelPlan(
+    layers=under(
+        "transformer_blocks.*",
+        {
+            **joint_attention("attn"),
+            **feed_forward("ff"),
+            **feed_forward("ff_context"),
+            **modulation("norm1.linear", "norm1_context.linear"),
+        },
+    ),
+    divide=("transformer_blocks.*.attn.heads",),
+    notes="Joint attention and both FFNs split; per-block AdaLN modulation split with a gathered output; QK-norms per "
+    "head, the text token refiner and the ByT5 / image projections replicated.",
+)
+
 # The quoted words are glyph text: they reach the ByT5 encoder.
 _CALL = {"prompt": 'a cat holding a sign "hi"', "num_frames": 5, "num_inference_steps": 2}
 
@@ -209,6 +231,7 @@ ADAPTER = register(
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P0),),
         cp_plan=CP_PLAN,
+        tp_plan=TP_PLAN,
         tiny_pipelines=(
             TinyPipeline(
                 name="t2v", build=tiny_hunyuan_video15, call_kwargs={**_CALL, "height": _SIZE, "width": _SIZE}

@@ -16,6 +16,8 @@ from fastdit.models._lazy import LazyKwargs, tiny_image
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
+from fastdit.parallel.tp_plan import Colwise, Rowwise, TensorParallelPlan
+from fastdit.parallel.tp_shapes import attention, modulation, under
 
 TRANSFORMER = "diffusers.models.transformers.transformer_kandinsky.Kandinsky5Transformer3DModel"
 
@@ -152,6 +154,44 @@ CP_PLAN = ContextParallelPlan(
     ),
 )
 
+# Tensor parallelism, for the text encoder blocks and the visual decoder blocks alike (same attention and FFN
+# modules, as large as each other): every attention's to_query/to_key/to_value column-wise and out_layer row-wise; the
+# processor reshapes with attn.num_heads, so it is divided. The QK-norms are RMSNorm over head_dim and the RoPE
+# tables broadcast over heads: both per head, replicated; the NABLA block mask is estimated per head, so local heads
+# build their own. The FFN's in_layer is column-wise, its out_layer row-wise. The per-block AdaLN modulation
+# (time_dim -> 6 model_dim for text blocks, 9 model_dim for visual blocks, chunked on the feature dim) is split with
+# a gathered output. Replicated: the embeddings and out_layer (its 2 model_dim modulation is one, global).
+_ATTENTION = ("to_query", "to_key", "to_value")
+_FEED_FORWARD = {"feed_forward.in_layer": Colwise(), "feed_forward.out_layer": Rowwise()}
+TP_PLAN = TensorParallelPlan(
+    layers={
+        **under(
+            "text_transformer_blocks.*",
+            {
+                **attention("self_attention", qkv=_ATTENTION, out="out_layer"),
+                **_FEED_FORWARD,
+                **modulation("text_modulation.out_layer"),
+            },
+        ),
+        **under(
+            "visual_transformer_blocks.*",
+            {
+                **attention("self_attention", qkv=_ATTENTION, out="out_layer"),
+                **attention("cross_attention", qkv=_ATTENTION, out="out_layer"),
+                **_FEED_FORWARD,
+                **modulation("visual_modulation.out_layer"),
+            },
+        ),
+    },
+    divide=(
+        "text_transformer_blocks.*.self_attention.num_heads",
+        "visual_transformer_blocks.*.self_attention.num_heads",
+        "visual_transformer_blocks.*.cross_attention.num_heads",
+    ),
+    notes="Text and visual blocks: attention and FFN split, per-block AdaLN modulation split with a gathered output; "
+    "QK-norms and RoPE per head replicated; out_layer and its global modulation replicated.",
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="kandinsky5",
@@ -165,6 +205,7 @@ ADAPTER = register(
             ),
         ),
         cp_plan=CP_PLAN,
+        tp_plan=TP_PLAN,
         tiny_pipelines=(
             TinyPipeline(name="t2v", build=tiny_kandinsky5_t2v, call_kwargs=_CALL),
             # I2V renormalises the first 4 latent frames against the next ones: it needs 5 latent frames (17 frames).
