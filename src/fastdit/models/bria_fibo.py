@@ -17,6 +17,8 @@ from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelP
 from fastdit.models.registry import register
 from fastdit.parallel.plan import SplitOutput
 from fastdit.parallel.plan_shapes import mmdit_root_plan
+from fastdit.parallel.tp_plan import Colwise, Rowwise, TensorParallelPlan
+from fastdit.parallel.tp_shapes import feed_forward, joint_attention, modulation, under
 
 TRANSFORMER = "diffusers.models.transformers.transformer_bria_fibo.BriaFiboTransformer2DModel"
 
@@ -104,6 +106,35 @@ CP_PLAN = mmdit_root_plan(
     notes="RoPE from img_ids/txt_ids and the per-block text layers split with the streams; global mask reordered.",
 )
 
+# Tensor parallelism: FLUX.1's split. Both processors reshape with ``attn.heads`` (divided); the QK-norms are per head
+# (replicated). The per-block AdaLN linears (dim -> 6·dim per stream and dual block, dim -> 3·dim per single block) are
+# split with a gathered output, as for FLUX.1. The forward's channel work between blocks (the text stream's upper
+# half overwritten by a caption projection, with the root's ``inner_dim``) is on whole-width block outputs, so the
+# caption projections and the root's ``inner_dim`` stay whole. The single block's proj_out reads
+# cat([attn_out, mlp_hidden]): each stream is split on its own.
+TP_PLAN = TensorParallelPlan(
+    layers={
+        **under("transformer_blocks.*", joint_attention()),
+        **under("transformer_blocks.*", feed_forward("ff")),
+        **under("transformer_blocks.*", feed_forward("ff_context")),
+        **under("transformer_blocks.*", modulation("norm1.linear", "norm1_context.linear")),
+        **under(
+            "single_transformer_blocks.*",
+            {
+                "attn.to_q": Colwise(),
+                "attn.to_k": Colwise(),
+                "attn.to_v": Colwise(),
+                "proj_mlp": Colwise(),
+                "proj_out": Rowwise(segments=("attn.inner_dim", "mlp_hidden_dim")),
+                **modulation("norm.linear"),
+            },
+        ),
+    },
+    divide=("transformer_blocks.*.attn.heads", "single_transformer_blocks.*.attn.heads"),
+    notes="FLUX.1's split plus per-block AdaLN modulation split with a gathered output; caption projections, "
+    "embedders and QK-norms (per head) replicated.",
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="bria_fibo",
@@ -113,6 +144,7 @@ ADAPTER = register(
             BlockGroup(path="single_transformer_blocks", pattern=ForwardPattern.P3),
         ),
         cp_plan=CP_PLAN,
+        tp_plan=TP_PLAN,
         tiny_pipelines=(
             TinyPipeline(
                 name="fibo",

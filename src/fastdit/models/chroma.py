@@ -13,6 +13,8 @@ from fastdit.models._lazy import LazyKwargs, tiny_image
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan_shapes import mmdit_root_plan
+from fastdit.parallel.tp_plan import Colwise, Rowwise, TensorParallelPlan
+from fastdit.parallel.tp_shapes import feed_forward, joint_attention, under
 
 TRANSFORMER = "diffusers.models.transformers.transformer_chroma.ChromaTransformer2DModel"
 
@@ -82,6 +84,31 @@ CP_PLAN = mmdit_root_plan(
     notes="RoPE from img_ids/txt_ids split with the streams; the global [text, image] mask is reordered in attention.",
 )
 
+# Tensor parallelism: FLUX.1's split of the attention and FFN linears (FluxAttnProcessor reshapes with head_dim, the
+# QK-norms are per head). Chroma prunes the per-block AdaLN linears: every block reads its modulation from the shared
+# approximator (distilled_guidance_layer), which stays replicated with the embedders and the output layers. The single
+# block's proj_out reads cat([attn_out, mlp_hidden]): each stream is split on its own.
+TP_PLAN = TensorParallelPlan(
+    layers={
+        **under("transformer_blocks.*", joint_attention()),
+        **under("transformer_blocks.*", feed_forward("ff")),
+        **under("transformer_blocks.*", feed_forward("ff_context")),
+        **under(
+            "single_transformer_blocks.*",
+            {
+                "attn.to_q": Colwise(),
+                "attn.to_k": Colwise(),
+                "attn.to_v": Colwise(),
+                "proj_mlp": Colwise(),
+                "proj_out": Rowwise(segments=("attn.inner_dim", "mlp_hidden_dim")),
+            },
+        ),
+    },
+    divide=("transformer_blocks.*.attn.heads", "single_transformer_blocks.*.attn.heads"),
+    notes="FLUX.1's attention/FFN split; no per-block AdaLN linears (pruned: the shared approximator stays "
+    "replicated); QK-norms are per head (replicated).",
+)
+
 _CALL = {
     "prompt": "a cat holding a sign",
     "negative_prompt": "a dog",
@@ -101,6 +128,7 @@ ADAPTER = register(
             BlockGroup(path="single_transformer_blocks", pattern=ForwardPattern.P3),
         ),
         cp_plan=CP_PLAN,
+        tp_plan=TP_PLAN,
         tiny_pipelines=(
             TinyPipeline(name="chroma", build=tiny_chroma, call_kwargs=_CALL),
             TinyPipeline(

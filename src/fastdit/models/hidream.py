@@ -14,6 +14,8 @@ import copy
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
+from fastdit.parallel.tp_plan import Colwise, Rowwise, ShardedNorm, Style, TensorParallelPlan
+from fastdit.parallel.tp_shapes import modulation, under
 
 TRANSFORMER = "diffusers.models.transformers.transformer_hidream_image.HiDreamImageTransformer2DModel"
 
@@ -138,6 +140,53 @@ CP_PLAN = ContextParallelPlan(
     "split per segment, both outputs gathered), single blocks their joint sequence (RoPE, token mask).",
 )
 
+
+def _swiglu(ff: str) -> dict[str, Style]:
+    """A HiDream SwiGLU FFN: w1 (gate) and w3 (up) column-wise, w2 row-wise."""
+    return {f"{ff}.w1": Colwise(), f"{ff}.w3": Colwise(), f"{ff}.w2": Rowwise()}
+
+
+def _hidream_attention(suffix: str = "") -> dict[str, Style]:
+    """One stream of a HiDreamAttention (``suffix`` "_t": the text stream), its QK-norms over all heads."""
+    return {
+        **{f"attn1.to_{name}{suffix}": Colwise() for name in ("q", "k", "v")},
+        f"attn1.to_out{suffix}": Rowwise(),
+        f"attn1.q_rms_norm{suffix}": ShardedNorm(),
+        f"attn1.k_rms_norm{suffix}": ShardedNorm(),
+    }
+
+
+# Tensor parallelism. HiDreamAttention's QK-norms are RMSNorms over the whole inner dim (all heads), so they become
+# sharded norms over the column-split q/k; the processor takes the local inner dim from the key's shape and the head
+# dim from it and ``attn.heads`` (divided). Its output projections are plain Linears (``to_out``, ``to_out_t``). Every
+# SwiGLU FFN (w1/w3 up, w2 down) is split Megatron-style, the MoE's shared expert and each routed expert alike: the
+# router (MoEGate, a bare weight over the model width) stays replicated, so every rank routes the same tokens to the
+# same experts and runs the same row-wise all-reduces. The per-block AdaLN linears (dim -> 12·dim per double block,
+# dim -> 6·dim per single block) are split with a gathered output. Caption projections, embedders and the final layer
+# stay whole.
+_MOE = {**_swiglu("ff_i.shared_experts"), **_swiglu("ff_i.experts.*")}
+TP_PLAN = TensorParallelPlan(
+    layers={
+        **under(
+            "double_stream_blocks.*.block",
+            {
+                **_hidream_attention(),
+                **_hidream_attention("_t"),
+                **_MOE,
+                **_swiglu("ff_t"),
+                **modulation("adaLN_modulation.1"),
+            },
+        ),
+        **under(
+            "single_stream_blocks.*.block",
+            {**_hidream_attention(), **_MOE, **modulation("adaLN_modulation.1")},
+        ),
+    },
+    divide=("double_stream_blocks.*.block.attn1.heads", "single_stream_blocks.*.block.attn1.heads"),
+    notes="QK-norms over all heads sharded; every SwiGLU expert split with the router replicated (same routing on "
+    "every rank); per-block AdaLN modulation split with a gathered output; caption projections replicated.",
+)
+
 _CALL = {
     "prompt": "a cat holding a sign",
     "height": 32,
@@ -156,6 +205,7 @@ ADAPTER = register(
             BlockGroup(path="single_stream_blocks", pattern=ForwardPattern.P3),
         ),
         timestep_arg="timesteps",
+        tp_plan=TP_PLAN,
         tiny_pipelines=(
             TinyPipeline(name="hidream", build=tiny_hidream, call_kwargs=_CALL),
             # Non-square sizes take the padded path: image tokens padded to a fixed length plus a token mask.

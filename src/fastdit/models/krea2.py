@@ -12,6 +12,8 @@ from __future__ import annotations
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
+from fastdit.parallel.tp_plan import Colwise, Rowwise, Style, TensorParallelPlan
+from fastdit.parallel.tp_shapes import under
 
 TRANSFORMER = "diffusers.models.transformers.transformer_krea2.Krea2Transformer2DModel"
 
@@ -100,12 +102,41 @@ CP_PLAN = ContextParallelPlan(
     ),
 )
 
+# Tensor parallelism. Krea2AttnProcessor reshapes q with ``attn.num_heads`` and k/v with ``attn.num_kv_heads`` (both
+# divided), then repeats each KV head over its ``num_heads // num_kv_heads`` query heads: with both head counts split
+# by the same degree, rank r's query heads are exactly the ones its KV heads serve, and the ratio stays. The sigmoid
+# output gate (to_gate) multiplies the flattened heads, so it is split like q; to_out is row-wise. The SwiGLU FFN is
+# gate/up column-wise, down row-wise. QK-norms are per head (replicated). Modulation is one shared root projection
+# (time_mod_proj) plus a small per-block table (scale_shift_table parameter): both replicated, like the text fusion
+# stage, the embedders and the final layer. When the degree does not divide the KV heads (Krea 2: 12, so tp=8; the
+# tiny model: 1), only the FFN is split and attention stays replicated.
+_FFN: dict[str, Style] = {"ff.gate": Colwise(), "ff.up": Colwise(), "ff.down": Rowwise()}
+TP_PLAN = TensorParallelPlan(
+    layers=under(
+        "transformer_blocks.*",
+        {
+            **{f"attn.to_{name}": Colwise() for name in ("q", "k", "v", "gate")},
+            "attn.to_out.0": Rowwise(),
+            **_FFN,
+        },
+    ),
+    divide=("transformer_blocks.*.attn.num_heads", "transformer_blocks.*.attn.num_kv_heads"),
+    notes="Q and KV heads split together (GQA groups stay whole), output gate like q; FFN-only fallback when tp does "
+    "not divide the KV heads; shared modulation and per-block tables replicated.",
+    fallback=TensorParallelPlan(
+        layers=under("transformer_blocks.*", _FFN),
+        notes="FFN only: tp does not divide the KV heads, attention replicated.",
+        name="ffn-only",
+    ),
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="krea2",
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P3),),
         cp_plan=CP_PLAN,
+        tp_plan=TP_PLAN,
         tiny_pipelines=(
             # guidance_scale > 0 turns on CFG: a cond then an uncond call per step, without cache contexts.
             TinyPipeline(

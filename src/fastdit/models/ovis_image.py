@@ -11,6 +11,8 @@ from __future__ import annotations
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan_shapes import mmdit_root_plan
+from fastdit.parallel.tp_plan import Colwise, Rowwise, TensorParallelPlan
+from fastdit.parallel.tp_shapes import joint_attention, modulation, under
 
 TRANSFORMER = "diffusers.models.transformers.transformer_ovis_image.OvisImageTransformer2DModel"
 
@@ -64,6 +66,40 @@ CP_PLAN = mmdit_root_plan(
     notes="RoPE from img_ids/txt_ids, split on their sequence dim with the streams: no RoPE patch needed.",
 )
 
+# Tensor parallelism: FLUX.1's split with SwiGLU FFNs. The processor reshapes with ``attn.heads`` (divided); the
+# QK-norms are per head (replicated). Every up projection is fused: the dual blocks' ``net.0.proj`` is [hidden|gate]
+# (chunked in two) and the single block's ``proj_mlp`` is [hidden|gate] split at ``mlp_hidden_dim`` (divided, as the
+# block's forward splits with it), so each half is split on its own. The per-block AdaLN linears (dim -> 6·dim per
+# stream and dual block, dim -> 3·dim per single block) are split with a gathered output, as for FLUX.1; embedders and
+# the output layers stay whole. The single block's proj_out reads cat([attn_out, mlp_hidden]).
+_SWIGLU_FF = {"net.0.proj": Colwise(segments=(1, 1)), "net.2": Rowwise()}
+TP_PLAN = TensorParallelPlan(
+    layers={
+        **under("transformer_blocks.*", joint_attention()),
+        **under("transformer_blocks.*.ff", _SWIGLU_FF),
+        **under("transformer_blocks.*.ff_context", _SWIGLU_FF),
+        **under("transformer_blocks.*", modulation("norm1.linear", "norm1_context.linear")),
+        **under(
+            "single_transformer_blocks.*",
+            {
+                "attn.to_q": Colwise(),
+                "attn.to_k": Colwise(),
+                "attn.to_v": Colwise(),
+                "proj_mlp": Colwise(segments=("mlp_hidden_dim", "mlp_hidden_dim")),
+                "proj_out": Rowwise(segments=("attn.inner_dim", "mlp_hidden_dim")),
+                **modulation("norm.linear"),
+            },
+        ),
+    },
+    divide=(
+        "transformer_blocks.*.attn.heads",
+        "single_transformer_blocks.*.attn.heads",
+        "single_transformer_blocks.*.mlp_hidden_dim",
+    ),
+    notes="FLUX.1's split with fused SwiGLU [hidden|gate] halves split on their own, per-block AdaLN modulation "
+    "split with a gathered output; embedders, output layers and QK-norms (per head) replicated.",
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="ovis_image",
@@ -73,6 +109,7 @@ ADAPTER = register(
             BlockGroup(path="single_transformer_blocks", pattern=ForwardPattern.P1),
         ),
         cp_plan=CP_PLAN,
+        tp_plan=TP_PLAN,
         tiny_pipelines=(
             TinyPipeline(
                 name="ovis-image",

@@ -14,6 +14,8 @@ from fastdit.models._lazy import LazyKwargs, tiny_image
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
+from fastdit.parallel.tp_plan import Colwise, Rowwise, Style, TensorParallelPlan
+from fastdit.parallel.tp_shapes import attention, under
 
 TRANSFORMER = "diffusers.models.transformers.transformer_z_image.ZImageTransformer2DModel"
 
@@ -102,6 +104,44 @@ CP_PLAN = ContextParallelPlan(
     notes="RoPE tables and noise mask split at every block; refiners split and gather per layer; padding mask whole.",
 )
 
+
+_BLOCK_GROUPS = ("noise_refiner", "context_refiner", "layers")
+
+
+def _blocks(layers: dict[str, Style]) -> dict[str, Style]:
+    """``layers`` (paths inside one ZImageTransformerBlock) for every block of the main stack and both refiners."""
+    return {path: style for group in _BLOCK_GROUPS for path, style in under(f"{group}.*", layers).items()}
+
+
+# Tensor parallelism over every ZImageTransformerBlock: the 30 main layers and the noise and context refiners (full
+# size blocks that run once per call). ZSingleStreamAttnProcessor reshapes q/k/v with ``attn.heads`` (divided; no GQA
+# in the diffusers module: K/V have as many heads as Q); the QK-norms are per head (replicated). The SwiGLU FFN is
+# w1/w3 column-wise, w2 row-wise. The per-block AdaLN linear reads a 256-wide embedding (256 -> 4·dim, ~2 % of a
+# block) and stays replicated, as do the embedders, the final layers and the omni SigLIP refiner (present only in
+# checkpoints with SigLIP, so the plan cannot name it). Z-Image's 30 heads and FFN width (int(dim / 3 * 8), 10240)
+# divide different degrees, so two fallbacks: the FFN alone (tp=4, 8: heads do not divide) and attention alone (tp=3,
+# 6; the tiny model's FFN width, 85, is odd).
+_ATTENTION = attention("attention")
+_FFN: dict[str, Style] = {"feed_forward.w1": Colwise(), "feed_forward.w3": Colwise(), "feed_forward.w2": Rowwise()}
+_HEADS = tuple(f"{group}.*.attention.heads" for group in _BLOCK_GROUPS)
+TP_PLAN = TensorParallelPlan(
+    layers=_blocks({**_ATTENTION, **_FFN}),
+    divide=_HEADS,
+    notes="Main layers and both refiners split (attention by heads, SwiGLU FFN); per-block AdaLN (256-wide input), "
+    "embedders and final layers replicated; FFN-only / attention-only fallbacks when tp divides one of heads and FFN.",
+    fallback=TensorParallelPlan(
+        layers=_blocks(_FFN),
+        notes="FFN only: tp does not divide the heads, attention replicated.",
+        name="ffn-only",
+        fallback=TensorParallelPlan(
+            layers=_blocks(_ATTENTION),
+            divide=_HEADS,
+            notes="Attention only: tp does not divide the FFN width, the FFN replicated.",
+            name="attention-only",
+        ),
+    ),
+)
+
 # CFG here is batched: cond and uncond go through one transformer call per step.
 _CALL = {
     "prompt": "a cat holding a sign",
@@ -121,6 +161,7 @@ ADAPTER = register(
         # Z-Image pipelines pass (1000 - t) / 1000: the timestep rises during a run.
         timestep_arg="t",
         cp_plan=CP_PLAN,
+        tp_plan=TP_PLAN,
         tiny_pipelines=(
             TinyPipeline(name="z-image", build=tiny_z_image, call_kwargs=_CALL),
             TinyPipeline(
