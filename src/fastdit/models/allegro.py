@@ -11,6 +11,8 @@ from __future__ import annotations
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
+from fastdit.parallel.tp_plan import TensorParallelPlan
+from fastdit.parallel.tp_shapes import attention, feed_forward, under
 
 TRANSFORMER = "diffusers.models.transformers.transformer_allegro.AllegroTransformer3DModel"
 
@@ -95,6 +97,18 @@ CP_PLAN = ContextParallelPlan(
     notes="RoPE positions split at the root, tables whole; cross-attention local.",
 )
 
+# Tensor parallelism: AllegroAttnProcessor2_0 views q/k/v with attn.heads in both the self-attention and the
+# cross-attention (q from the video, k/v from the prompt), so both heads are divided and both split by heads (to_out
+# row-wise); the 3-D RoPE rotates thirds of each head (replicated). The FFN is split by hidden size. Modulation is
+# the global adaln_single plus a per-block scale_shift_table parameter: both small, replicated, like the embedders
+# and the caption projection.
+TP_PLAN = TensorParallelPlan(
+    layers=under("transformer_blocks.*", {**attention("attn1"), **attention("attn2"), **feed_forward()}),
+    divide=("transformer_blocks.*.attn1.heads", "transformer_blocks.*.attn2.heads"),
+    notes="Self- and cross-attention split by heads, FFN by hidden size; the global adaln_single and the per-block "
+    "scale_shift_table are replicated.",
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="allegro",
@@ -137,5 +151,6 @@ ADAPTER = register(
             "slice it per rank under a sequence split). The VAE decodes only in tiled form. CFG is batched."
         ),
         cp_plan=CP_PLAN,
+        tp_plan=TP_PLAN,
     )
 )

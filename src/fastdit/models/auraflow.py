@@ -12,6 +12,8 @@ from __future__ import annotations
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan_shapes import joint_first_block_plan
+from fastdit.parallel.tp_plan import Colwise, Rowwise, Style, TensorParallelPlan
+from fastdit.parallel.tp_shapes import attention, joint_attention, modulation, under
 
 TRANSFORMER = "diffusers.models.transformers.auraflow_transformer_2d.AuraFlowTransformer2DModel"
 
@@ -70,6 +72,34 @@ CP_PLAN = joint_first_block_plan(
     notes="Learned position table and register tokens added before the split at joint_transformer_blocks.0; no RoPE.",
 )
 
+
+# Tensor parallelism: AuraFlowAttnProcessor2_0 views q/k/v (and add_*_proj) with attn.heads, so the heads are divided
+# and the projections split by heads (to_out / to_add_out row-wise); its QK-norms are per-head LayerNorms
+# (replicated). The SwiGLU FFN (silu(linear_1) * linear_2, then out_projection) splits its hidden size: gate and up
+# column-wise, out_projection row-wise. The per-block AdaLN linears (dim -> 6·dim, no bias) are split with a gathered
+# output; the pre-final norm and the embedders stay replicated.
+def _swiglu(ff: str) -> dict[str, Style]:
+    return {f"{ff}.linear_1": Colwise(), f"{ff}.linear_2": Colwise(), f"{ff}.out_projection": Rowwise()}
+
+
+TP_PLAN = TensorParallelPlan(
+    layers={
+        **under(
+            "joint_transformer_blocks.*",
+            {
+                **joint_attention(),
+                **_swiglu("ff"),
+                **_swiglu("ff_context"),
+                **modulation("norm1.linear", "norm1_context.linear"),
+            },
+        ),
+        **under("single_transformer_blocks.*", {**attention(), **_swiglu("ff"), **modulation("norm1.linear")}),
+    },
+    divide=("joint_transformer_blocks.*.attn.heads", "single_transformer_blocks.*.attn.heads"),
+    notes="Attention split by heads, SwiGLU FFNs by hidden size, per-block AdaLN split with a gathered output; "
+    "QK-norms per head.",
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="auraflow",
@@ -79,6 +109,7 @@ ADAPTER = register(
             BlockGroup(path="single_transformer_blocks", pattern=ForwardPattern.P3),
         ),
         cp_plan=CP_PLAN,
+        tp_plan=TP_PLAN,
         tiny_pipelines=(
             TinyPipeline(
                 name="auraflow",

@@ -10,6 +10,8 @@ from __future__ import annotations
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan_shapes import joint_first_block_plan
+from fastdit.parallel.tp_plan import TensorParallelPlan
+from fastdit.parallel.tp_shapes import attention, feed_forward, modulation, under
 
 TRANSFORMER = "diffusers.models.transformers.transformer_cogview3plus.CogView3PlusTransformer2DModel"
 
@@ -76,12 +78,24 @@ CP_PLAN = joint_first_block_plan(
     notes="Sin-cos positions added in the patch embedding before the split at transformer_blocks.0; no RoPE.",
 )
 
+# Tensor parallelism: each block runs one attention and one FFN over cat([text, image]). CogVideoXAttnProcessor2_0
+# views q/k/v with attn.heads, so attn1.heads is divided and q/k/v split by heads (to_out row-wise); its QK-norms are
+# per-head LayerNorms (replicated). The FFN is split by hidden size. The per-block AdaLN linear (time_embed_dim ->
+# 12·dim, both streams' shift/scale/gate) is split with a gathered output; embedders and the final norm stay whole.
+TP_PLAN = TensorParallelPlan(
+    layers=under("transformer_blocks.*", {**attention("attn1"), **feed_forward(), **modulation("norm1.linear")}),
+    divide=("transformer_blocks.*.attn1.heads",),
+    notes="Attention split by heads, FFN by hidden size; per-block AdaLN (12·dim) split with a gathered output; "
+    "QK-norms per head.",
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="cogview3",
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P0),),
         cp_plan=CP_PLAN,
+        tp_plan=TP_PLAN,
         tiny_pipelines=(
             TinyPipeline(
                 name="cogview3-plus",

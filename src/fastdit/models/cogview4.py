@@ -12,6 +12,8 @@ from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelP
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 from fastdit.parallel.plan_shapes import streams
+from fastdit.parallel.tp_plan import TensorParallelPlan
+from fastdit.parallel.tp_shapes import attention, feed_forward, modulation, under
 
 TRANSFORMER = "diffusers.models.transformers.transformer_cogview4.CogView4Transformer2DModel"
 
@@ -95,12 +97,24 @@ CP_PLAN = ContextParallelPlan(
     notes="Image RoPE (cos, sin) split at the rope module's output with the tokens (split at transformer_blocks.0).",
 )
 
+# Tensor parallelism: CogView4AttnProcessor unflattens q/k/v into (attn.heads, -1), so attn1.heads is divided and
+# q/k/v split by heads (to_out row-wise); its QK-norms are per-head LayerNorms and the image RoPE rotates each head
+# alike (both replicated). The one FFN, run on each stream in turn, is split by hidden size. The per-block AdaLN linear
+# (time_embed_dim -> 12·dim) is split with a gathered output; embedders, RoPE and the final norm stay whole.
+TP_PLAN = TensorParallelPlan(
+    layers=under("transformer_blocks.*", {**attention("attn1"), **feed_forward(), **modulation("norm1.linear")}),
+    divide=("transformer_blocks.*.attn1.heads",),
+    notes="Attention split by heads, the shared-stream FFN by hidden size; per-block AdaLN (12·dim) split with a "
+    "gathered output; QK-norms per head.",
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="cogview4",
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P0),),
         cp_plan=CP_PLAN,
+        tp_plan=TP_PLAN,
         # No tiny Control pipeline: it samples the control latents with the global RNG (latent_dist.sample()
         # without the caller's generator), so two seeded runs differ.
         tiny_pipelines=(TinyPipeline(name="cogview4", build=tiny_cogview4, call_kwargs=_CALL),),

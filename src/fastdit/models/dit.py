@@ -11,6 +11,8 @@ from __future__ import annotations
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
+from fastdit.parallel.tp_plan import TensorParallelPlan
+from fastdit.parallel.tp_shapes import attention, feed_forward, modulation, under
 
 TRANSFORMER = "diffusers.models.transformers.dit_transformer_2d.DiTTransformer2DModel"
 
@@ -65,12 +67,24 @@ CP_PLAN = ContextParallelPlan(
     notes="Sin-cos positions added before the split at transformer_blocks.0; no RoPE, no mask.",
 )
 
+# Tensor parallelism: AttnProcessor2_0 views q/k/v with attn.heads, so attn1.heads is divided and q/k/v split by heads
+# (to_out row-wise); the FFN is split by hidden size. Each block's AdaLN-zero linear (dim -> 6·dim) is split with a
+# gathered output; its timestep/class embedder (norm1.emb, whose first copy also conditions the output layer) and
+# the output projections stay replicated.
+TP_PLAN = TensorParallelPlan(
+    layers=under("transformer_blocks.*", {**attention("attn1"), **feed_forward(), **modulation("norm1.linear")}),
+    divide=("transformer_blocks.*.attn1.heads",),
+    notes="Attention split by heads, FFN by hidden size; per-block AdaLN-zero (6·dim) split with a gathered output; "
+    "per-block timestep/class embedders replicated.",
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="dit",
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P3),),
         cp_plan=CP_PLAN,
+        tp_plan=TP_PLAN,
         tiny_pipelines=(
             TinyPipeline(
                 name="dit",

@@ -12,6 +12,8 @@ from __future__ import annotations
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
+from fastdit.parallel.tp_plan import TensorParallelPlan
+from fastdit.parallel.tp_shapes import attention, feed_forward, under
 
 TRANSFORMER = "diffusers.models.transformers.hunyuan_transformer_2d.HunyuanDiT2DModel"
 
@@ -102,6 +104,18 @@ CP_PLAN = ContextParallelPlan(
     notes="RoPE (cos, sin) tables split at the root with the image tokens (split at blocks.0); cross-attention local.",
 )
 
+# Tensor parallelism: HunyuanAttnProcessor2_0 views q/k/v with attn.heads in both the self-attention and the
+# cross-attention (q from the image, k/v from the prompt), so both heads are divided and both split by heads (to_out
+# row-wise); QK-norms are per-head LayerNorms and RoPE rotates each head alike (replicated). The FFN is split by hidden
+# size. The AdaLN here is a shift only (dim -> dim, small) and the long-skip skip_linear reads the whole
+# cat([hidden, skip]): both stay replicated, as do the embedders and the output layer.
+TP_PLAN = TensorParallelPlan(
+    layers=under("blocks.*", {**attention("attn1"), **attention("attn2"), **feed_forward()}),
+    divide=("blocks.*.attn1.heads", "blocks.*.attn2.heads"),
+    notes="Self- and cross-attention split by heads, FFN by hidden size; the shift-only AdaLN (dim -> dim) and the "
+    "long-skip linears are replicated.",
+)
+
 _CALL = {
     "prompt": "a cat holding a sign",
     # The pipeline derives the RoPE grid from height // 8, so the VAE must downsample by 8: 64 px -> 8x8 latents.
@@ -119,6 +133,7 @@ ADAPTER = register(
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="blocks", pattern=ForwardPattern.P2),),
         cp_plan=CP_PLAN,
+        tp_plan=TP_PLAN,
         tiny_pipelines=(
             TinyPipeline(name="v1.2", build=tiny_hunyuan_dit, call_kwargs=_CALL),
             TinyPipeline(name="v1.1", build=tiny_hunyuan_dit_v11, call_kwargs=_CALL),

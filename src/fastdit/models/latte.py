@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.tp_plan import TensorParallelPlan
+from fastdit.parallel.tp_shapes import attention, feed_forward, under
 
 TRANSFORMER = "diffusers.models.transformers.latte_transformer_3d.LatteTransformer3DModel"
 
@@ -76,6 +78,25 @@ def tiny_t2v(seed: int = 0):
     )
 
 
+# Tensor parallelism: both block lists use AttnProcessor2_0, which views q/k/v with attn.heads, so every attention's
+# heads are divided and its q/k/v split by heads (to_out row-wise): the spatial blocks' self- and cross-attention
+# (q from the frame, k/v from the prompt) and the temporal blocks' self-attention. Every FFN is split by hidden size.
+# Modulation is the global adaln_single plus per-block scale_shift_table parameters: small, replicated, like the
+# embedders, the caption projection and the output layer.
+TP_PLAN = TensorParallelPlan(
+    layers={
+        **under("transformer_blocks.*", {**attention("attn1"), **attention("attn2"), **feed_forward()}),
+        **under("temporal_transformer_blocks.*", {**attention("attn1"), **feed_forward()}),
+    },
+    divide=(
+        "transformer_blocks.*.attn1.heads",
+        "transformer_blocks.*.attn2.heads",
+        "temporal_transformer_blocks.*.attn1.heads",
+    ),
+    notes="Spatial (self + cross) and temporal attention split by heads, FFNs by hidden size; the global "
+    "adaln_single and the per-block scale_shift_table are replicated.",
+)
+
 _CALL = {
     "prompt": "a cat walking on the grass",
     "height": 32,
@@ -98,6 +119,7 @@ ADAPTER = register(
                 interleaved=BlockGroup(path="temporal_transformer_blocks", pattern=ForwardPattern.P3),
             ),
         ),
+        tp_plan=TP_PLAN,
         tiny_pipelines=(TinyPipeline(name="t2v", build=tiny_t2v, call_kwargs=_CALL),),
         presets=(
             ModelPreset(

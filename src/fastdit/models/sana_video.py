@@ -20,6 +20,8 @@ from fastdit.parallel.plan import (
     TokenSum,
 )
 from fastdit.parallel.plan_shapes import linear_self_attention
+from fastdit.parallel.tp_plan import ShardedNorm, TensorParallelPlan
+from fastdit.parallel.tp_shapes import attention, under
 
 TRANSFORMER = "diffusers.models.transformers.transformer_sana_video.SanaVideoTransformer3DModel"
 
@@ -106,6 +108,20 @@ CP_PLAN = ContextParallelPlan(
     ),
 )
 
+# Tensor parallelism: both attentions split by heads. SanaLinearAttnProcessor3_0 unflattens q/k/v into (attn.heads, -1)
+# and every reduction of the linear attention (the key sum of the normaliser, the value-key product) is per head, so a
+# rank's heads are exact on their own; SanaAttnProcessor2_0 (cross-attention) views with attn.heads too. Both divide
+# heads. The QK RMSNorms are across heads (over the whole inner dim) and become sharded norms. The Mix-FFN is
+# convolutions (1x1, depthwise 3x3, 1x1, temporal (3, 1)), which the plan vocabulary (Linear layers only) cannot
+# split: it stays replicated, as do the global adaln_single, the per-block scale_shift_table and the embedders.
+_NORMS = {f"{attn}.norm_{qk}": ShardedNorm() for attn in ("attn1", "attn2") for qk in ("q", "k")}
+TP_PLAN = TensorParallelPlan(
+    layers=under("transformer_blocks.*", {**attention("attn1"), **attention("attn2"), **_NORMS}),
+    divide=("transformer_blocks.*.attn1.heads", "transformer_blocks.*.attn2.heads"),
+    notes="Linear self-attention (per-head sums) and cross-attention split by heads, QK RMSNorms across heads "
+    "sharded; the convolutional Mix-FFN and the AdaLN-single tables are replicated.",
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="sana_video",
@@ -147,5 +163,6 @@ ADAPTER = register(
             "supported under it."
         ),
         cp_plan=CP_PLAN,
+        tp_plan=TP_PLAN,
     )
 )

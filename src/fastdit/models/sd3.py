@@ -12,6 +12,8 @@ from __future__ import annotations
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan_shapes import joint_first_block_plan
+from fastdit.parallel.tp_plan import TensorParallelPlan
+from fastdit.parallel.tp_shapes import feed_forward, joint_attention, modulation, under
 
 TRANSFORMER = "diffusers.models.transformers.transformer_sd3.SD3Transformer2DModel"
 
@@ -88,6 +90,27 @@ CP_PLAN = joint_first_block_plan(
     notes="Learned position table added in the patch embedding before the split at transformer_blocks.0; no RoPE.",
 )
 
+# Tensor parallelism: JointAttnProcessor2_0 views q/k/v (and the text stream's add_*_proj) with attn.heads, so the
+# heads are divided and both streams' projections split by heads; to_out / to_add_out and both FFNs' down projections
+# are row-wise. The per-block AdaLN linears (dim -> 6·dim, 9·dim with dual attention; the last block's context norm
+# is dim -> 2·dim but shares the pattern) are split with a gathered output. The QK RMSNorms are per head.
+# SD3.5 Medium's image-only `attn2` exists in its first blocks only and not at all in SD3, and every pattern of a plan
+# must match in each checkpoint of the family: it stays replicated (computed whole on each rank, so still exact).
+TP_PLAN = TensorParallelPlan(
+    layers=under(
+        "transformer_blocks.*",
+        {
+            **joint_attention(),
+            **feed_forward(),
+            **feed_forward("ff_context"),
+            **modulation("norm1.linear", "norm1_context.linear"),
+        },
+    ),
+    divide=("transformer_blocks.*.attn.heads",),
+    notes="Joint attention and both FFNs split by heads; per-block AdaLN split with a gathered output; QK-norms per "
+    "head; SD3.5 Medium's dual attention (attn2) stays replicated.",
+)
+
 _CALL = {
     "prompt": "a cat holding a sign",
     "height": 32,
@@ -103,6 +126,7 @@ ADAPTER = register(
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P1),),
         cp_plan=CP_PLAN,
+        tp_plan=TP_PLAN,
         tiny_pipelines=(
             TinyPipeline(name="sd3", build=tiny_sd3, call_kwargs=_CALL),
             TinyPipeline(name="sd3.5-medium", build=tiny_sd35, call_kwargs=_CALL),
