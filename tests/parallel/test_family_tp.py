@@ -19,7 +19,7 @@ import fastdit
 from fastdit.components import walk
 from fastdit.models.registry import all_adapters, get_family
 from fastdit.parallel.plan import match_modules
-from fastdit.parallel.tp_plan import Colwise, parent_of, plan_layers, segment_sizes, validate_tp_plan
+from fastdit.parallel.tp_plan import Colwise, parent_of, plan_layers, resolve_tp_plan, segment_sizes
 from fastdit.testing.distributed import WorkerPool
 from fastdit.testing.pipelines import build_tiny, run_tiny
 
@@ -139,10 +139,10 @@ def test_plan_fits_on_meta(family: str) -> None:
     pipe = adapter.tiny().build()
     for module in _denoisers(pipe).values():
         meta = module.to("meta")
-        validate_tp_plan(meta, adapter.tp_plan, 2, family)
-        # A degree no divided size meets is refused, naming the family and the valid degrees.
+        resolve_tp_plan(meta, adapter.tp_plan, 2, family)  # the full plan, or the fallback the tiny model takes
+        # A degree no plan of the chain meets is refused, naming the family and the valid degrees.
         with pytest.raises(ValueError, match=rf"tensor-parallel plan of {family!r}: .* not divisible by tp=7; valid"):
-            validate_tp_plan(meta, adapter.tp_plan, 7, family)
+            resolve_tp_plan(meta, adapter.tp_plan, 7, family)
 
 
 # --- agreement with the plans diffusers ships ---
