@@ -17,6 +17,7 @@ from fastdit.models.registry import get_family
 from fastdit.parallel.tensor_parallel import apply_tensor_parallel, parameter_bytes
 from fastdit.parallel.tp_plan import (
     Colwise,
+    LocalSlice,
     Rowwise,
     ShardedNorm,
     TensorParallelPlan,
@@ -194,3 +195,100 @@ def test_a_family_without_a_plan_or_a_bad_layout_is_refused_before_anything_move
         fastdit.accelerate(pipe, parallel=fastdit.Parallel(tp=3))
     assert info.value.field == "parallel"
     assert all(torch.equal(v, before[k]) for k, v in pipe.transformer.state_dict().items())
+
+
+# --- convolutions and per-head tables ---
+
+
+class ConvFFN(torch.nn.Module):
+    """A gated convolutional FFN (1x1 up to [hidden | gate], depthwise 3x3, 1x1 down) and a RoPE-like table."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Conv2d(DIM, 4 * DIM, 1)
+        self.depth = torch.nn.Conv2d(4 * DIM, 4 * DIM, 3, padding=1, groups=4 * DIM)
+        self.down = torch.nn.Conv2d(2 * DIM, DIM, 1)
+        self.q = torch.nn.Linear(DIM, DIM)
+        self.table = torch.nn.Linear(1, DIM)  # a whole-width table, as RoPE modules return
+        self.out = torch.nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden, gate = self.depth(self.up(x)).chunk(2, dim=1)
+        y = self.down(hidden * torch.sigmoid(gate))
+        tokens = y.flatten(2).transpose(1, 2)
+        scaled = self.q(tokens) * self.table(torch.ones(tokens.shape[1], 1))
+        return self.out(scaled)
+
+
+CONV_PLAN = TensorParallelPlan(
+    layers={
+        "up": Colwise(segments=(1, 1)),
+        "depth": Colwise(segments=(1, 1)),
+        "down": Rowwise(),
+        "q": Colwise(),
+        "table": LocalSlice(dim=-1),
+        "out": Rowwise(),
+    }
+)
+CONV_WITHOUT = {
+    "segments": TensorParallelPlan(layers={**CONV_PLAN.layers, "up": Colwise(), "depth": Colwise()}),
+    "local_slice": TensorParallelPlan(layers={k: v for k, v in CONV_PLAN.layers.items() if k != "table"}),
+}
+
+
+def _conv_module() -> tuple[torch.nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return ConvFFN().eval(), torch.randn(2, DIM, 3, 4)
+
+
+def _conv_run(rank: int, world_size: int, plan: TensorParallelPlan) -> dict:
+    module, x = _conv_module()
+    mesh = init_device_mesh("cpu", (world_size,))
+    applied = apply_tensor_parallel(module, plan, mesh, device=torch.device("cpu"))
+    try:
+        with torch.no_grad():
+            out = module(x).clone()
+        stats = applied.state.stats()
+    finally:
+        applied.undo()
+    with torch.no_grad():
+        restored = module(x)
+    return {"out": out, "stats": stats, "restored": restored}
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_convolutions_and_local_slices_match_unsplit(dist2: WorkerPool, dist3: WorkerPool, ranks: int) -> None:
+    module, x = _conv_module()
+    with torch.no_grad():
+        expected = module(x)
+    for result in (dist2 if ranks == 2 else dist3).run(_conv_run, CONV_PLAN):
+        torch.testing.assert_close(result["out"], expected, rtol=1e-5, atol=1e-5)
+        assert torch.equal(result["restored"], expected)
+        stats = result["stats"]
+        assert stats["split_layers"] == 5
+        assert stats["parameter_bytes_per_rank"] == stats["split_bytes"] // ranks + stats["replicated_bytes"]
+
+
+@pytest.mark.parametrize("missing", list(CONV_WITHOUT))
+def test_each_convolution_item_is_needed(dist2: WorkerPool, missing: str) -> None:
+    module, x = _conv_module()
+    with torch.no_grad():
+        expected = module(x)
+    try:
+        results = dist2.run(_conv_run, CONV_WITHOUT[missing])
+    except DistributedTestError:
+        return
+    for result in results:
+        assert (result["out"] - expected).abs().max() > 1e-2, f"the plan without {missing} should not match"
+
+
+def test_units_keep_whole_heads_and_convolutions_are_checked() -> None:
+    module, _ = _conv_module()
+    plan = TensorParallelPlan(layers={"q": Colwise(unit=12), "out": Rowwise(unit=12)})
+    validate_tp_plan(module, plan, 2, "test")
+    with pytest.raises(ValueError, match=r"units of 12 = 2 is not divisible by tp=3; valid tp degrees .*: 2$"):
+        validate_tp_plan(module, plan, 3, "test")
+    with pytest.raises(ValueError, match="a grouped convolution splits column-wise only"):
+        validate_tp_plan(module, TensorParallelPlan(layers={"depth": Rowwise()}), 2, "test")
+    with pytest.raises(ValueError, match="gather_output applies to a Linear only"):
+        validate_tp_plan(module, TensorParallelPlan(layers={"up": Colwise(gather_output=True)}), 2, "test")

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -29,7 +30,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from fastdit.hooks.state import Applied
 from fastdit.parallel.sharded_norm import ShardedNormModule
 from fastdit.parallel.tp_plan import (
+    CONV_TYPES,
     Colwise,
+    LocalSlice,
     ShardedNorm,
     Style,
     TensorParallelPlan,
@@ -204,6 +207,92 @@ def _split_linear(
     return undo, split_bytes, replicated_bytes
 
 
+def _plain(
+    tensor: torch.Tensor, device: torch.device, dim: int, sizes: list[int], mesh: DeviceMesh
+) -> torch.nn.Parameter:
+    """A plain parameter holding this rank's slice of ``tensor`` along ``dim``, cut before it moves."""
+    with torch.no_grad():
+        local = _local_slice(tensor.detach(), dim, sizes, mesh.get_local_rank(), mesh.size())
+        return torch.nn.Parameter(local.to(device, copy=True).contiguous(), requires_grad=False)
+
+
+def _split_conv(
+    module: torch.nn.Module, style: Style, sizes: list[int], mesh: DeviceMesh, device: torch.device
+) -> tuple[Undo, int, int, list[torch.nn.Parameter]]:
+    """Split one convolution by channel with plain local slices (DTensor has no convolution styles).
+
+    Column-wise: the rank's output channels (a grouped convolution keeps whole groups: ``groups`` is divided).
+    Row-wise: the rank's input channels; the partial outputs are summed over the ranks, then the bias is added once.
+    """
+    degree = mesh.size()
+    originals = dict(module._parameters)
+    attrs = {name: getattr(module, name) for name in ("in_channels", "out_channels", "groups")}
+    bias = module.bias
+    bias_bytes = 0 if bias is None else _bytes(bias)
+    column = isinstance(style, Colwise)
+    module._parameters["weight"] = _plain(module.weight, device, 0 if column else 1, sizes, mesh)
+    handle = None
+    if column:
+        if bias is not None:
+            module._parameters["bias"] = _plain(bias, device, 0, sizes, mesh)
+        module.out_channels //= degree
+        if module.groups > 1:
+            module.groups //= degree
+            module.in_channels //= degree
+    else:
+        module.in_channels //= degree
+        whole_bias = None if bias is None else bias.detach().to(device, copy=True)
+        module._parameters["bias"] = None
+        group = mesh.get_group()
+        shape = (1, -1) + (1,) * (module.weight.dim() - 2)
+
+        def reduce(_module: torch.nn.Module, _args: Any, output: torch.Tensor) -> torch.Tensor:
+            output = funcol.all_reduce(output.contiguous(), "sum", group)
+            return output if whole_bias is None else output + whole_bias.to(output.dtype).view(shape)
+
+        handle = module.register_forward_hook(reduce)
+    split = [p for p in module._parameters.values() if p is not None]
+    offload = _keep_on_cpu(originals)
+
+    def undo() -> None:
+        if handle is not None:
+            handle.remove()
+        offload()
+        for name, value in attrs.items():
+            setattr(module, name, value)
+        for name, param in originals.items():
+            module._parameters[name] = param
+
+    split_bytes = _bytes(originals["weight"]) + (bias_bytes if column else 0)
+    return undo, split_bytes, 0 if column else bias_bytes, split
+
+
+def _slice_output(module: torch.nn.Module, style: LocalSlice, mesh: DeviceMesh, where: str) -> Undo:
+    """Keep this rank's slice of every tensor ``module`` returns (a table computed for all heads)."""
+    rank, degree = mesh.get_local_rank(), mesh.size()
+
+    def cut(tensor: Any) -> Any:
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        total = tensor.shape[style.dim]
+        weights = style.segments or (1,)
+        unit, rest = divmod(total, sum(weights))
+        sizes = [w * unit for w in weights]
+        if rest or any(size % degree for size in sizes):
+            raise ValueError(
+                f"tensor-parallel plan: {where!r} returned a tensor of {total} along dim {style.dim}, which does not "
+                f"split into {degree} parts per segment {weights}"
+            )
+        return _local_slice(tensor, style.dim, sizes, rank, degree)
+
+    def hook(_module: torch.nn.Module, _args: Any, output: Any) -> Any:
+        if isinstance(output, (tuple, list)):
+            return type(output)(cut(t) for t in output)
+        return cut(output)
+
+    return module.register_forward_hook(hook).remove
+
+
 def _split_norm(
     transformer: torch.nn.Module,
     path: str,
@@ -256,8 +345,11 @@ def _divide(transformer: torch.nn.Module, plan: TensorParallelPlan, degree: int)
     return undo, len(changed)
 
 
-def _place_rest(transformer: torch.nn.Module, device: torch.device) -> tuple[Undo, int]:
-    """Copy the parameters and buffers that are not split to ``device``; return the undo and their bytes."""
+def _place_rest(transformer: torch.nn.Module, device: torch.device, split: set[int]) -> tuple[Undo, int]:
+    """Copy the parameters and buffers that are not split to ``device``; return the undo and their bytes.
+
+    ``split`` holds the ids of plain parameters that already are this rank's slices (split convolutions).
+    """
     replaced: list[tuple[dict, str, Any]] = []
     copies: dict[int, Any] = {}  # tied parameters stay tied
     total = 0
@@ -266,7 +358,7 @@ def _place_rest(transformer: torch.nn.Module, device: torch.device) -> tuple[Und
             continue
         for table, is_param in ((module._parameters, True), (module._buffers, False)):
             for name, value in list(table.items()):
-                if value is None or isinstance(value, DTensor):
+                if value is None or isinstance(value, DTensor) or id(value) in split:
                     continue
                 if is_param:
                     total += _bytes(value) if id(value) not in copies else 0
@@ -324,26 +416,36 @@ def apply_tensor_parallel(
         while undos:
             undos.pop()()
 
+    split: set[int] = set()
+    hook_bytes = 0  # row-split convolutions' biases, held by their reduce hooks rather than as parameters
     try:
         for name, module, style in plan_layers(transformer, plan):
+            if isinstance(style, LocalSlice):
+                undos.append(_slice_output(module, style, mesh, name))
+                continue
             owner, _ = parent_of(transformer, name)
             sizes = segment_sizes(owner, module, style, name)  # before any attribute is divided
             if isinstance(style, ShardedNorm):
                 undo, nbytes = _split_norm(transformer, name, module, sizes, mesh, device)
                 state.num_split_norms += 1
             else:
-                undo, nbytes, whole = _split_linear(module, style, sizes, mesh, device)
+                if isinstance(module, CONV_TYPES):
+                    undo, nbytes, whole, params = _split_conv(module, style, sizes, mesh, device)
+                    split.update(id(p) for p in params)
+                    hook_bytes += whole
+                else:
+                    undo, nbytes, whole = _split_linear(module, style, sizes, mesh, device)
                 state.num_split_layers += 1
                 state.replicated_bytes += whole
             undos.append(undo)
             state.split_bytes += nbytes
         undo, state.num_divided_attributes = _divide(transformer, plan, degree)
         undos.append(undo)
-        undo, rest_bytes = _place_rest(transformer, device)
+        undo, rest_bytes = _place_rest(transformer, device, split)
         undos.append(undo)
         state.replicated_bytes += rest_bytes
     except BaseException:
         undo_all()
         raise
-    state.local_bytes = parameter_bytes(transformer)
+    state.local_bytes = parameter_bytes(transformer) + hook_bytes
     return Applied(undo_all, state)

@@ -14,6 +14,14 @@ A :class:`TensorParallelPlan` maps module paths of a transformer (``*`` matches 
   dim): its weight is split like the features and its statistics are summed over the ranks, instead of a silently
   wrong local norm.
 
+* :class:`LocalSlice` — a module that computes a table for *all* heads or features (a RoPE module returning
+  ``(S, heads, d)`` or ``(B, S, inner_dim)`` cos/sin): each rank keeps its slice of every output tensor.
+
+``Colwise`` / ``Rowwise`` also split ``Conv1d/2d/3d`` layers by channel (Sana's convolutional FFN): a grouped
+(depthwise) convolution split column-wise keeps whole groups, its ``groups`` divided by the degree. ``unit``
+keeps a split in whole heads when nothing else divides by the head count (Lumina2's K/V, whose KV heads are only a
+ratio of widths).
+
 ``divide`` names the attributes the model's code reshapes with (``heads``, ``inner_dim``, an MLP hidden size):
 they are divided by the degree so the processor sees the local sizes.
 
@@ -34,7 +42,9 @@ from fastdit.models.base import resolve_attr
 from fastdit.parallel.plan import match_modules
 
 __all__ = [
+    "CONV_TYPES",
     "Colwise",
+    "LocalSlice",
     "Rowwise",
     "ShardedNorm",
     "Style",
@@ -44,6 +54,7 @@ __all__ = [
     "plan_layers",
     "resolve_tp_plan",
     "segment_sizes",
+    "unit_size",
     "validate_tp_plan",
 ]
 
@@ -58,34 +69,55 @@ def _check_segments(owner: str, segments: tuple[Segment, ...]) -> None:
             raise ValueError(f"{owner}.segments={segments!r}: each segment is a positive int or an attribute path")
 
 
+# A split's unit: an int, or (numerator, denominator) attribute paths on the owning module (inner_dim // heads).
+Unit = int | tuple[str, str] | None
+
+
+def _check_unit(owner: str, unit: Unit) -> None:
+    if unit is None:
+        return
+    if isinstance(unit, int) and not isinstance(unit, bool) and unit > 0:
+        return
+    if isinstance(unit, tuple) and len(unit) == 2 and all(isinstance(u, str) and u for u in unit):
+        return
+    raise ValueError(f"{owner}.unit={unit!r}: a positive int or a (numerator, denominator) pair of attribute paths")
+
+
 @dataclass(frozen=True)
 class Colwise:
-    """Split a ``Linear``'s output features (weight rows) over the TP ranks.
+    """Split a layer's output features (a ``Linear``'s weight rows, a convolution's output channels).
 
     Attributes:
         segments: The fused parts of the output, each split on its own (empty: one part).
-        gather_output: All-gather the output so every rank gets all features (AdaLN modulation).
+        gather_output: All-gather the output so every rank gets all features (AdaLN modulation; ``Linear`` only).
+        unit: Split each segment only in whole units of this many features (a head), when no divided attribute
+            already says so.
     """
 
     segments: tuple[Segment, ...] = ()
     gather_output: bool = False
+    unit: Unit = None
 
     def __post_init__(self) -> None:
         _check_segments("Colwise", self.segments)
+        _check_unit("Colwise", self.unit)
 
 
 @dataclass(frozen=True)
 class Rowwise:
-    """Split a ``Linear``'s input features (weight columns); the partial outputs are summed over the ranks.
+    """Split a layer's input features (weight columns, input channels); the partial outputs are summed.
 
     Attributes:
         segments: The concatenated parts of the input, each split on its own (empty: one part).
+        unit: As for :class:`Colwise`.
     """
 
     segments: tuple[Segment, ...] = ()
+    unit: Unit = None
 
     def __post_init__(self) -> None:
         _check_segments("Rowwise", self.segments)
+        _check_unit("Rowwise", self.unit)
 
 
 @dataclass(frozen=True)
@@ -102,7 +134,34 @@ class ShardedNorm:
         _check_segments("ShardedNorm", self.segments)
 
 
-Style = Colwise | Rowwise | ShardedNorm
+@dataclass(frozen=True)
+class LocalSlice:
+    """Keep this rank's slice of a module's output tensors (a table computed for every head or feature).
+
+    The module runs whole (it is small: a RoPE table); a forward hook cuts each tensor of its output (a tensor, or
+    a tuple / list of them) along ``dim`` to the rank's part of every segment.
+
+    Attributes:
+        dim: The dim to slice (heads or features; negative counts from the end).
+        segments: The parts of that dim, each sliced on its own (empty: one part).
+    """
+
+    dim: int
+    segments: tuple[Segment, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int):
+            raise ValueError(f"LocalSlice.dim={self.dim!r}: must be an int")
+        if any(isinstance(s, str) for s in self.segments):
+            raise ValueError(f"LocalSlice.segments={self.segments!r}: proportions (ints) only")
+        _check_segments("LocalSlice", self.segments)
+
+
+Style = Colwise | Rowwise | ShardedNorm | LocalSlice
+
+# The layer types Colwise / Rowwise split, by exact type: Linear through DTensor, convolutions by channel slices.
+LINEAR_TYPES = (torch.nn.Linear,)
+CONV_TYPES = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,9 +190,10 @@ class TensorParallelPlan:
         if not self.layers:
             raise ValueError("TensorParallelPlan.layers={}: name at least one layer")
         for path, style in self.layers.items():
-            if not isinstance(style, (Colwise, Rowwise, ShardedNorm)):
+            if not isinstance(style, (Colwise, Rowwise, ShardedNorm, LocalSlice)):
                 raise ValueError(
-                    f"TensorParallelPlan.layers[{path!r}]={style!r}: expected Colwise, Rowwise or ShardedNorm"
+                    f"TensorParallelPlan.layers[{path!r}]={style!r}: expected Colwise, Rowwise, ShardedNorm or "
+                    "LocalSlice"
                 )
         known = {*self.layers, *(path.rpartition(".")[0] for path in self.divide)}
         for path in self.optional:
@@ -209,7 +269,22 @@ def divided_attributes(
 def _feature_count(module: torch.nn.Module, style: Style) -> int:
     if isinstance(style, ShardedNorm):
         return module.weight.shape[0] if getattr(module, "weight", None) is not None else module.normalized_shape[-1]
+    if isinstance(module, CONV_TYPES):
+        return module.out_channels if isinstance(style, Colwise) else module.in_channels
     return module.out_features if isinstance(style, Colwise) else module.in_features
+
+
+def unit_size(owner: torch.nn.Module, style: Style, where: str) -> int | None:
+    """The absolute size of a style's ``unit`` (``None``: no unit)."""
+    unit = getattr(style, "unit", None)
+    if unit is None or isinstance(unit, int):
+        return unit
+    numerator, denominator = (resolve_attr(owner, path) for path in unit)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (numerator, denominator)):
+        raise ValueError(f"tensor-parallel plan: {where!r} unit {unit} reads {numerator!r} / {denominator!r}")
+    if numerator % denominator:
+        raise ValueError(f"tensor-parallel plan: {where!r} unit {unit}: {numerator} / {denominator} is not whole")
+    return numerator // denominator
 
 
 def segment_sizes(owner: torch.nn.Module | None, module: torch.nn.Module, style: Style, where: str) -> list[int]:
@@ -224,6 +299,8 @@ def segment_sizes(owner: torch.nn.Module | None, module: torch.nn.Module, style:
     Raises:
         ValueError: the segments do not add up to the feature count.
     """
+    if isinstance(style, LocalSlice):
+        raise ValueError(f"tensor-parallel plan: {where!r}: a LocalSlice's sizes are known only from its output")
     total = _feature_count(module, style)
     if not style.segments:
         return [total]
@@ -268,18 +345,22 @@ def validate_tp_plan(transformer: torch.nn.Module, plan: TensorParallelPlan, deg
     """
     sizes: list[tuple[str, int]] = []
     for name, module, style in plan_layers(transformer, plan):
-        if isinstance(style, ShardedNorm):
-            if norm_kind(module) is None:
-                raise ValueError(
-                    f"tensor-parallel plan of {family!r}: {name!r} is a {type(module).__name__}, which ShardedNorm "
-                    "cannot split (RMSNorm or LayerNorm only)"
-                )
-        elif not isinstance(module, torch.nn.Linear) or type(module) is not torch.nn.Linear:
-            raise ValueError(
-                f"tensor-parallel plan of {family!r}: {name!r} is a {type(module).__name__}, not a torch.nn.Linear"
-            )
+        if isinstance(style, LocalSlice):
+            continue  # any module; its output's sizes are checked when it runs
+        _check_layer_type(name, module, style, family)
         owner, _ = parent_of(transformer, name)
-        sizes += [(f"{name} segment {i}", s) for i, s in enumerate(segment_sizes(owner, module, style, name))]
+        segments = segment_sizes(owner, module, style, name)
+        sizes += [(f"{name} segment {i}", s) for i, s in enumerate(segments)]
+        unit = unit_size(owner, style, name)
+        if unit is not None:
+            for i, size in enumerate(segments):
+                if size % unit:
+                    raise ValueError(f"tensor-parallel plan of {family!r}: {name} segment {i} = {size} is not a "
+                                     f"whole number of units of {unit}")  # fmt: skip
+                sizes.append((f"{name} segment {i} in units of {unit}", size // unit))
+        groups = getattr(module, "groups", 1) if isinstance(module, CONV_TYPES) else 1
+        if groups > 1:
+            sizes.append((f"{name}.groups", groups))
     for name, module, attr in divided_attributes(transformer, plan):
         sizes.append((f"{name}.{attr}" if name else attr, getattr(module, attr)))
     common = math.gcd(*(size for _, size in sizes))
@@ -290,6 +371,22 @@ def validate_tp_plan(transformer: torch.nn.Module, plan: TensorParallelPlan, deg
                 f"tensor-parallel plan of {family!r}: {what} = {size} is not divisible by tp={degree}; "
                 f"valid tp degrees for this model: {valid}"
             )
+
+
+def _check_layer_type(name: str, module: torch.nn.Module, style: Style, family: str) -> None:
+    where = f"tensor-parallel plan of {family!r}: {name!r} is a {type(module).__name__}"
+    if isinstance(style, ShardedNorm):
+        if norm_kind(module) is None:
+            raise ValueError(f"{where}, which ShardedNorm cannot split (RMSNorm or LayerNorm only)")
+        return
+    if type(module) in CONV_TYPES:
+        if isinstance(style, Colwise) and style.gather_output:
+            raise ValueError(f"{where}: gather_output applies to a Linear only")
+        if isinstance(style, Rowwise) and module.groups != 1:
+            raise ValueError(f"{where} with groups={module.groups}: a grouped convolution splits column-wise only")
+        return
+    if type(module) not in LINEAR_TYPES:
+        raise ValueError(f"{where}, not a torch.nn.Linear or a convolution")
 
 
 def resolve_tp_plan(

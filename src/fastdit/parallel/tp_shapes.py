@@ -32,9 +32,16 @@ def joint_attention(attn: str = "attn", *, out: str = "to_add_out") -> dict[str,
     return {**attention(attn), **added, f"{attn}.{out}": Rowwise()}
 
 
-def feed_forward(ff: str = "ff", *, up: str = "net.0.proj", down: str = "net.2") -> dict[str, Style]:
-    """A diffusers ``FeedForward`` (GELU / GEGLU / SwiGLU ``net.0.proj``, ``net.2`` back)."""
-    return {f"{ff}.{up}": Colwise(), f"{ff}.{down}": Rowwise()}
+def feed_forward(
+    ff: str = "ff", *, up: str = "net.0.proj", down: str = "net.2", gated: bool = False
+) -> dict[str, Style]:
+    """A diffusers ``FeedForward``: ``net.0.proj`` column-wise, ``net.2`` row-wise.
+
+    ``gated``: the up projection outputs ``[hidden | gate]`` that the activation chunks in two (GEGLU, SwiGLU,
+    ``"linear-silu"``); each half is split on its own so every rank pairs its hidden features with their gates. A
+    plain GELU (``"gelu"``, ``"gelu-approximate"``) is not gated.
+    """
+    return {f"{ff}.{up}": Colwise(segments=(1, 1)) if gated else Colwise(), f"{ff}.{down}": Rowwise()}
 
 
 def modulation(*linears: str) -> dict[str, Style]:
