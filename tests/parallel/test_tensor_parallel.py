@@ -292,3 +292,14 @@ def test_units_keep_whole_heads_and_convolutions_are_checked() -> None:
         validate_tp_plan(module, TensorParallelPlan(layers={"depth": Rowwise()}), 2, "test")
     with pytest.raises(ValueError, match="gather_output applies to a Linear only"):
         validate_tp_plan(module, TensorParallelPlan(layers={"up": Colwise(gather_output=True)}), 2, "test")
+
+
+def test_planned_bytes_equal_what_splitting_reports(dist2: WorkerPool) -> None:
+    from fastdit.parallel.tensor_parallel import planned_bytes
+
+    module, _ = _module()
+    planned = planned_bytes(module.to("meta"), FULL, 2)
+    stats = dist2.run(_split_run, FULL, "rms")[0]["stats"]
+    assert planned["plan"] == "full"
+    for key in ("split_bytes", "replicated_bytes", "parameter_bytes_per_rank"):
+        assert planned[key] == stats[key], key

@@ -44,7 +44,7 @@ from fastdit.parallel.tp_plan import (
     segment_sizes,
 )
 
-__all__ = ["TensorParallelState", "apply_tensor_parallel", "check_unsplit", "parameter_bytes"]
+__all__ = ["TensorParallelState", "apply_tensor_parallel", "check_unsplit", "parameter_bytes", "planned_bytes"]
 
 Undo = Callable[[], None]
 
@@ -98,6 +98,44 @@ def parameter_bytes(module: torch.nn.Module) -> int:
         local = p.to_local() if isinstance(p, DTensor) else p
         total += _bytes(local)
     return total
+
+
+def planned_bytes(
+    transformer: torch.nn.Module, plan: TensorParallelPlan, degree: int, family: str = ""
+) -> dict[str, int | str]:
+    """Per-rank parameter bytes ``plan`` would leave at ``degree``, computed from shapes alone (works on ``meta``).
+
+    Returns:
+        ``plan`` (the name of the plan of the fallback chain that fits), ``split_bytes`` (in the unsplit model),
+        ``replicated_bytes`` and ``parameter_bytes_per_rank`` — what :class:`TensorParallelState` reports once applied.
+
+    Raises:
+        ValueError: no plan of the chain fits ``degree``.
+    """
+    plan = resolve_tp_plan(transformer, plan, degree, family)
+    split = replicated = 0
+    split_ids: set[int] = set()
+    for _, module, style in plan_layers(transformer, plan):
+        if isinstance(style, LocalSlice):
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            split_ids.add(id(param))
+            # A row-wise layer's bias is added once, after the sum: every rank holds it whole.
+            if name == "bias" and not isinstance(style, (Colwise, ShardedNorm)):
+                replicated += _bytes(param)
+            else:
+                split += _bytes(param)
+    seen: set[int] = set()
+    for param in transformer.parameters():
+        if id(param) not in split_ids and id(param) not in seen:
+            seen.add(id(param))
+            replicated += _bytes(param)
+    return {
+        "plan": plan.name,
+        "split_bytes": split,
+        "replicated_bytes": replicated,
+        "parameter_bytes_per_rank": split // degree + replicated,
+    }
 
 
 def check_unsplit(transformer: torch.nn.Module, plan: TensorParallelPlan) -> None:
