@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Tensor parallelism on 2 (or 4) H200s, one command: FLUX.1-dev-sized pipeline, one GPU vs TP-N (eager, compiled,
+# compiled + CUDA graphs, with the cache) vs diffusers' own TP; per-GPU model and peak memory; TP-2 x Ulysses-2
+# when 4 GPUs are visible. Expects the diffusers wheel in .whl/ (docs/benchmarks.md); writes under $OUT.
+set -uo pipefail
+SITE=$(mktemp -d)
+python3 -m pip install -q --no-index --no-deps --target "$SITE" .whl/*.whl
+export PYTHONPATH=$SITE:$PWD/src NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
+GPUS=$(nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt" | wc -l)
+MODES=single,tp,tp+compile,tp+compile+graph,tp+cache,single+compile,diffusers_tp
+torchrun --nproc-per-node 2 benchmarks/cp_flux.py --modes "$MODES" --out "$OUT/tp_flux_x2.json" 2>&1 \
+  | grep -v Warning | tail -14 | tee "$OUT/tp_flux_x2.log"
+if [ "$GPUS" -ge 4 ]; then
+  torchrun --nproc-per-node 4 benchmarks/cp_flux.py --modes single,tp,tp_ulysses,tp_ulysses+compile,ulysses \
+    --out "$OUT/tp_flux_x4.json" 2>&1 | grep -v Warning | tail -12 | tee "$OUT/tp_flux_x4.log"
+fi
+python3 -m pytest -q -m "gpu or multigpu" tests -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
