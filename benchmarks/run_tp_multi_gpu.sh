@@ -12,6 +12,8 @@ GPUS=$(nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
 MODES=single,tp,tp+compile,tp+compile+graph,tp+cache,single+compile,diffusers_tp
 torchrun --nproc-per-node 2 benchmarks/cp_flux.py --modes "$MODES" --out "$OUT/tp_flux_x2.json" 2>&1 \
   | grep -v Warning | tail -14 | tee "$OUT/tp_flux_x2.log"
+torchrun --nproc-per-node 2 benchmarks/tp_gqa.py --out "$OUT/tp_gqa_x2.json" 2>&1 | grep -v Warning | tail -8 \
+  | tee "$OUT/tp_gqa_x2.log"
 if [ "$GPUS" -ge 4 ]; then
   torchrun --nproc-per-node 4 benchmarks/cp_flux.py --modes single,tp,tp_ulysses,tp_ulysses+compile,ulysses \
     --out "$OUT/tp_flux_x4.json" 2>&1 | grep -v Warning | tail -12 | tee "$OUT/tp_flux_x4.log"
