@@ -135,7 +135,7 @@ class _ContextParallel:
                     f"{item.name}: model family {item.adapter.family!r} has no context-parallel plan",
                 )
             try:
-                validate_plan(item.module, plan, request.parallel.ulysses)
+                validate_plan(item.module, plan, request.parallel.ulysses, tp_degree=request.parallel.tp)
             except ValueError as error:
                 raise ArgumentError("accelerate", "parallel", request.parallel, f"{item.name}: {error}") from error
             if request.cuda_graph is not None and plan.attention.exchange_lengths:

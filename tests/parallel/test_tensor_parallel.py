@@ -303,3 +303,13 @@ def test_planned_bytes_equal_what_splitting_reports(dist2: WorkerPool) -> None:
     assert planned["plan"] == "full"
     for key in ("split_bytes", "replicated_bytes", "parameter_bytes_per_rank"):
         assert planned[key] == stats[key], key
+
+
+def test_ulysses_head_check_counts_the_heads_of_one_tensor_parallel_shard() -> None:
+    from fastdit.parallel.plan import validate_plan
+
+    transformer = get_family("flux").tiny().build().transformer  # 2 heads
+    plan = get_family("flux").cp_plan
+    validate_plan(transformer, plan, 2, uneven_heads=False)  # 2 heads over 2 Ulysses ranks
+    with pytest.raises(ValueError, match="1 heads per tensor-parallel shard, which do not divide the Ulysses degree 2"):
+        validate_plan(transformer, plan, 2, uneven_heads=False, tp_degree=2)

@@ -594,7 +594,12 @@ def _check_position(module: torch.nn.Module, arg: str, position: int, where: str
 
 
 def validate_plan(
-    transformer: torch.nn.Module, plan: ContextParallelPlan, degree: int, *, uneven_heads: bool = True
+    transformer: torch.nn.Module,
+    plan: ContextParallelPlan,
+    degree: int,
+    *,
+    uneven_heads: bool = True,
+    tp_degree: int = 1,
 ) -> None:
     """Check ``plan`` against ``transformer`` without running it (works on the ``meta`` device).
 
@@ -603,6 +608,7 @@ def validate_plan(
         plan: The plan.
         degree: The Ulysses degree (heads are sharded over it).
         uneven_heads: Whether head counts that do not divide ``degree`` are padded (otherwise an error).
+        tp_degree: The tensor-parallel degree: Ulysses exchanges the heads local to a TP shard (``heads / tp``).
 
     Raises:
         ValueError: naming the path, argument or module that does not fit.
@@ -631,11 +637,11 @@ def validate_plan(
                         f"context-parallel plan: {where}.forward has no argument {arg!r} (path {path!r}); "
                         f"its arguments are {params}"
                     )
-    _validate_attention(transformer, plan.attention, degree, uneven_heads)
+    _validate_attention(transformer, plan.attention, degree, uneven_heads, tp_degree)
 
 
 def _validate_attention(
-    transformer: torch.nn.Module, routing: AttentionRouting, degree: int, uneven_heads: bool
+    transformer: torch.nn.Module, routing: AttentionRouting, degree: int, uneven_heads: bool, tp_degree: int = 1
 ) -> None:
     local = local_attention_paths(transformer, routing)
     linear = linear_attention_paths(transformer, routing)
@@ -666,9 +672,12 @@ def _validate_attention(
                     f"{defined_in!r}, which AttentionRouting.modules does not route"
                 )
         heads = getattr(module, "heads", None)
+        if isinstance(heads, int) and heads % tp_degree == 0:
+            heads //= tp_degree  # checked before tensor parallelism divides them: the heads of one TP shard
         if isinstance(heads, int) and heads % degree and not uneven_heads:
             raise ValueError(
-                f"context-parallel plan: {path!r} has {heads} heads, which do not divide the Ulysses degree {degree}"
+                f"context-parallel plan: {path!r} has {heads} heads per tensor-parallel shard, which do not divide "
+                f"the Ulysses degree {degree}"
             )
     for name, attr in [
         *((n, "dispatch_attention_fn") for n in (*routing.modules, *routing.dispatch_modules)),
