@@ -12,6 +12,8 @@ from __future__ import annotations
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
+from fastdit.parallel.tp_plan import TensorParallelPlan
+from fastdit.parallel.tp_shapes import attention, feed_forward, under
 
 TRANSFORMER = "diffusers.models.transformers.pixart_transformer_2d.PixArtTransformer2DModel"
 
@@ -22,7 +24,8 @@ def tiny_transformer(seed: int = 0, *, sample_size: int = 16):
     """A 3-block ``PixArtTransformer2DModel`` predicting noise and variance (8 output channels) for 4-channel latents.
 
     ``sample_size=128`` selects the 1024-px PixArt-α layout, whose AdaLN-single also embeds resolution and aspect
-    ratio (the pipeline passes them only for that size); that embedding splits the width in three, hence 3 heads.
+    ratio (the pipeline passes them only for that size); that embedding splits the width in three, hence a width of
+    48: 6 heads of 8, so tensor parallelism over 2 (or 3) ranks splits whole heads.
     """
     from diffusers import PixArtTransformer2DModel
 
@@ -31,8 +34,8 @@ def tiny_transformer(seed: int = 0, *, sample_size: int = 16):
     return build(
         PixArtTransformer2DModel,
         seed=seed,
-        num_attention_heads=3,
-        attention_head_dim=16,
+        num_attention_heads=6,
+        attention_head_dim=8,
         in_channels=4,
         out_channels=8,
         num_layers=3,
@@ -87,6 +90,24 @@ CP_PLAN = ContextParallelPlan(
     notes="Sin-cos positions added before the split at transformer_blocks.0; cross-attention to the prompt is local.",
 )
 
+# Tensor parallelism: self- and cross-attention by heads (AttnProcessor2_0 views q/k/v and the prompt mask with
+# attn.heads, divided; the cross-attention's q comes from the image, its k/v from the whole prompt, split alike), the
+# GELU FeedForward (not gated) column- then row-wise. The modulation is AdaLN-single: one shared `adaln_single` linear
+# and a small per-block (6, dim) `scale_shift_table`, both replicated, as are the caption projection and proj_out.
+# PixArt-α/Σ have 16 heads: a degree that does not divide them (3, 6) keeps attention whole and splits the FFN.
+_FFN = under("transformer_blocks.*", feed_forward("ff"))
+TP_PLAN = TensorParallelPlan(
+    layers={**under("transformer_blocks.*", {**attention("attn1"), **attention("attn2")}), **_FFN},
+    divide=("transformer_blocks.*.attn1.heads", "transformer_blocks.*.attn2.heads"),
+    notes="Self- and cross-attention by heads, GELU FFN column/row-wise; adaln_single and scale_shift_table "
+    "replicated; FFN-only fallback when tp does not divide the heads.",
+    fallback=TensorParallelPlan(
+        layers=_FFN,
+        notes="FFN only: tp does not divide the heads, attention replicated.",
+        name="ffn-only",
+    ),
+)
+
 _CALL = {
     "prompt": "a cat holding a sign",
     "height": 32,
@@ -105,6 +126,7 @@ ADAPTER = register(
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P2),),
         cp_plan=CP_PLAN,
+        tp_plan=TP_PLAN,
         tiny_pipelines=(
             TinyPipeline(name="alpha", build=tiny_pixart_alpha, call_kwargs=_CALL),
             TinyPipeline(name="sigma", build=tiny_pixart_sigma, call_kwargs=_CALL),

@@ -19,6 +19,8 @@ from fastdit.parallel.plan import (
     TokenSum,
 )
 from fastdit.parallel.plan_shapes import linear_self_attention
+from fastdit.parallel.tp_plan import Colwise, Rowwise, ShardedNorm, Style, TensorParallelPlan
+from fastdit.parallel.tp_shapes import attention, under
 
 TRANSFORMER = "diffusers.models.transformers.sana_transformer.SanaTransformer2DModel"
 
@@ -131,6 +133,30 @@ CP_PLAN = ContextParallelPlan(
     ),
 )
 
+# Tensor parallelism, by heads. Linear self-attention (SanaLinearAttnProcessor2_0) sums v kᵀ per head and
+# cross-attention (SanaAttnProcessor2_0) is softmax per head, so a rank holding whole heads computes its heads
+# exactly; both reshape with `attn.heads` (and the cross-attention mask is viewed per head), which is divided. The
+# Mix-FFN (GLUMBConv) is three convolutions: the 1x1 `conv_inverted` outputs [hidden | gate] and the depthwise 3x3
+# `conv_depth` keeps them before `chunk(2, dim=1)`, so both split with two segments (each rank pairs its hidden
+# channels with their gates; the depthwise groups follow the channels); the 1x1 `conv_point` back to the width is
+# row-wise. Sana-Sprint normalises q/k across all heads (RMSNorm over the inner dim): sharded norms, absent in
+# plain Sana. The modulation is a per-block (6, dim) table added to the shared `time_embed` output: both whole.
+_SANA_BLOCK: dict[str, Style] = {
+    **attention("attn1"),
+    **attention("attn2"),
+    "ff.conv_inverted": Colwise(segments=(1, 1)),
+    "ff.conv_depth": Colwise(segments=(1, 1)),
+    "ff.conv_point": Rowwise(),
+}
+_SPRINT_NORMS = tuple(f"transformer_blocks.*.{a}.{n}" for a in ("attn1", "attn2") for n in ("norm_q", "norm_k"))
+TP_PLAN = TensorParallelPlan(
+    layers={**under("transformer_blocks.*", _SANA_BLOCK), **dict.fromkeys(_SPRINT_NORMS, ShardedNorm())},
+    divide=("transformer_blocks.*.attn1.heads", "transformer_blocks.*.attn2.heads"),
+    optional=_SPRINT_NORMS,
+    notes="Self- and cross-attention by heads, Mix-FFN convolutions by channel ([hidden | gate] segments); "
+    "Sprint's across-heads QK-norms sharded; scale_shift_table and time_embed replicated.",
+)
+
 _CALL = {
     "prompt": "a cat holding a sign",
     "height": 32,
@@ -180,5 +206,6 @@ ADAPTER = register(
             "`controlnet_block_samples` (SanaControlNet) are full-length and not supported under it."
         ),
         cp_plan=CP_PLAN,
+        tp_plan=TP_PLAN,
     )
 )

@@ -20,7 +20,7 @@ from fastdit.parallel.plan import (
     TokenSum,
 )
 from fastdit.parallel.plan_shapes import linear_self_attention
-from fastdit.parallel.tp_plan import ShardedNorm, TensorParallelPlan
+from fastdit.parallel.tp_plan import Colwise, Rowwise, ShardedNorm, TensorParallelPlan
 from fastdit.parallel.tp_shapes import attention, under
 
 TRANSFORMER = "diffusers.models.transformers.transformer_sana_video.SanaVideoTransformer3DModel"
@@ -111,15 +111,25 @@ CP_PLAN = ContextParallelPlan(
 # Tensor parallelism: both attentions split by heads. SanaLinearAttnProcessor3_0 unflattens q/k/v into (attn.heads, -1)
 # and every reduction of the linear attention (the key sum of the normaliser, the value-key product) is per head, so a
 # rank's heads are exact on their own; SanaAttnProcessor2_0 (cross-attention) views with attn.heads too. Both divide
-# heads. The QK RMSNorms are across heads (over the whole inner dim) and become sharded norms. The Mix-FFN is
-# convolutions (1x1, depthwise 3x3, 1x1, temporal (3, 1)), which the plan vocabulary (Linear layers only) cannot
-# split: it stays replicated, as do the global adaln_single, the per-block scale_shift_table and the embedders.
+# heads. The QK RMSNorms are across heads (over the whole inner dim) and become sharded norms. The Mix-FFN
+# (GLUMBTempConv) splits like Sana's: the 1x1 `conv_inverted` and the depthwise 3x3 `conv_depth` output
+# [hidden | gate] before `chunk(2, dim=1)` (two segments; the depthwise groups follow the channels), the 1x1
+# `conv_point` back to the width is row-wise. Its temporal (3, 1) `conv_temp` stays whole: it runs on the all-reduced
+# width (the forward views its input with the block's full channel count and adds it as a residual), so splitting it
+# would cost a second collective per block. The global adaln_single, the per-block scale_shift_table and the
+# embedders stay replicated.
 _NORMS = {f"{attn}.norm_{qk}": ShardedNorm() for attn in ("attn1", "attn2") for qk in ("q", "k")}
+_FFN = {
+    "ff.conv_inverted": Colwise(segments=(1, 1)),
+    "ff.conv_depth": Colwise(segments=(1, 1)),
+    "ff.conv_point": Rowwise(),
+}
 TP_PLAN = TensorParallelPlan(
-    layers=under("transformer_blocks.*", {**attention("attn1"), **attention("attn2"), **_NORMS}),
+    layers=under("transformer_blocks.*", {**attention("attn1"), **attention("attn2"), **_NORMS, **_FFN}),
     divide=("transformer_blocks.*.attn1.heads", "transformer_blocks.*.attn2.heads"),
     notes="Linear self-attention (per-head sums) and cross-attention split by heads, QK RMSNorms across heads "
-    "sharded; the convolutional Mix-FFN and the AdaLN-single tables are replicated.",
+    "sharded; Mix-FFN convolutions by channel ([hidden | gate] segments), its temporal conv_temp and the "
+    "AdaLN-single tables replicated.",
 )
 
 ADAPTER = register(

@@ -13,7 +13,7 @@ from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelP
 from fastdit.models.registry import register
 from fastdit.parallel.plan_shapes import joint_first_block_plan
 from fastdit.parallel.tp_plan import TensorParallelPlan
-from fastdit.parallel.tp_shapes import feed_forward, joint_attention, modulation, under
+from fastdit.parallel.tp_shapes import attention, feed_forward, joint_attention, modulation, under
 
 TRANSFORMER = "diffusers.models.transformers.transformer_sd3.SD3Transformer2DModel"
 
@@ -94,21 +94,24 @@ CP_PLAN = joint_first_block_plan(
 # heads are divided and both streams' projections split by heads; to_out / to_add_out and both FFNs' down projections
 # are row-wise. The per-block AdaLN linears (dim -> 6·dim, 9·dim with dual attention; the last block's context norm
 # is dim -> 2·dim but shares the pattern) are split with a gathered output. The QK RMSNorms are per head.
-# SD3.5 Medium's image-only `attn2` exists in its first blocks only and not at all in SD3, and every pattern of a plan
-# must match in each checkpoint of the family: it stays replicated (computed whole on each rank, so still exact).
+# SD3.5 Medium's image-only `attn2` (its first blocks only; none in SD3) runs the same processor without a text
+# stream: split by heads like `attn`, its patterns and heads optional.
+_DUAL = attention("attn2")
 TP_PLAN = TensorParallelPlan(
     layers=under(
         "transformer_blocks.*",
         {
             **joint_attention(),
+            **_DUAL,
             **feed_forward(),
             **feed_forward("ff_context"),
             **modulation("norm1.linear", "norm1_context.linear"),
         },
     ),
-    divide=("transformer_blocks.*.attn.heads",),
-    notes="Joint attention and both FFNs split by heads; per-block AdaLN split with a gathered output; QK-norms per "
-    "head; SD3.5 Medium's dual attention (attn2) stays replicated.",
+    divide=("transformer_blocks.*.attn.heads", "transformer_blocks.*.attn2.heads"),
+    optional=(*under("transformer_blocks.*", _DUAL), "transformer_blocks.*.attn2"),
+    notes="Joint attention, SD3.5 Medium's dual attention (attn2) and both FFNs split by heads; per-block AdaLN "
+    "split with a gathered output; QK-norms per head (replicated).",
 )
 
 _CALL = {
