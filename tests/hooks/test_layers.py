@@ -31,7 +31,7 @@ class Recorder(LayerHook):
         return out
 
 
-ORDER = [Layer.CHECK, Layer.GRAPH, Layer.TRACK, Layer.PARALLEL_INPUT, Layer.PARALLEL_OUTPUT, Layer.SKIP]
+ORDER = [Layer.BRANCH, Layer.CHECK, Layer.GRAPH, Layer.TRACK, Layer.PARALLEL_INPUT, Layer.PARALLEL_OUTPUT, Layer.SKIP]
 
 
 @pytest.mark.parametrize("permutation", list(itertools.permutations(range(len(ORDER))))[::97])
@@ -43,6 +43,7 @@ def test_nesting_follows_the_table_not_the_installation_order(permutation: tuple
     ]
     module(torch.zeros(1))
     assert log == [f"enter {layer.name}" for layer in ORDER] + [f"leave {layer.name}" for layer in reversed(ORDER)]
+    assert [layer for layer in Layer if layer.may_skip] == [Layer.BRANCH, Layer.SKIP]  # outermost and innermost
     assert [name for _, name in layers.stack_of(module).names()] == [layer.name for layer in ORDER]
     for fn in undo:
         fn()
@@ -59,8 +60,8 @@ def test_a_skipping_hook_never_hides_a_transform_that_must_run() -> None:
     assert log == ["enter gather", "enter cache", "leave cache", "leave gather"]  # ...not the gather
 
 
-@pytest.mark.parametrize("layer", [layer for layer in Layer if layer is not Layer.SKIP])
-def test_a_hook_that_may_skip_is_refused_outside_the_skip_layer(layer: Layer) -> None:
+@pytest.mark.parametrize("layer", [layer for layer in Layer if not layer.may_skip])
+def test_a_hook_that_may_skip_is_refused_outside_the_skip_layers(layer: Layer) -> None:
     module = Linear()
     with pytest.raises(ValueError, match=r"may skip the call.*Layer\.SKIP"):
         layers.install(module, layer, "cache", Recorder("cache", [], skip=True))

@@ -8,6 +8,8 @@ first:
 ==================  =====================================================================  ==============
 layer               what sits there                                                         may skip inner
 ==================  =====================================================================  ==============
+``BRANCH``          CFG parallelism: which guidance branch (or which part of a batched     **yes** (the
+                    CFG batch) this rank computes, and the exchange of the branches        whole call)
 ``CHECK``           checks of a call's global inputs that must run eagerly on every call,  no (may raise)
                     graphed or not: the parallel input check (equal inputs on all ranks)
 ``GRAPH``           a CUDA graph of the whole call (it records everything below)           no (replays)
@@ -25,8 +27,10 @@ Why this order: a hook that may skip the wrapped call must sit *inside* every tr
 call, or a cached block would skip a gather that the next module (and the other ranks) wait for; observers of
 global inputs sit outside the splits so that every rank tracks steps from the same values; a whole-call graph sits
 outside every transform so that replaying it replays them; checks that read values on the host sit outside the
-graph, which could neither capture a host read nor run Python on a replay. :func:`install` refuses a hook that
-declares it may skip at any layer but ``SKIP``, so the contract is checked, not assumed.
+graph, which could neither capture a host read nor run Python on a replay. CFG parallelism decides outside all of them
+which calls this rank runs at all: a call of a branch another rank computes skips the *whole* stack (nothing outside
+it must run), so that layer may skip too. :func:`install` refuses a hook that declares it may skip at any layer but
+``BRANCH`` and ``SKIP``, so the contract is checked, not assumed.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ STACK_HOOK = "fastdit"
 class Layer(enum.IntEnum):
     """Where a hook nests on its module: lower values are outer (see the module docstring for the table)."""
 
+    BRANCH = 2
     CHECK = 5
     GRAPH = 10
     TRACK = 20
@@ -59,8 +64,8 @@ class Layer(enum.IntEnum):
 
     @property
     def may_skip(self) -> bool:
-        """Whether hooks at this layer may return without calling what they wrap."""
-        return self is Layer.SKIP
+        """Whether hooks at this layer may return without calling what they wrap (the outermost and innermost)."""
+        return self in (Layer.BRANCH, Layer.SKIP)
 
 
 class LayerHook:
@@ -217,7 +222,7 @@ def install(module: torch.nn.Module, layer: Layer, name: str, hook: LayerHook) -
     if hook.may_skip and not layer.may_skip:
         raise ValueError(
             f"layer hook {name!r} ({type(hook).__name__}) may skip the call it wraps, so it must sit at Layer.SKIP, "
-            f"inside every transform that has to run; got Layer.{layer.name}"
+            f"inside every transform that has to run, or at Layer.BRANCH, outside all of them; got Layer.{layer.name}"
         )
     stack = _ensure_stack(module)
     stack.add(layer, name, hook)

@@ -112,6 +112,15 @@ TP_PLAN = TensorParallelPlan(
     optional=(*under("transformer_blocks.*", _DUAL), "transformer_blocks.*.attn2"),
     notes="Joint attention, SD3.5 Medium's dual attention (attn2) and both FFNs split by heads; per-block AdaLN "
     "split with a gathered output; QK-norms per head (replicated).",
+    # SD3.5 Large has 38 heads: tp=4 or 8 split the FFNs and the modulation only (attention whole).
+    fallback=TensorParallelPlan(
+        layers=under(
+            "transformer_blocks.*",
+            {**feed_forward(), **feed_forward("ff_context"), **modulation("norm1.linear", "norm1_context.linear")},
+        ),
+        notes="FFNs and modulation only: tp does not divide the heads.",
+        name="ffn-only",
+    ),
 )
 
 _CALL = {
