@@ -234,6 +234,9 @@ def summary(target: Any) -> Summary:
         engine = context.state("cache", item.name)
         if engine is not None:
             info["cache"] = cache_summary(engine)
+        branches = context.state("cfg_parallel", item.name)
+        if branches is not None:
+            info["cfg_parallel"] = branches.stats.stats()
         split = context.state("tensor_parallel", item.name)
         if split is not None:
             info["tensor_parallel"] = split.stats()

@@ -97,6 +97,25 @@ class Context:
             return None
         return self.runtime.sample_reducer()
 
+    def cache_reducer(self, component: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The cache's decision reducer for ``component``: over the ranks that hold the same sample, and during a
+        batched CFG-parallel call also over the CFG ranks (they hold parts of one batch, decided on as a whole)."""
+        narrow = self.sample_reducer()
+        split = self.state("cfg_parallel", component)
+        if split is None:
+            return narrow
+        from fastdit.parallel.runtime import sum_reducer
+
+        dims = tuple(d for d in ("cfg", "ring", "ulysses", "tp") if self.runtime.size(d) > 1)
+        wide = sum_reducer(self.runtime.group("cfg") if len(dims) == 1 else self.runtime.flat_group(dims))
+
+        def reduce(t: torch.Tensor) -> torch.Tensor:
+            if split.batched:
+                return wide(t)
+            return t if narrow is None else narrow(t)
+
+        return reduce
+
     def undo_all(self) -> None:
         """Undo every record, last first; every undo runs even if an earlier one fails (the first error is raised)."""
         error: BaseException | None = None

@@ -195,6 +195,47 @@ class _InputCheck:
             context.add("input_check.runs", "scheduler", undo)
 
 
+class _CfgParallel:
+    """The guidance branches (or the CFG batch) of each transformer call over the ``cfg`` ranks."""
+
+    name = "cfg_parallel"
+    needs_components = True
+
+    def requested(self, request: Request) -> bool:
+        return request.parallel is not None and request.parallel.cfg > 1
+
+    def check(self, request: Request, components: Components) -> None:
+        import inspect
+
+        pipeline = components.pipeline
+        params = inspect.signature(type(pipeline).__call__).parameters if callable(pipeline) else {}
+        if "negative_prompt" not in params and "negative_prompt_embeds" not in params:
+            what = type(pipeline).__name__ if pipeline is not None else "a bare transformer"
+            raise ArgumentError(
+                "accelerate",
+                "parallel",
+                request.parallel,
+                f"cfg=2 splits the conditional and unconditional branches of classifier-free guidance, and {what} "
+                "has none to split (no negative prompt: a guidance-distilled model, or not a pipeline)",
+            )
+
+    def apply(self, context: Context) -> None:
+        from fastdit.cache.runs import reset_on_new_schedule
+        from fastdit.parallel.cfg_parallel import apply_cfg_parallel
+
+        runtime = context.runtime
+        hooks = []
+        for item in context.components.denoisers:
+            applied = apply_cfg_parallel(
+                item.module, runtime.group("cfg"), runtime.coordinate("cfg"), runtime.size("cfg"), runtime.device
+            )
+            context.add(self.name, item.name, applied.undo, applied.state)
+            hooks.append(applied.state)
+        undo = reset_on_new_schedule(context.components.pipeline, hooks)
+        if undo is not None:
+            context.add("cfg_parallel.runs", "scheduler", undo)
+
+
 class _Cache:
     needs_components = True
     name = "cache"
@@ -218,9 +259,9 @@ class _Cache:
         from fastdit.cache import apply_cache
         from fastdit.cache.runs import reset_on_new_schedule
 
-        reducer = context.sample_reducer()
         trackers = []
         for item in context.components.denoisers:
+            reducer = context.cache_reducer(item.name)
             applied = apply_cache(item.module, item.adapter.cache_plan, context.request.cache, reducer=reducer)
             context.add(self.name, item.name, applied.undo, applied.state)
             trackers.append(applied.state.tracker)
@@ -285,7 +326,7 @@ TECHNIQUES: tuple[Technique, ...] = (
     _TensorParallel(),
     _ContextParallel(),
     _InputCheck(),
-    _Unavailable("cfg_parallel", "cfg", "cfg"),
+    _CfgParallel(),
     _Cache(),
     _Compile(),
     _CudaGraph(),

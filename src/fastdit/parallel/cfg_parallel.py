@@ -1,0 +1,240 @@
+"""CFG parallelism: the two guidance branches of a step on two ranks, without editing the pipeline.
+
+Pipelines run classifier-free guidance in one of two ways, and the hook at :attr:`Layer.BRANCH` (outermost on the
+transformer) serves both, deciding per call from the ``cache_context`` the pipeline announces:
+
+* **Sequential** (``cache_context("cond")`` then ``cache_context("uncond")``: Qwen-Image, Wan, FLUX true CFG,
+  Chroma, HunyuanVideo 1.5, ...): rank 0 computes the ``cond`` call, rank 1 the ``uncond`` call. A rank returns at
+  once from the call of the branch it does not compute, so the two branches of a step run *concurrently*: on the
+  pair's first call the rank that skips it returns a placeholder — same structure, shapes and dtypes as the output
+  it stands for — and goes straight on to its own call; at the end of the pair's second call the ranks exchange
+  their outputs and the placeholder is filled in place, before the pipeline combines the branches. The first pair of
+  every pipeline call is computed on both ranks to learn the output structure (and that the pipeline runs pairs).
+* **Batched** (one call over ``[uncond; cond]`` concatenated on the batch: SD3, PixArt, Sana, LTX, ...): each rank
+  computes its part of the batch and the parts are all-gathered — data parallelism over the call, exact for any
+  batch the degree divides (a batch it does not divide runs whole on every rank).
+
+Every rank takes the same decisions from the same values (the context name, the batch size, whether the structure
+is known), so no collective depends on rank-local state. The cache keeps one state per branch on the rank that
+computes it; in batched calls its decision is reduced over the CFG ranks too, since they share one batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from fastdit.hooks.layers import Layer, LayerHook, announced_context, install
+from fastdit.hooks.state import Applied
+
+__all__ = ["BRANCHES", "CfgParallelError", "CfgParallelHook", "CfgParallelStats", "apply_cfg_parallel"]
+
+# The sequential branches, in the order of the ranks that compute them.
+BRANCHES: tuple[str, ...] = ("cond", "uncond")
+
+
+class CfgParallelError(RuntimeError):
+    """The pipeline's calls do not follow the guidance pattern CFG parallelism serves (raised on every rank)."""
+
+
+@dataclass
+class CfgParallelStats:
+    """What CFG parallelism did in the last pipeline call(s)."""
+
+    computed_calls: int = 0
+    skipped_calls: int = 0
+    warmup_calls: int = 0
+    batched_calls: int = 0
+    whole_batched_calls: int = 0
+
+    def stats(self) -> dict[str, int]:
+        """JSON-ready form for :func:`fastdit.summary`."""
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Spec:
+    """The structure of a transformer output: its pytree and each tensor leaf's shape and dtype."""
+
+    tree: Any
+    leaves: list[tuple[torch.Size, torch.dtype] | Any]
+
+    @classmethod
+    def of(cls, output: Any) -> _Spec:
+        leaves, tree = tree_flatten(output)
+        return cls(tree, [(t.shape, t.dtype) if isinstance(t, torch.Tensor) else t for t in leaves])
+
+    def placeholder(self, device: torch.device) -> tuple[Any, list[torch.Tensor]]:
+        leaves = [torch.empty(s[0], dtype=s[1], device=device) if isinstance(s, tuple) else s for s in self.leaves]
+        return tree_unflatten(leaves, self.tree), [t for t in leaves if isinstance(t, torch.Tensor)]
+
+
+def _tensors(output: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+
+
+@dataclass
+class _Pair:
+    """The state of the current pair of sequential calls."""
+
+    first: str | None = None
+    computed: Any = None  # this rank's output of the pair's first call, when it computed it
+    placeholder: list[torch.Tensor] = field(default_factory=list)  # to fill when this rank skipped the first call
+    warm: bool = False  # both branches' structure known: later pairs are split
+
+
+class CfgParallelHook(LayerHook):
+    """Split the guidance branches (sequential) or the batch (batched) of transformer calls over the CFG ranks."""
+
+    may_skip = True  # a call of the other rank's branch returns without running the stack
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, degree: int, device: torch.device) -> None:
+        self.group = group
+        self.rank = rank
+        self.degree = degree
+        self.device = device
+        self.specs: dict[str, _Spec] = {}
+        self.pair = _Pair()
+        self.stats = CfgParallelStats()
+        self.batched = False  # read by the cache's reducer during a call
+
+    def around(self, inner: Callable[..., Any], module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        name = announced_context(module)
+        if name in BRANCHES:
+            return self._sequential(name, inner, args, kwargs)
+        return self._batched(inner, args, kwargs)
+
+    # --- sequential CFG ---
+
+    def _sequential(self, name: str, inner: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        pair = self.pair
+        if pair.first is None:
+            pair.first = name
+            return self._first_call(name, inner, args, kwargs)
+        if name == pair.first:
+            self._unpaired(name)
+        pair.first = None
+        return self._second_call(name, inner, args, kwargs)
+
+    def _mine(self, name: str) -> bool:
+        return BRANCHES.index(name) == self.rank
+
+    def _first_call(self, name: str, inner: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        pair = self.pair
+        if not pair.warm or self._mine(name):
+            output = inner(*args, **kwargs)
+            pair.computed = output
+            self.specs[name] = _Spec.of(output)
+            if pair.warm:
+                self.stats.computed_calls += 1
+            else:
+                self.stats.warmup_calls += 1
+            return output
+        output, pair.placeholder = self.specs[name].placeholder(self.device)
+        self.stats.skipped_calls += 1
+        return output
+
+    def _second_call(self, name: str, inner: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        pair = self.pair
+        if not pair.warm:  # the warm-up pair: both calls computed on every rank
+            output = inner(*args, **kwargs)
+            self.specs[name] = _Spec.of(output)
+            self.stats.warmup_calls += 1
+            pair.warm = True
+            pair.computed = None
+            return output
+        if self._mine(name):
+            output = inner(*args, **kwargs)
+            self.stats.computed_calls += 1
+            theirs = self._exchange(_tensors(output))
+            for slot, value in zip(pair.placeholder, theirs, strict=True):
+                slot.copy_(value)
+            pair.placeholder = []
+            return output
+        theirs = self._exchange(_tensors(pair.computed))
+        pair.computed = None
+        self.stats.skipped_calls += 1
+        spec = self.specs[name]
+        values = iter(theirs)
+        leaves = [next(values) if isinstance(s, tuple) else s for s in spec.leaves]
+        return tree_unflatten(leaves, spec.tree)
+
+    def _exchange(self, mine: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Send this rank's branch output, receive the other rank's (degree 2: one all-gather per tensor)."""
+        theirs = []
+        for tensor in mine:
+            tensor = tensor.contiguous()
+            parts = [torch.empty_like(tensor) for _ in range(self.degree)]
+            dist.all_gather(parts, tensor, group=self.group)
+            theirs.append(parts[1 - self.rank])
+        return theirs
+
+    def _unpaired(self, name: str) -> None:
+        self.pair = _Pair(warm=self.pair.warm)
+        raise CfgParallelError(
+            f"CFG parallelism (cfg=2): the pipeline called the transformer for {name!r} twice in a row without the "
+            "other branch — this call has no unconditional branch (a guidance-distilled model, guidance off, or a "
+            "pipeline that guides only some steps); run it without cfg=2"
+        )
+
+    # --- batched CFG ---
+
+    def _batched(self, inner: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        leaves, tree = tree_flatten((args, kwargs))
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        batch = hidden.shape[0] if isinstance(hidden, torch.Tensor) and hidden.dim() > 0 else 0
+        if batch == 0 or batch % self.degree:
+            self.stats.whole_batched_calls += 1
+            return inner(*args, **kwargs)
+        part = batch // self.degree
+        start = self.rank * part
+        local = [
+            t[start : start + part] if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch else t
+            for t in leaves
+        ]
+        local_args, local_kwargs = tree_unflatten(local, tree)
+        self.batched = True
+        try:
+            output = inner(*local_args, **local_kwargs)
+        finally:
+            self.batched = False
+        self.stats.batched_calls += 1
+        out_leaves, out_tree = tree_flatten(output)
+        gathered = [self._gather(t) if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == part else t
+                    for t in out_leaves]  # fmt: skip
+        return tree_unflatten(gathered, out_tree)
+
+    def _gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(tensor) for _ in range(self.degree)]
+        dist.all_gather(parts, tensor.contiguous(), group=self.group)
+        return torch.cat(parts, dim=0)
+
+    def reset(self) -> None:
+        # The pipeline's end-of-call reset: a pair left open means a placeholder nobody filled.
+        open_pair = self.pair.first is not None and bool(self.pair.placeholder)
+        self.pair = _Pair()
+        self.specs.clear()
+        if open_pair:
+            raise CfgParallelError(
+                "CFG parallelism (cfg=2): the pipeline call ended between the two branches of a step, so one "
+                "branch's output was never computed on this rank; run this pipeline without cfg=2"
+            )
+
+
+def apply_cfg_parallel(
+    transformer: torch.nn.Module, group: dist.ProcessGroup, rank: int, degree: int, device: torch.device
+) -> Applied:
+    """Install CFG parallelism on ``transformer`` over the CFG ``group`` (``rank`` is this process's index in it).
+
+    Returns:
+        The undo and the :class:`CfgParallelHook` (its ``stats`` and ``batched`` flag).
+    """
+    if degree != 2:
+        raise ValueError(f"CFG parallelism: degree={degree}: exactly 2 (one rank per guidance branch)")
+    hook = CfgParallelHook(group, rank, degree, device)
+    return Applied(install(transformer, Layer.BRANCH, "cfg_parallel", hook), hook)
