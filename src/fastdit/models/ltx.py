@@ -12,6 +12,8 @@ from fastdit.models._lazy import LazyKwargs, tiny_image
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
+from fastdit.parallel.tp_plan import LocalSlice, ShardedNorm, TensorParallelPlan
+from fastdit.parallel.tp_shapes import attention, feed_forward, under
 
 TRANSFORMER = "diffusers.models.transformers.transformer_ltx.LTXVideoTransformer3DModel"
 
@@ -99,6 +101,32 @@ CP_PLAN = ContextParallelPlan(
     notes="Root split of tokens, per-token timestep, text and text mask; RoPE tables from `rope` split on dim 1.",
 )
 
+# Tensor parallelism. LTXVideoAttnProcessor applies the QK-norms and RoPE to the flattened q/k (all heads) before
+# unflattening them with ``attn.heads`` (divided; prepare_attention_mask repeats the text mask by it too). The
+# QK-norms are RMSNorms over the whole inner dim ("rms_norm_across_heads"), so they become ShardedNorms; the `rope`
+# module returns (cos, sin) of (B, S, inner_dim) over every head's features, so each rank keeps its slice of the
+# last dim (LocalSlice), which lines up with its column-wise q/k features. Self- and cross-attention (attn1, attn2)
+# split by heads, q/k/v column-wise and out row-wise; the GELU FFN up column-wise, down row-wise. Modulation is one
+# shared AdaLayerNormSingle (time_embed) plus a small per-block scale_shift_table: both replicated, like the patch
+# and caption projections, norm_out and proj_out.
+TP_PLAN = TensorParallelPlan(
+    layers={
+        "rope": LocalSlice(dim=-1),
+        **under(
+            "transformer_blocks.*",
+            {
+                **attention("attn1"),
+                **attention("attn2"),
+                **{f"{attn}.{norm}": ShardedNorm() for attn in ("attn1", "attn2") for norm in ("norm_q", "norm_k")},
+                **feed_forward("ff"),
+            },
+        ),
+    },
+    divide=("transformer_blocks.*.attn1.heads", "transformer_blocks.*.attn2.heads"),
+    notes="Self- and cross-attention split by heads (QK-norms across heads sharded, RoPE tables sliced to the local "
+    "features), GELU FFN split; shared AdaLN-single and per-block tables replicated.",
+)
+
 _CALL = {
     "prompt": "a cat holding a sign",
     "negative_prompt": "blue",
@@ -116,6 +144,7 @@ ADAPTER = register(
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P2),),
         cp_plan=CP_PLAN,
+        tp_plan=TP_PLAN,
         tiny_pipelines=(
             TinyPipeline(name="t2v", build=tiny_ltx, call_kwargs=_CALL),
             # Per-token timesteps with conditioning tokens at 0: the cache follows the largest entry.

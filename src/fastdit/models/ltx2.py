@@ -14,6 +14,8 @@ from fastdit.models._lazy import LazyKwargs, tiny_image
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
+from fastdit.parallel.tp_plan import Colwise, LocalSlice, ShardedNorm, Style, TensorParallelPlan
+from fastdit.parallel.tp_shapes import attention, feed_forward, under
 
 TRANSFORMER = "diffusers.models.transformers.transformer_ltx2.LTX2VideoTransformer3DModel"
 
@@ -202,6 +204,41 @@ CP_PLAN = ContextParallelPlan(
     ),
 )
 
+# Tensor parallelism. Both processors (LTX2AudioVideoAttnProcessor, and LTX2PerturbedAttnProcessor with STG)
+# apply the QK-norms and RoPE to the flattened q/k before unflattening q/k/v with ``attn.heads`` (divided; the
+# masks are repeated by it too, and the STG path passes the local value through). The QK-norms are RMSNorms over the
+# whole inner dim ("rms_norm_across_heads"): ShardedNorms. The optional per-head output gate (to_gate_logits,
+# LTX-2.3: query_dim -> heads) is split like the heads. Every attention of a block splits by heads: video and audio
+# self-attention, their text cross-attentions, and audio->video / video->audio (which use the audio head count).
+# The four RoPE modules (video, audio, and the two cross-modal ones) compute "split" tables (B, heads, S, d / 2)
+# for all heads, which apply_split_rotary_emb regroups the local q/k features by: each rank keeps its heads (dim 1).
+# The cross-modal tables group the audio width by the video head count, so their slices are still the contiguous
+# features of the rank's audio heads. Both GELU FFNs split (up column-wise, down row-wise). Modulation is shared
+# root AdaLN-single projections plus small per-block tables: replicated, like the embedders, caption projections
+# and output layers. Only rope_type="split" (the tiny model's, and LTX-2's) is covered: "interleaved" tables are
+# (B, S, inner_dim) and need dim -1, which one LocalSlice cannot choose by the module's rope_type.
+_ATTENTIONS = ("attn1", "audio_attn1", "attn2", "audio_attn2", "audio_to_video_attn", "video_to_audio_attn")
+_ROPES = ("rope", "audio_rope", "cross_attn_rope", "cross_attn_audio_rope")
+
+
+def _ltx2_block() -> dict[str, Style]:
+    layers: dict[str, Style] = {}
+    for attn in _ATTENTIONS:
+        layers.update(attention(attn))
+        layers.update({f"{attn}.norm_q": ShardedNorm(), f"{attn}.norm_k": ShardedNorm()})
+        layers[f"{attn}.to_gate_logits"] = Colwise()
+    return {**layers, **feed_forward("ff"), **feed_forward("audio_ff")}
+
+
+TP_PLAN = TensorParallelPlan(
+    layers={**{rope: LocalSlice(dim=1) for rope in _ROPES}, **under("transformer_blocks.*", _ltx2_block())},
+    divide=tuple(f"transformer_blocks.*.{attn}.heads" for attn in _ATTENTIONS),
+    optional=tuple(f"transformer_blocks.*.{attn}.to_gate_logits" for attn in _ATTENTIONS),
+    notes="Every video/audio/cross-modal attention split by heads (QK-norms across heads sharded, per-head gates "
+    "split, split-RoPE tables sliced by head), both GELU FFNs split; shared AdaLN and per-block tables replicated; "
+    'rope_type="split" only.',
+)
+
 _CALL = {
     "prompt": "a cat holding a sign",
     "negative_prompt": "blue",
@@ -225,6 +262,7 @@ ADAPTER = register(
             BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P0, encoder_arg="audio_hidden_states"),
         ),
         cp_plan=CP_PLAN,
+        tp_plan=TP_PLAN,
         tiny_pipelines=(
             TinyPipeline(name="t2v", build=tiny_ltx2, call_kwargs=_CALL),
             # Per-token timesteps with conditioning tokens at 0: the cache follows the largest entry.

@@ -82,28 +82,49 @@ CP_PLAN = ContextParallelPlan(
     notes="Joint tokens and their RoPE split at layers.0 (after the local refiners); the padding mask stays whole.",
 )
 
-# Tensor parallelism, attention left whole. Lumina2AttnProcessor2_0 derives the KV head count from the local key
-# width (key.shape[-1] // head_dim) and repeats each KV head over its query heads, so splitting q and k/v together is
-# right exactly when the degree divides the KV heads (Lumina-Image 2.0: 24 query / 8 KV heads); but no module holds
-# the KV head count (diffusers' Attention keeps only inner_kv_dim = head_dim · kv_heads), so a plan could not refuse a
-# degree that cuts through a KV head (the tiny model's single KV head at tp=2). Until it can, the SwiGLU FFN of every
-# block (linear_1/linear_3 up, linear_2 down; main layers and both refiners) and the per-block AdaLN linear
-# (LuminaRMSNormZero: min(dim, 1024) -> 4·dim, ~14 % of a block; the context refiner has none) are split, the latter
-# with a gathered output. Embedders, the caption embedder and norm_out stay whole.
+# Tensor parallelism. Lumina2AttnProcessor2_0 reshapes q with ``attn.heads`` (divided) and derives the KV head count
+# from the local key width (key.shape[-1] // head_dim), then repeats each KV head over its heads // kv_heads query
+# heads: with q and k/v split by the same degree, rank r's query heads are exactly those its KV heads serve. No module
+# holds the KV head count (Attention keeps only inner_kv_dim), so k/v carry a unit of one head (inner_dim / heads) and
+# a degree that would cut through a KV head is refused by the full plan. The QK-norms are per head (replicated). The
+# SwiGLU FFN (linear_1 / linear_3 up, linear_2 down) of every block is split, and so is the per-block AdaLN linear
+# (LuminaRMSNormZero: min(dim, 1024) -> 4·dim, ~14 % of a block; the context refiner has none), with a gathered
+# output: its chunk(4) runs over the whole vector. Embedders, the caption embedder and norm_out stay whole. When the
+# degree does not divide the KV heads (the tiny model's single one), attention stays replicated.
 _FFN: dict[str, Style] = {
     "feed_forward.linear_1": Colwise(),
     "feed_forward.linear_3": Colwise(),
     "feed_forward.linear_2": Rowwise(),
 }
+_HEAD = ("inner_dim", "heads")  # head_dim, read on the Attention before its heads are divided
+_ATTENTION: dict[str, Style] = {
+    "attn.to_q": Colwise(),
+    "attn.to_k": Colwise(unit=_HEAD),
+    "attn.to_v": Colwise(unit=_HEAD),
+    "attn.to_out.0": Rowwise(),
+}
+_BLOCKS = ("layers", "noise_refiner", "context_refiner")
+
+
+def _lumina2_layers(attention: dict[str, Style]) -> dict[str, Style]:
+    return {
+        **under("layers.*", {**attention, **_FFN, **modulation("norm1.linear")}),
+        **under("noise_refiner.*", {**attention, **_FFN, **modulation("norm1.linear")}),
+        **under("context_refiner.*", {**attention, **_FFN}),
+    }
+
+
 TP_PLAN = TensorParallelPlan(
-    layers={
-        **under("layers.*", {**_FFN, **modulation("norm1.linear")}),
-        **under("noise_refiner.*", {**_FFN, **modulation("norm1.linear")}),
-        **under("context_refiner.*", _FFN),
-    },
-    notes="SwiGLU FFNs and per-block AdaLN (gathered) split; attention replicated: its GQA split needs tp to divide "
-    "the KV heads, which no module attribute holds for the plan to check.",
-    name="no-attention",
+    layers=_lumina2_layers(_ATTENTION),
+    divide=tuple(f"{blocks}.*.attn.heads" for blocks in _BLOCKS),
+    notes="Q and KV heads split together (GQA groups stay whole, k/v in whole heads), SwiGLU FFNs and per-block AdaLN "
+    "(gathered) split; attention replicated (no-attention fallback) when tp does not divide the KV heads.",
+    fallback=TensorParallelPlan(
+        layers=_lumina2_layers({}),
+        notes="SwiGLU FFNs and per-block AdaLN (gathered) split; attention replicated: tp does not divide the KV "
+        "heads.",
+        name="no-attention",
+    ),
 )
 
 ADAPTER = register(

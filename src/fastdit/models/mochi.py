@@ -12,6 +12,8 @@ from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelP
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 from fastdit.parallel.plan_shapes import streams
+from fastdit.parallel.tp_plan import Colwise, LocalSlice, Rowwise, TensorParallelPlan
+from fastdit.parallel.tp_shapes import attention, feed_forward, modulation, under
 
 TRANSFORMER = "diffusers.models.transformers.transformer_mochi.MochiTransformer3DModel"
 
@@ -22,7 +24,10 @@ _TEXT_LEN = 16
 
 
 def tiny_transformer(seed: int = 0):
-    """A 3-block ``MochiTransformer3DModel`` (patch 2)."""
+    """A 3-block ``MochiTransformer3DModel`` (patch 2, 2 heads of 24).
+
+    Width 48 makes the SwiGLU width (8 · 48) // 3 = 128 even, so the FFN splits over 2 tensor-parallel ranks.
+    """
     from diffusers import MochiTransformer3DModel
 
     from fastdit.testing.components.encoders import build
@@ -32,7 +37,7 @@ def tiny_transformer(seed: int = 0):
         seed=seed,
         patch_size=2,
         num_attention_heads=2,
-        attention_head_dim=16,
+        attention_head_dim=24,
         num_layers=3,
         pooled_projection_dim=16,
         in_channels=_LATENT,
@@ -94,6 +99,31 @@ CP_PLAN = ContextParallelPlan(
     "`rope` split on dim 0; the ranks' joint lengths (padded text dropped per sample) exchanged at every attention.",
 )
 
+# Tensor parallelism. MochiAttnProcessor2_0 unflattens both streams' q/k/v with ``attn.heads`` (divided), applies
+# per-head QK-norms (replicated) and the RoPE tables, then joins [video | valid text] per sample: every rank runs its
+# heads of the joint attention. The tables come from the `rope` module as (cos, sin) of (S, heads, head_dim / 2)
+# (the model's pos_frequencies are per head), so each rank keeps its heads' slice (LocalSlice on dim 1). Video q/k/v
+# and the text stream's add_q/k/v_proj are column-wise; to_out and to_add_out (absent in the last block, whose text
+# output is dropped) row-wise. Both SwiGLU FFNs (video, and text in all but the last block) split their fused
+# [hidden | gate] up-projection per half. Modulation: the per-block MochiRMSNormZero linears (norm1: dim -> 4·dim;
+# norm1_context: dim -> 4·text dim, ~10 % of a block) are split with a gathered output, as their chunk(4) runs over
+# the whole vector; the last block's small norm1_context.linear_1 (dim -> text dim) stays whole, like the
+# embedders, time_embed (with its attention pool), norm_out and proj_out.
+_BLOCK = {
+    **attention("attn1"),
+    **{f"attn1.add_{name}_proj": Colwise() for name in ("q", "k", "v")},
+    "attn1.to_add_out": Rowwise(),
+    **feed_forward("ff", gated=True),
+    **feed_forward("ff_context", gated=True),
+    **modulation("norm1.linear", "norm1_context.linear"),
+}
+TP_PLAN = TensorParallelPlan(
+    layers={"rope": LocalSlice(dim=1), **under("transformer_blocks.*", _BLOCK)},
+    divide=("transformer_blocks.*.attn1.heads",),
+    notes="Joint attention split by heads (both streams), RoPE tables sliced to the local heads, SwiGLU FFNs split; "
+    "per-block RMSNormZero modulation split (gathered), embedders and the output layer replicated.",
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="mochi",
@@ -141,5 +171,6 @@ ADAPTER = register(
             "the tokenizer gives): the processor packs valid text first within each shard."
         ),
         cp_plan=CP_PLAN,
+        tp_plan=TP_PLAN,
     )
 )
