@@ -313,3 +313,25 @@ def test_ulysses_head_check_counts_the_heads_of_one_tensor_parallel_shard() -> N
     validate_plan(transformer, plan, 2, uneven_heads=False)  # 2 heads over 2 Ulysses ranks
     with pytest.raises(ValueError, match="1 heads per tensor-parallel shard, which do not divide the Ulysses degree 2"):
         validate_plan(transformer, plan, 2, uneven_heads=False, tp_degree=2)
+
+
+class _Tables(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.reshape(2, 3, 12), x.reshape(2, 6, 3, 2)  # (B, S, features) and (B, heads, S, d)
+
+
+def _slice_tables(rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    module = _Tables()
+    plan = TensorParallelPlan(layers={"": LocalSlice(dim={3: -1, 4: 1})})
+    applied = apply_tensor_parallel(module, plan, init_device_mesh("cpu", (world_size,)), device=torch.device("cpu"))
+    try:
+        return module(torch.arange(72.0))
+    finally:
+        applied.undo()
+
+
+def test_local_slice_picks_the_dim_by_the_tensor_layout(dist2: WorkerPool) -> None:
+    features, heads = _Tables()(torch.arange(72.0))
+    for rank, (f, h) in enumerate(dist2.run(_slice_tables)):
+        assert torch.equal(f, features[..., rank * 6 : (rank + 1) * 6])
+        assert torch.equal(h, heads[:, rank * 3 : (rank + 1) * 3])

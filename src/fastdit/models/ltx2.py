@@ -215,8 +215,8 @@ CP_PLAN = ContextParallelPlan(
 # The cross-modal tables group the audio width by the video head count, so their slices are still the contiguous
 # features of the rank's audio heads. Both GELU FFNs split (up column-wise, down row-wise). Modulation is shared
 # root AdaLN-single projections plus small per-block tables: replicated, like the embedders, caption projections
-# and output layers. Only rope_type="split" (the tiny model's, and LTX-2's) is covered: "interleaved" tables are
-# (B, S, inner_dim) and need dim -1, which one LocalSlice cannot choose by the module's rope_type.
+# and output layers. rope_type="interleaved" tables are (B, S, inner_dim) in head-major feature order: the slice
+# picks the dim by the table's layout (dim -1 for 3-dim tables, the head dim 1 for 4-dim ones).
 _ATTENTIONS = ("attn1", "audio_attn1", "attn2", "audio_attn2", "audio_to_video_attn", "video_to_audio_attn")
 _ROPES = ("rope", "audio_rope", "cross_attn_rope", "cross_attn_audio_rope")
 
@@ -231,12 +231,12 @@ def _ltx2_block() -> dict[str, Style]:
 
 
 TP_PLAN = TensorParallelPlan(
-    layers={**{rope: LocalSlice(dim=1) for rope in _ROPES}, **under("transformer_blocks.*", _ltx2_block())},
+    layers={**{rope: LocalSlice(dim={3: -1, 4: 1}) for rope in _ROPES}, **under("transformer_blocks.*", _ltx2_block())},
     divide=tuple(f"transformer_blocks.*.{attn}.heads" for attn in _ATTENTIONS),
     optional=tuple(f"transformer_blocks.*.{attn}.to_gate_logits" for attn in _ATTENTIONS),
     notes="Every video/audio/cross-modal attention split by heads (QK-norms across heads sharded, per-head gates "
     "split, split-RoPE tables sliced by head), both GELU FFNs split; shared AdaLN and per-block tables replicated; "
-    'rope_type="split" only.',
+    "split and interleaved RoPE tables sliced by their layout.",
 )
 
 _CALL = {

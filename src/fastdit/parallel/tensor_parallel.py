@@ -312,16 +312,22 @@ def _slice_output(module: torch.nn.Module, style: LocalSlice, mesh: DeviceMesh, 
     def cut(tensor: Any) -> Any:
         if not isinstance(tensor, torch.Tensor):
             return tensor
-        total = tensor.shape[style.dim]
+        dim = style.dim_for(tensor.dim())
+        if dim is None:
+            raise ValueError(
+                f"tensor-parallel plan: {where!r} returned a {tensor.dim()}-dim tensor; LocalSlice.dim={style.dim} "
+                "names no dim for it"
+            )
+        total = tensor.shape[dim]
         weights = style.segments or (1,)
         unit, rest = divmod(total, sum(weights))
         sizes = [w * unit for w in weights]
         if rest or any(size % degree for size in sizes):
             raise ValueError(
-                f"tensor-parallel plan: {where!r} returned a tensor of {total} along dim {style.dim}, which does not "
+                f"tensor-parallel plan: {where!r} returned a tensor of {total} along dim {dim}, which does not "
                 f"split into {degree} parts per segment {weights}"
             )
-        return _local_slice(tensor, style.dim, sizes, rank, degree)
+        return _local_slice(tensor, dim, sizes, rank, degree)
 
     def hook(_module: torch.nn.Module, _args: Any, output: Any) -> Any:
         if isinstance(output, (tuple, list)):

@@ -142,19 +142,30 @@ class LocalSlice:
     a tuple / list of them) along ``dim`` to the rank's part of every segment.
 
     Attributes:
-        dim: The dim to slice (heads or features; negative counts from the end).
+        dim: The dim to slice (heads or features; negative counts from the end), or a mapping from a tensor's
+            number of dims to the dim to slice, for a module whose tables take one of several layouts (LTX-2's
+            ``(B, S, inner_dim)`` interleaved and ``(B, H, S, d)`` split RoPE tables: ``{3: -1, 4: 1}``).
         segments: The parts of that dim, each sliced on its own (empty: one part).
     """
 
-    dim: int
+    dim: int | Mapping[int, int]
     segments: tuple[Segment, ...] = ()
 
     def __post_init__(self) -> None:
-        if isinstance(self.dim, bool) or not isinstance(self.dim, int):
-            raise ValueError(f"LocalSlice.dim={self.dim!r}: must be an int")
+        dims = self.dim.values() if isinstance(self.dim, Mapping) else (self.dim,)
+        if not dims or any(isinstance(d, bool) or not isinstance(d, int) for d in dims):
+            raise ValueError(f"LocalSlice.dim={self.dim!r}: an int, or a mapping of tensor dims to ints")
+        if isinstance(self.dim, Mapping):
+            object.__setattr__(self, "dim", tuple(sorted(self.dim.items())))  # hashable, like the rest of the plan
         if any(isinstance(s, str) for s in self.segments):
             raise ValueError(f"LocalSlice.segments={self.segments!r}: proportions (ints) only")
         _check_segments("LocalSlice", self.segments)
+
+    def dim_for(self, ndim: int) -> int | None:
+        """The dim to slice in a tensor of ``ndim`` dims (``None``: a layout the mapping does not name)."""
+        if isinstance(self.dim, int):
+            return self.dim
+        return dict(self.dim).get(ndim)
 
 
 Style = Colwise | Rowwise | ShardedNorm | LocalSlice
