@@ -208,15 +208,30 @@ class _CfgParallel:
         import inspect
 
         pipeline = components.pipeline
+        for item in components.denoisers:
+            if not item.adapter.cfg_parallel:
+                notes = " ".join(item.adapter.notes.split())
+                reason = (
+                    notes.split("No CFG parallelism:", 1)[1].split(". ")[0].strip(" .")
+                    if "No CFG parallelism:" in notes
+                    else ""
+                )
+                raise ArgumentError(
+                    "accelerate",
+                    "parallel",
+                    request.parallel,
+                    f"{item.name}: CFG parallelism is not available for model family {item.adapter.family!r}"
+                    + (f" ({reason})" if reason else ""),
+                )
         params = inspect.signature(type(pipeline).__call__).parameters if callable(pipeline) else {}
-        if "negative_prompt" not in params and "negative_prompt_embeds" not in params:
+        if not {"negative_prompt", "negative_prompt_embeds", "guidance_scale", "true_cfg_scale"} & set(params):
             what = type(pipeline).__name__ if pipeline is not None else "a bare transformer"
             raise ArgumentError(
                 "accelerate",
                 "parallel",
                 request.parallel,
                 f"cfg=2 splits the conditional and unconditional branches of classifier-free guidance, and {what} "
-                "has none to split (no negative prompt: a guidance-distilled model, or not a pipeline)",
+                "takes no guidance (no negative prompt, no guidance scale)",
             )
 
     def apply(self, context: Context) -> None:
@@ -227,7 +242,12 @@ class _CfgParallel:
         hooks = []
         for item in context.components.denoisers:
             applied = apply_cfg_parallel(
-                item.module, runtime.group("cfg"), runtime.coordinate("cfg"), runtime.size("cfg"), runtime.device
+                item.module,
+                runtime.group("cfg"),
+                runtime.coordinate("cfg"),
+                runtime.size("cfg"),
+                runtime.device,
+                item.adapter.cfg_batch_dims,
             )
             context.add(self.name, item.name, applied.undo, applied.state)
             hooks.append(applied.state)

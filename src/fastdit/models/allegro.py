@@ -152,5 +152,7 @@ ADAPTER = register(
         ),
         cp_plan=CP_PLAN,
         tp_plan=TP_PLAN,
+        # The pipeline's RoPE tables cover the latent grid, not the batch (a dim may equal the batch by chance).
+        cfg_batch_dims={"image_rotary_emb": None},
     )
 )

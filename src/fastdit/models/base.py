@@ -183,6 +183,10 @@ class ModelAdapter:
         notes: Free text for ``docs/models.md`` (limitations, why a feature is unsupported).
         cp_plan: Where the family splits and gathers its sequence under context parallelism
             (:class:`~fastdit.parallel.plan.ContextParallelPlan`); ``None``: context parallelism is unsupported.
+        cfg_parallel: Whether CFG parallelism is verified for the family (``False``: refused, the reason in ``notes``
+            after "No CFG parallelism:").
+        cfg_batch_dims: Forward arguments whose batch is not their dim 0 (arg → dim; ``None``: no batch dim), for
+            batched CFG parallelism.
         tp_plan: How the family's layers split under tensor parallelism
             (:class:`~fastdit.parallel.tp_plan.TensorParallelPlan`); ``None``: tensor parallelism is unsupported.
     """
@@ -197,6 +201,8 @@ class ModelAdapter:
     notes: str = ""
     cp_plan: ContextParallelPlan | None = None
     tp_plan: TensorParallelPlan | None = None
+    cfg_parallel: bool = True
+    cfg_batch_dims: Mapping[str, int | None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.family:

@@ -200,6 +200,8 @@ ADAPTER = register(
     ModelAdapter(
         family="hidream",
         transformer_classes=(TRANSFORMER,),
+        # The Llama-3 states come stacked per layer, (layers, B, S, D): their batch is dim 1.
+        cfg_batch_dims={"encoder_hidden_states_llama3": 1},
         block_groups=(
             BlockGroup(path="double_stream_blocks", pattern=ForwardPattern.P0),
             BlockGroup(path="single_stream_blocks", pattern=ForwardPattern.P3),

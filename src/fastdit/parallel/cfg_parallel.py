@@ -21,7 +21,8 @@ computes it; in batched calls its decision is reduced over the CFG ranks too, si
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,7 +94,15 @@ class CfgParallelHook(LayerHook):
 
     may_skip = True  # a call of the other rank's branch returns without running the stack
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, degree: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        rank: int,
+        degree: int,
+        device: torch.device,
+        batch_dims: Mapping[str, int | None] | None = None,
+    ) -> None:
+        self.batch_dims = dict(batch_dims or {})
         self.group = group
         self.rank = rank
         self.degree = degree
@@ -107,7 +116,7 @@ class CfgParallelHook(LayerHook):
         name = announced_context(module)
         if name in BRANCHES:
             return self._sequential(name, inner, args, kwargs)
-        return self._batched(inner, args, kwargs)
+        return self._batched(inner, module, args, kwargs)
 
     # --- sequential CFG ---
 
@@ -184,23 +193,23 @@ class CfgParallelHook(LayerHook):
 
     # --- batched CFG ---
 
-    def _batched(self, inner: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        leaves, tree = tree_flatten((args, kwargs))
-        hidden = kwargs.get("hidden_states", args[0] if args else None)
+    def _batched(self, inner: Callable[..., Any], module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+        hidden = next(iter(bound.values()), None)
         batch = hidden.shape[0] if isinstance(hidden, torch.Tensor) and hidden.dim() > 0 else 0
         if batch == 0 or batch % self.degree:
-            self.stats.whole_batched_calls += 1
-            return inner(*args, **kwargs)
+            raise CfgParallelError(
+                f"CFG parallelism (cfg=2): a transformer call of batch {batch} in cache_context "
+                f"{announced_context(module)!r} is neither a batched CFG call (a batch of [uncond; cond] that 2 "
+                "divides) nor a branch announced with cache_context('cond') / ('uncond'): this pipeline call has "
+                "no unconditional branch to split, or runs its branches without announcing them; run it without "
+                "cfg=2"
+            )
         part = batch // self.degree
-        start = self.rank * part
-        local = [
-            t[start : start + part] if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch else t
-            for t in leaves
-        ]
-        local_args, local_kwargs = tree_unflatten(local, tree)
+        local = {name: self._part(value, self.batch_dims.get(name, 0), batch, part) for name, value in bound.items()}
         self.batched = True
         try:
-            output = inner(*local_args, **local_kwargs)
+            output = inner(**local)
         finally:
             self.batched = False
         self.stats.batched_calls += 1
@@ -208,6 +217,19 @@ class CfgParallelHook(LayerHook):
         gathered = [self._gather(t) if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == part else t
                     for t in out_leaves]  # fmt: skip
         return tree_unflatten(gathered, out_tree)
+
+    def _part(self, value: Any, dim: int | None, batch: int, part: int) -> Any:
+        """This rank's part of every tensor in ``value`` whose ``dim`` is the batch (others, or all with ``None``,
+        pass whole)."""
+        if dim is None:
+            return value
+        leaves, tree = tree_flatten(value)
+        start = self.rank * part
+        cut = [
+            t.narrow(dim, start, part) if isinstance(t, torch.Tensor) and t.dim() > dim and t.shape[dim] == batch else t
+            for t in leaves
+        ]
+        return tree_unflatten(cut, tree)
 
     def _gather(self, tensor: torch.Tensor) -> torch.Tensor:
         parts = [torch.empty_like(tensor) for _ in range(self.degree)]
@@ -227,14 +249,23 @@ class CfgParallelHook(LayerHook):
 
 
 def apply_cfg_parallel(
-    transformer: torch.nn.Module, group: dist.ProcessGroup, rank: int, degree: int, device: torch.device
+    transformer: torch.nn.Module,
+    group: dist.ProcessGroup,
+    rank: int,
+    degree: int,
+    device: torch.device,
+    batch_dims: Mapping[str, int | None] | None = None,
 ) -> Applied:
     """Install CFG parallelism on ``transformer`` over the CFG ``group`` (``rank`` is this process's index in it).
+
+    ``batch_dims`` names the forward arguments whose batch is not their dim 0 (HiDream's stacked per-layer text
+    states: dim 1), or that hold no batch at all (``None``: Allegro's RoPE tables); every other tensor whose dim 0 is
+    the call's batch is split there.
 
     Returns:
         The undo and the :class:`CfgParallelHook` (its ``stats`` and ``batched`` flag).
     """
     if degree != 2:
         raise ValueError(f"CFG parallelism: degree={degree}: exactly 2 (one rank per guidance branch)")
-    hook = CfgParallelHook(group, rank, degree, device)
+    hook = CfgParallelHook(group, rank, degree, device, batch_dims)
     return Applied(install(transformer, Layer.BRANCH, "cfg_parallel", hook), hook)
