@@ -7,6 +7,7 @@ branch must raise :class:`CfgParallelError` (or be refused up front) on every ra
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -115,8 +116,7 @@ def test_a_target_without_guidance_or_a_family_without_cfg_parallel_is_refused_b
     pipe, _ = build_tiny("flux", "flux")
     with pytest.raises(ArgumentError, match=r"cfg=2 splits the conditional and unconditional .* takes no guidance"):
         fastdit.accelerate(pipe.transformer, parallel=fastdit.Parallel(cfg=2))  # a bare transformer
-    pipe, _ = build_tiny("qwenimage21", "t2i")
-    with pytest.raises(
-        ArgumentError, match=r"not available for model family 'qwenimage21' \(not verified on two ranks yet\)"
-    ):
-        fastdit.accelerate(pipe, parallel=fastdit.Parallel(cfg=2))
+    pipe, _ = build_tiny("qwenimage", "qwen-image")
+    opted_out = dataclasses.replace(get_family("qwenimage"), cfg_parallel=False, notes="No CFG parallelism: a reason.")
+    with pytest.raises(ArgumentError, match=r"not available for model family 'qwenimage' \(a reason\)"):
+        fastdit.accelerate(pipe, parallel=fastdit.Parallel(cfg=2), adapter=opted_out)

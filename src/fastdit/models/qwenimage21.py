@@ -178,7 +178,6 @@ ADAPTER = register(
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P3),),
         tp_plan=TP_PLAN,
-        cfg_parallel=False,
         tiny_pipelines=(
             TinyPipeline(
                 name="t2i",
@@ -208,8 +207,7 @@ ADAPTER = register(
             "sequence and later steps only the target tokens, so the step after the first is always computed (its "
             "residuals do not match the first step's shape) and caching starts from the third step; the blocks' KV "
             "cache is only read on later steps, so skipped blocks leave it valid. Sampled without CFG by default "
-            "(true_cfg_scale 1.0). No CFG parallelism: not verified on two ranks yet. "
-            "No context-parallel plan: the default processor (QwenImage21AttnProcessor) "
+            "(true_cfg_scale 1.0). No context-parallel plan: the default processor (QwenImage21AttnProcessor) "
             "slices q/k/v by global segment positions before each attention call (one call per text run or image "
             "block, causal inside text), so a split sequence gives wrong segments; the flex processor passes a flex "
             "BlockMask, which the routed attention cannot reorder; and under the KV cache later steps attend to a "

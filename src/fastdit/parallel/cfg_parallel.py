@@ -130,6 +130,10 @@ class CfgParallelHook(LayerHook):
         pair.first = None
         return self._second_call(name, inner, args, kwargs)
 
+    @staticmethod
+    def _other(name: str) -> str:
+        return BRANCHES[1 - BRANCHES.index(name)]
+
     def _mine(self, name: str) -> bool:
         return BRANCHES.index(name) == self.rank
 
@@ -160,12 +164,12 @@ class CfgParallelHook(LayerHook):
         if self._mine(name):
             output = inner(*args, **kwargs)
             self.stats.computed_calls += 1
-            theirs = self._exchange(_tensors(output))
+            theirs = self._exchange(_tensors(output), self._other(name))
             for slot, value in zip(pair.placeholder, theirs, strict=True):
                 slot.copy_(value)
             pair.placeholder = []
             return output
-        theirs = self._exchange(_tensors(pair.computed))
+        theirs = self._exchange(_tensors(pair.computed), name)
         pair.computed = None
         self.stats.skipped_calls += 1
         spec = self.specs[name]
@@ -173,14 +177,19 @@ class CfgParallelHook(LayerHook):
         leaves = [next(values) if isinstance(s, tuple) else s for s in spec.leaves]
         return tree_unflatten(leaves, spec.tree)
 
-    def _exchange(self, mine: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Send this rank's branch output, receive the other rank's (degree 2: one all-gather per tensor)."""
-        theirs = []
-        for tensor in mine:
-            tensor = tensor.contiguous()
-            parts = [torch.empty_like(tensor) for _ in range(self.degree)]
-            dist.all_gather(parts, tensor, group=self.group)
-            theirs.append(parts[1 - self.rank])
+    def _exchange(self, mine: list[torch.Tensor], theirs_name: str) -> list[torch.Tensor]:
+        """Send this rank's branch output to the other CFG rank and receive its branch's output.
+
+        The branches may differ in shape (an output over [text, image] with a longer negative prompt): the receive
+        buffers follow the other branch's structure, known on both ranks since the warm-up pair.
+        """
+        peer = dist.get_global_rank(self.group, 1 - self.rank)
+        spec = [s for s in self.specs[theirs_name].leaves if isinstance(s, tuple)]
+        theirs = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in spec]
+        ops = [dist.P2POp(dist.isend, t.contiguous(), peer, self.group) for t in mine]
+        ops += [dist.P2POp(dist.irecv, t, peer, self.group) for t in theirs]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
         return theirs
 
     def _unpaired(self, name: str) -> None:
