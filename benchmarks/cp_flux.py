@@ -61,7 +61,7 @@ FLUX_DEV = {
 TINY = {**FLUX_DEV, "num_layers": 1, "num_single_layers": 2, "attention_head_dim": 16, "num_attention_heads": 4,
         "joint_attention_dim": 64, "pooled_projection_dim": 32, "axes_dims_rope": (4, 6, 6)}  # fmt: skip
 # A fastdit mode is a layout plus options joined by "+", e.g. "ulysses+compile+chunks2".
-LAYOUTS = ("single", "ulysses", "ring", "usp", "tp", "tp_ulysses")
+LAYOUTS = ("single", "ulysses", "ring", "usp", "tp", "tp_ulysses", "cfg", "cfg_ulysses")
 # compile: inductor blocks; graph: transformer calls (or, with cache, block calls) replayed as CUDA graphs
 # (CudaGraph); cudagraphs: torch.compile's own mode="reduce-overhead"; cache: DBCache F1B0 on a fixed
 # schedule computing every other step (random weights never hit a residual threshold: this measures the mechanics).
@@ -87,6 +87,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="untimed calls per mode")
     parser.add_argument("--repeat", type=int, default=2, help="timed calls per mode (median reported)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--true-cfg",
+        action="store_true",
+        help="run FLUX's true CFG (true_cfg_scale 4, a negative prompt): two transformer calls per step, every mode",
+    )
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default $OUT/cp_flux.json if OUT is set)")
     args = parser.parse_args()
     modes = args.modes.split(",")
@@ -196,6 +201,8 @@ def accelerate_mode(pipe: Any, mode: str, world_size: int, steps: int) -> Callab
         "usp": {"ulysses": 2, "ring": world_size // 2},  # 4+ processes: Ulysses pairs, ring across them
         "tp": {"tp": world_size},
         "tp_ulysses": {"tp": 2, "ulysses": world_size // 2},  # 4+ processes: TP pairs, Ulysses across them
+        "cfg": {"cfg": 2},  # 2 processes, --true-cfg: the cond and uncond calls of each step on their own GPU
+        "cfg_ulysses": {"cfg": 2, "ulysses": world_size // 2},  # 4+ processes
     }[layout]
     parallel = fastdit.Parallel(**degrees, ulysses_chunks=chunks, comm_fp8="fp8" in options) if degrees else None
     cache = cache_for(options, steps)
@@ -304,10 +311,16 @@ def run_modes(
     pipe = build_pipeline(args.tiny, device, dtype, args.seed)
     kwargs = {**embeddings(args.tiny, device, dtype, args.seed), "height": size, "width": size,
               "num_inference_steps": steps, "guidance_scale": 3.5}  # fmt: skip
+    if args.true_cfg:
+        negative = embeddings(args.tiny, device, dtype, args.seed + 7)
+        kwargs.update(true_cfg_scale=4.0, negative_prompt_embeds=negative["prompt_embeds"],
+                      negative_pooled_prompt_embeds=negative["pooled_prompt_embeds"])  # fmt: skip
     rows, baseline, profiles = [], None, []
     for mode in args.modes.split(","):
-        if (mode.split("+")[0] != "single" and world_size == 1) or (
-            mode.split("+")[0] in ("usp", "tp_ulysses") and (world_size < 4 or world_size % 2)
+        if (
+            (mode.split("+")[0] != "single" and world_size == 1)
+            or (mode.split("+")[0] in ("usp", "tp_ulysses", "cfg_ulysses") and (world_size < 4 or world_size % 2))
+            or (mode.split("+")[0] == "cfg" and world_size != 2)
         ):
             print(f"skipping {mode}: needs more processes under torchrun (usp, tp_ulysses: an even number, 4+)")
             continue

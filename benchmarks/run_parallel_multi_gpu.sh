@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Tensor parallelism on 2 (or 4) H200s, one command: FLUX.1-dev-sized pipeline, one GPU vs TP-N (eager, compiled,
+# Tensor and CFG parallelism on 2 (or 4) H200s, one command: FLUX.1-dev-sized pipeline, one GPU vs TP-N (eager, compiled,
 # compiled + CUDA graphs, with the cache) vs diffusers' own TP; per-GPU model and peak memory; TP-2 x Ulysses-2
 # when 4 GPUs are visible. Expects the diffusers wheel in .whl/ (docs/benchmarks.md); writes under $OUT.
 set -uo pipefail
@@ -14,6 +14,12 @@ torchrun --nproc-per-node 2 benchmarks/cp_flux.py --modes "$MODES" --out "$OUT/t
   | grep -v Warning | tail -14 | tee "$OUT/tp_flux_x2.log"
 torchrun --nproc-per-node 2 benchmarks/tp_gqa.py --out "$OUT/tp_gqa_x2.json" 2>&1 | grep -v Warning | tail -8 \
   | tee "$OUT/tp_gqa_x2.log"
+# CFG parallelism: FLUX true CFG (two calls per step) and PixArt-Σ batched CFG, cfg=2 vs one GPU.
+torchrun --nproc-per-node 2 benchmarks/cp_flux.py --true-cfg \
+  --modes single,cfg,single+compile,cfg+compile,cfg+compile+graph --out "$OUT/cfg_flux_x2.json" 2>&1 \
+  | grep -v Warning | tail -10 | tee "$OUT/cfg_flux_x2.log"
+torchrun --nproc-per-node 2 benchmarks/cfg_batched.py --out "$OUT/cfg_batched_x2.json" 2>&1 | grep -v Warning \
+  | tail -8 | tee "$OUT/cfg_batched_x2.log"
 if [ "$GPUS" -ge 4 ]; then
   torchrun --nproc-per-node 4 benchmarks/cp_flux.py --modes single,tp,tp_ulysses,tp_ulysses+compile,ulysses \
     --out "$OUT/tp_flux_x4.json" 2>&1 | grep -v Warning | tail -12 | tee "$OUT/tp_flux_x4.log"
