@@ -3,9 +3,10 @@
 Pipelines run classifier-free guidance in one of two ways, and the hook at :attr:`Layer.BRANCH` (outermost on the
 transformer) serves both, deciding per call from the ``cache_context`` the pipeline announces:
 
-* **Sequential** (``cache_context("cond")`` then ``cache_context("uncond")``: Qwen-Image, Wan, FLUX true CFG,
-  Chroma, HunyuanVideo 1.5, ...): rank 0 computes the ``cond`` call, rank 1 the ``uncond`` call. A rank returns at
-  once from the call of the branch it does not compute, so the two branches of a step run *concurrently*: on the
+* **Sequential** (``cache_context("cond")`` then ``cache_context("uncond")``, or diffusers' guiders'
+  ``"pred_cond"`` / ``"pred_uncond"``: Qwen-Image, Wan, FLUX true CFG, Chroma, HunyuanImage, ...): rank 0 computes
+  the ``cond`` call, rank 1 the ``uncond`` call. A rank returns at once from the call of the branch it does not
+  compute, so the two branches of a step run *concurrently*: on the
   pair's first call the rank that skips it returns a placeholder — same structure, shapes and dtypes as the output
   it stands for — and goes straight on to its own call; at the end of the pair's second call the ranks exchange
   their outputs and the placeholder is filled in place, before the pipeline combines the branches. The first pair of
@@ -35,8 +36,9 @@ from fastdit.hooks.state import Applied
 
 __all__ = ["BRANCHES", "CfgParallelError", "CfgParallelHook", "CfgParallelStats", "apply_cfg_parallel"]
 
-# The sequential branches, in the order of the ranks that compute them.
-BRANCHES: tuple[str, ...] = ("cond", "uncond")
+# The names pipelines announce the sequential branches by (diffusers' guiders: "pred_cond" / "pred_uncond"), mapped
+# to the CFG rank that computes them.
+BRANCHES: dict[str, int] = {"cond": 0, "uncond": 1, "pred_cond": 0, "pred_uncond": 1}
 
 
 class CfgParallelError(RuntimeError):
@@ -83,7 +85,7 @@ def _tensors(output: Any) -> list[torch.Tensor]:
 class _Pair:
     """The state of the current pair of sequential calls."""
 
-    first: str | None = None
+    first: int | None = None  # the branch of the pair's first call
     computed: Any = None  # this rank's output of the pair's first call, when it computed it
     placeholder: list[torch.Tensor] = field(default_factory=list)  # to fill when this rank skipped the first call
     warm: bool = False  # both branches' structure known: later pairs are split
@@ -107,7 +109,7 @@ class CfgParallelHook(LayerHook):
         self.rank = rank
         self.degree = degree
         self.device = device
-        self.specs: dict[str, _Spec] = {}
+        self.specs: dict[int, _Spec] = {}  # by branch
         self.pair = _Pair()
         self.stats = CfgParallelStats()
         self.batched = False  # read by the cache's reducer during a call
@@ -122,69 +124,66 @@ class CfgParallelHook(LayerHook):
 
     def _sequential(self, name: str, inner: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         pair = self.pair
+        branch = BRANCHES[name]
         if pair.first is None:
-            pair.first = name
-            return self._first_call(name, inner, args, kwargs)
-        if name == pair.first:
+            pair.first = branch
+            return self._first_call(branch, inner, args, kwargs)
+        if branch == pair.first:
             self._unpaired(name)
         pair.first = None
-        return self._second_call(name, inner, args, kwargs)
+        return self._second_call(branch, inner, args, kwargs)
 
-    @staticmethod
-    def _other(name: str) -> str:
-        return BRANCHES[1 - BRANCHES.index(name)]
+    def _mine(self, branch: int) -> bool:
+        return branch == self.rank
 
-    def _mine(self, name: str) -> bool:
-        return BRANCHES.index(name) == self.rank
-
-    def _first_call(self, name: str, inner: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def _first_call(self, branch: int, inner: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         pair = self.pair
-        if not pair.warm or self._mine(name):
+        if not pair.warm or self._mine(branch):
             output = inner(*args, **kwargs)
             pair.computed = output
-            self.specs[name] = _Spec.of(output)
+            self.specs[branch] = _Spec.of(output)
             if pair.warm:
                 self.stats.computed_calls += 1
             else:
                 self.stats.warmup_calls += 1
             return output
-        output, pair.placeholder = self.specs[name].placeholder(self.device)
+        output, pair.placeholder = self.specs[branch].placeholder(self.device)
         self.stats.skipped_calls += 1
         return output
 
-    def _second_call(self, name: str, inner: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def _second_call(self, branch: int, inner: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         pair = self.pair
         if not pair.warm:  # the warm-up pair: both calls computed on every rank
             output = inner(*args, **kwargs)
-            self.specs[name] = _Spec.of(output)
+            self.specs[branch] = _Spec.of(output)
             self.stats.warmup_calls += 1
             pair.warm = True
             pair.computed = None
             return output
-        if self._mine(name):
+        if self._mine(branch):
             output = inner(*args, **kwargs)
             self.stats.computed_calls += 1
-            theirs = self._exchange(_tensors(output), self._other(name))
+            theirs = self._exchange(_tensors(output), 1 - branch)
             for slot, value in zip(pair.placeholder, theirs, strict=True):
                 slot.copy_(value)
             pair.placeholder = []
             return output
-        theirs = self._exchange(_tensors(pair.computed), name)
+        theirs = self._exchange(_tensors(pair.computed), branch)
         pair.computed = None
         self.stats.skipped_calls += 1
-        spec = self.specs[name]
+        spec = self.specs[branch]
         values = iter(theirs)
         leaves = [next(values) if isinstance(s, tuple) else s for s in spec.leaves]
         return tree_unflatten(leaves, spec.tree)
 
-    def _exchange(self, mine: list[torch.Tensor], theirs_name: str) -> list[torch.Tensor]:
+    def _exchange(self, mine: list[torch.Tensor], their_branch: int) -> list[torch.Tensor]:
         """Send this rank's branch output to the other CFG rank and receive its branch's output.
 
         The branches may differ in shape (an output over [text, image] with a longer negative prompt): the receive
         buffers follow the other branch's structure, known on both ranks since the warm-up pair.
         """
         peer = dist.get_global_rank(self.group, 1 - self.rank)
-        spec = [s for s in self.specs[theirs_name].leaves if isinstance(s, tuple)]
+        spec = [s for s in self.specs[their_branch].leaves if isinstance(s, tuple)]
         theirs = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in spec]
         ops = [dist.P2POp(dist.isend, t.contiguous(), peer, self.group) for t in mine]
         ops += [dist.P2POp(dist.irecv, t, peer, self.group) for t in theirs]
