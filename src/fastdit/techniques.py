@@ -248,6 +248,8 @@ class _CfgParallel:
                 runtime.size("cfg"),
                 runtime.device,
                 item.adapter.cfg_batch_dims,
+                item.adapter.timestep_arg,
+                item.adapter.cfg_pairs_by_timestep,
             )
             context.add(self.name, item.name, applied.undo, applied.state)
             hooks.append(applied.state)

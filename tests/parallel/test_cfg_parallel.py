@@ -95,7 +95,15 @@ def test_cfg2_matches_one_process_or_is_refused(dist2: WorkerPool, family: str, 
 
 
 @pytest.mark.parametrize(
-    ("family", "variant"), [("qwenimage", "qwen-image"), ("wan", "t2v"), ("sd3", "sd3"), ("pixart", "sigma")]
+    ("family", "variant"),
+    [
+        ("qwenimage", "qwen-image"),  # sequential, announced
+        ("wan", "t2v"),
+        ("hunyuan_image", "hunyuan-image"),  # sequential, a guider's pred_cond / pred_uncond
+        ("chroma", "chroma"),  # sequential, unannounced: paired by timestep
+        ("sd3", "sd3"),  # batched
+        ("pixart", "sigma"),
+    ],
 )
 def test_cfg2_with_cache_matches_the_same_cache_on_one_process(dist2: WorkerPool, family: str, variant: str) -> None:
     expected = _expected(family, variant, cache=True)

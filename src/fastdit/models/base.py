@@ -185,6 +185,8 @@ class ModelAdapter:
             (:class:`~fastdit.parallel.plan.ContextParallelPlan`); ``None``: context parallelism is unsupported.
         cfg_parallel: Whether CFG parallelism is verified for the family (``False``: refused, the reason in ``notes``
             after "No CFG parallelism:").
+        cfg_pairs_by_timestep: The family's pipelines run their CFG branches as two calls per step without announcing
+            them, and use neither call's output before the other call: CFG parallelism pairs them by timestep.
         cfg_batch_dims: Forward arguments whose batch is not their dim 0 (arg → dim; ``None``: no batch dim), for
             batched CFG parallelism.
         tp_plan: How the family's layers split under tensor parallelism
@@ -202,6 +204,7 @@ class ModelAdapter:
     cp_plan: ContextParallelPlan | None = None
     tp_plan: TensorParallelPlan | None = None
     cfg_parallel: bool = True
+    cfg_pairs_by_timestep: bool = False
     cfg_batch_dims: Mapping[str, int | None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -122,6 +122,8 @@ _CALL = {
 ADAPTER = register(
     ModelAdapter(
         family="chroma",
+        # CFG as two unannounced calls per step, each output used only after both: paired by timestep.
+        cfg_pairs_by_timestep=True,
         transformer_classes=(TRANSFORMER,),
         block_groups=(
             BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P1),

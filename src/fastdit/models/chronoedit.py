@@ -91,6 +91,8 @@ TP_PLAN = wan_tp_plan(
 ADAPTER = register(
     ModelAdapter(
         family="chronoedit",
+        # CFG as two unannounced calls per step, each output used only after both: paired by timestep.
+        cfg_pairs_by_timestep=True,
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="blocks", pattern=ForwardPattern.P2),),
         cp_plan=CP_PLAN,

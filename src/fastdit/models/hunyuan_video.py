@@ -277,6 +277,8 @@ TP_PLAN = TensorParallelPlan(
 ADAPTER = register(
     ModelAdapter(
         family="hunyuan_video",
+        # CFG as two unannounced calls per step, each output used only after both: paired by timestep.
+        cfg_pairs_by_timestep=True,
         transformer_classes=(TRANSFORMER, FRAMEPACK_TRANSFORMER),
         block_groups=(
             BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P0),

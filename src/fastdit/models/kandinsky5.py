@@ -195,6 +195,8 @@ TP_PLAN = TensorParallelPlan(
 ADAPTER = register(
     ModelAdapter(
         family="kandinsky5",
+        # CFG as two unannounced calls per step, each output used only after both: paired by timestep.
+        cfg_pairs_by_timestep=True,
         transformer_classes=(TRANSFORMER,),
         block_groups=(
             BlockGroup(

@@ -130,6 +130,8 @@ TP_PLAN = TensorParallelPlan(
 ADAPTER = register(
     ModelAdapter(
         family="lumina2",
+        # CFG as two unannounced calls per step, each output used only after both: paired by timestep.
+        cfg_pairs_by_timestep=True,
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="layers", pattern=ForwardPattern.P3),),
         cp_plan=CP_PLAN,

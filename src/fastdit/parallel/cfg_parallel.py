@@ -11,6 +11,9 @@ transformer) serves both, deciding per call from the ``cache_context`` the pipel
   it stands for — and goes straight on to its own call; at the end of the pair's second call the ranks exchange
   their outputs and the placeholder is filled in place, before the pipeline combines the branches. The first pair of
   every pipeline call is computed on both ranks to learn the output structure (and that the pipeline runs pairs).
+  Pipelines that announce no branch but call the transformer twice per step (Chroma, Krea-2, Z-Image, ...) are
+  paired by timestep (the two calls of a step share it, the first is rank 0's) where the family declares it safe:
+  a pipeline that uses the first call's output before the second call (Cosmos Predict2) would read the placeholder.
 * **Batched** (one call over ``[uncond; cond]`` concatenated on the batch: SD3, PixArt, Sana, LTX, ...): each rank
   computes its part of the batch and the parts are all-gathered — data parallelism over the call, exact for any
   batch the degree divides (a batch it does not divide runs whole on every rank).
@@ -22,6 +25,7 @@ computes it; in batched calls its decision is reduced over the CFG ranks too, si
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -77,6 +81,12 @@ class _Spec:
         return tree_unflatten(leaves, self.tree), [t for t in leaves if isinstance(t, torch.Tensor)]
 
 
+def _announced(module: torch.nn.Module, name: str) -> contextlib.AbstractContextManager:
+    """``module.cache_context(name)`` where the module has diffusers' cache contexts, else nothing."""
+    enter = getattr(module, "cache_context", None)
+    return enter(name) if callable(enter) else contextlib.nullcontext()
+
+
 def _tensors(output: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
 
@@ -103,8 +113,13 @@ class CfgParallelHook(LayerHook):
         degree: int,
         device: torch.device,
         batch_dims: Mapping[str, int | None] | None = None,
+        timestep_arg: str | None = None,
+        pairs_by_timestep: bool = False,
     ) -> None:
+        self.pairs_by_timestep = pairs_by_timestep
         self.batch_dims = dict(batch_dims or {})
+        self.timestep_arg = timestep_arg
+        self.pair_timestep: float | None = None
         self.group = group
         self.rank = rank
         self.degree = degree
@@ -118,7 +133,23 @@ class CfgParallelHook(LayerHook):
         name = announced_context(module)
         if name in BRANCHES:
             return self._sequential(name, inner, args, kwargs)
-        return self._batched(inner, module, args, kwargs)
+        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+        hidden = next(iter(bound.values()), None)
+        batch = hidden.shape[0] if isinstance(hidden, torch.Tensor) and hidden.dim() > 0 else 0
+        if batch and batch % self.degree == 0:
+            return self._batched(inner, bound, batch)
+        if (
+            name == "default"
+            and self.timestep_arg is not None
+            and self.timestep_arg in bound
+            and self.pairs_by_timestep
+        ):
+            return self._unannounced(inner, module, bound, args, kwargs)
+        raise CfgParallelError(
+            f"CFG parallelism (cfg=2): a transformer call of batch {batch} in cache_context {name!r} is neither a "
+            "batched CFG call (a batch of [uncond; cond] that 2 divides) nor one of two branches of a step: this "
+            "pipeline call has no unconditional branch to split; run it without cfg=2"
+        )
 
     # --- sequential CFG ---
 
@@ -132,6 +163,28 @@ class CfgParallelHook(LayerHook):
             self._unpaired(name)
         pair.first = None
         return self._second_call(branch, inner, args, kwargs)
+
+    def _unannounced(
+        self, inner: Callable[..., Any], module: torch.nn.Module, bound: dict, args: tuple, kwargs: dict
+    ) -> Any:
+        """Two calls per step that announce no branch: paired by their timestep, the first call rank 0's.
+
+        The call runs announced as its branch ("cond" / "uncond"), so the hooks beneath (the cache's per-branch
+        state) see the branch a rank computes even when the rank sees only that branch's calls.
+        """
+        value = bound[self.timestep_arg]
+        timestep = float(value.reshape(-1)[0]) if isinstance(value, torch.Tensor) else float(value)
+        pair = self.pair
+        if pair.first is None:
+            self.pair_timestep = timestep
+            pair.first = 0
+            with _announced(module, "cond"):
+                return self._first_call(0, inner, args, kwargs)
+        if timestep != self.pair_timestep:
+            self._unpaired(f"timestep {self.pair_timestep:g}")
+        pair.first = None
+        with _announced(module, "uncond"):
+            return self._second_call(1, inner, args, kwargs)
 
     def _mine(self, branch: int) -> bool:
         return branch == self.rank
@@ -201,18 +254,7 @@ class CfgParallelHook(LayerHook):
 
     # --- batched CFG ---
 
-    def _batched(self, inner: Callable[..., Any], module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
-        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
-        hidden = next(iter(bound.values()), None)
-        batch = hidden.shape[0] if isinstance(hidden, torch.Tensor) and hidden.dim() > 0 else 0
-        if batch == 0 or batch % self.degree:
-            raise CfgParallelError(
-                f"CFG parallelism (cfg=2): a transformer call of batch {batch} in cache_context "
-                f"{announced_context(module)!r} is neither a batched CFG call (a batch of [uncond; cond] that 2 "
-                "divides) nor a branch announced with cache_context('cond') / ('uncond'): this pipeline call has "
-                "no unconditional branch to split, or runs its branches without announcing them; run it without "
-                "cfg=2"
-            )
+    def _batched(self, inner: Callable[..., Any], bound: dict, batch: int) -> Any:
         part = batch // self.degree
         local = {name: self._part(value, self.batch_dims.get(name, 0), batch, part) for name, value in bound.items()}
         self.batched = True
@@ -248,6 +290,7 @@ class CfgParallelHook(LayerHook):
         # The pipeline's end-of-call reset: a pair left open means a placeholder nobody filled.
         open_pair = self.pair.first is not None and bool(self.pair.placeholder)
         self.pair = _Pair()
+        self.pair_timestep = None
         self.specs.clear()
         if open_pair:
             raise CfgParallelError(
@@ -263,17 +306,21 @@ def apply_cfg_parallel(
     degree: int,
     device: torch.device,
     batch_dims: Mapping[str, int | None] | None = None,
+    timestep_arg: str | None = None,
+    pairs_by_timestep: bool = False,
 ) -> Applied:
     """Install CFG parallelism on ``transformer`` over the CFG ``group`` (``rank`` is this process's index in it).
 
     ``batch_dims`` names the forward arguments whose batch is not their dim 0 (HiDream's stacked per-layer text
     states: dim 1), or that hold no batch at all (``None``: Allegro's RoPE tables); every other tensor whose dim 0 is
-    the call's batch is split there.
+    the call's batch is split there. ``timestep_arg`` pairs the two calls of a step in pipelines that announce no
+    branch (the calls of one step share a timestep) when ``pairs_by_timestep``: only for pipelines known not to use
+    a branch's output before the step's other call (the placeholder is filled at that call).
 
     Returns:
         The undo and the :class:`CfgParallelHook` (its ``stats`` and ``batched`` flag).
     """
     if degree != 2:
         raise ValueError(f"CFG parallelism: degree={degree}: exactly 2 (one rank per guidance branch)")
-    hook = CfgParallelHook(group, rank, degree, device, batch_dims)
+    hook = CfgParallelHook(group, rank, degree, device, batch_dims, timestep_arg, pairs_by_timestep)
     return Applied(install(transformer, Layer.BRANCH, "cfg_parallel", hook), hook)
