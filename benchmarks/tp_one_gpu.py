@@ -201,7 +201,7 @@ def main() -> None:
     finally:
         dist.destroy_process_group()
     header = ("model", "split layers / norms", "TP-1 vs unsplit PSNR", "max err", "bit-identical", "eager s",
-              "TP-1 eager s", "compiled s", "TP-1 compiled s", "TP-1 CUDA graph s", "disable bit-identical")  # fmt: skip
+              "TP-1 eager s", "compiled s", "TP-1 compiled s", "TP-1 graphs s", "disable bit-identical")  # fmt: skip
     cells = [
         (
             r["model"],
