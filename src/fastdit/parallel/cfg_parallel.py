@@ -287,16 +287,12 @@ class CfgParallelHook(LayerHook):
         return torch.cat(parts, dim=0)
 
     def reset(self) -> None:
-        # The pipeline's end-of-call reset: a pair left open means a placeholder nobody filled.
-        open_pair = self.pair.first is not None and bool(self.pair.placeholder)
+        # A new run (the scheduler set new timesteps, or the pipeline's end-of-call reset). A pair left open here is
+        # a call that raised between a step's two calls, or a run whose last call was a lone branch; the next call
+        # must start clean either way. (The lone last branch is the one case the pairing cannot see coming.)
         self.pair = _Pair()
         self.pair_timestep = None
         self.specs.clear()
-        if open_pair:
-            raise CfgParallelError(
-                "CFG parallelism (cfg=2): the pipeline call ended between the two branches of a step, so one "
-                "branch's output was never computed on this rank; run this pipeline without cfg=2"
-            )
 
 
 def apply_cfg_parallel(
