@@ -50,12 +50,14 @@ def _cache() -> fastdit.DBCache:
     return fastdit.DBCache(fn=1, bn=0, warmup_steps=0, step_mask=mask)
 
 
-def _run(rank: int, world_size: int, family: str, variant: str, layout: dict | None, cache: bool) -> dict:
+def _run(
+    rank: int, world_size: int, family: str, variant: str, layout: dict | None, cache: bool, extra: dict | None = None
+) -> dict:
     pipe, tiny = _built(family, variant)
     parallel = None if layout is None else fastdit.Parallel(**layout)
     fastdit.accelerate(pipe, parallel=parallel, cache=_cache() if cache else None)
     try:
-        out = run_tiny(pipe, tiny, **_overrides(family, variant))
+        out = run_tiny(pipe, tiny, **_overrides(family, variant), **(extra or {}))
         info = fastdit.summary(pipe).transformers
         stats = {name: t.get("cfg_parallel", {}) for name, t in info.items()}
         cached = fastdit.summary(pipe).num_cached_steps if cache else 0
@@ -118,6 +120,19 @@ def test_cfg2_on_one_mesh_with_context_or_tensor_parallel(
     dist4: WorkerPool, family: str, variant: str, layout: dict
 ) -> None:
     _check(dist4.run(_run, family, variant, layout, False, timeout=300), _expected(family, variant))
+
+
+# Tiny calls that run one branch per step as configured for the matrix; with guidance on, their two calls pair.
+GUIDED = [
+    ("hunyuan_video", "i2v", {"true_cfg_scale": 4.0, "negative_prompt": "a dog"}),
+    ("krea2", "turbo", {"guidance_scale": 4.0}),
+]
+
+
+@pytest.mark.parametrize(("family", "variant", "extra"), GUIDED, ids=[f"{f}-{v}" for f, v, _ in GUIDED])
+def test_cfg2_pairs_the_calls_once_guidance_is_on(dist2: WorkerPool, family: str, variant: str, extra: dict) -> None:
+    expected = _run(0, 1, family, variant, None, False, extra)
+    _check(dist2.run(_run, family, variant, {"cfg": 2}, False, extra, timeout=240), expected)
 
 
 def test_a_target_without_guidance_or_a_family_without_cfg_parallel_is_refused_before_anything_moves() -> None:

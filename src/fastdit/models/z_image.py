@@ -156,8 +156,6 @@ _CALL = {
 ADAPTER = register(
     ModelAdapter(
         family="z_image",
-        # CFG as two unannounced calls per step, each output used only after both: paired by timestep.
-        cfg_pairs_by_timestep=True,
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="layers", pattern=ForwardPattern.P3, hidden_arg="x"),),
         # Z-Image pipelines pass (1000 - t) / 1000: the timestep rises during a run.

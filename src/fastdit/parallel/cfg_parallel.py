@@ -181,7 +181,13 @@ class CfgParallelHook(LayerHook):
             with _announced(module, "cond"):
                 return self._first_call(0, inner, args, kwargs)
         if timestep != self.pair_timestep:
-            self._unpaired(f"timestep {self.pair_timestep:g}")
+            self.pair = _Pair(warm=pair.warm)
+            raise CfgParallelError(
+                f"CFG parallelism (cfg=2): consecutive transformer calls at timesteps {self.pair_timestep:g} and "
+                f"{timestep:g} are not the two branches of one step — this call runs one branch per step (a "
+                "guidance-distilled model, guidance off, or CFG batched in a form that cannot be split); run it "
+                "without cfg=2"
+            )
         pair.first = None
         with _announced(module, "uncond"):
             return self._second_call(1, inner, args, kwargs)
