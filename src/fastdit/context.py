@@ -104,9 +104,9 @@ class Context:
         split = self.state("cfg_parallel", component)
         if split is None:
             return narrow
-        from fastdit.parallel.runtime import sum_reducer
+        from fastdit.parallel.runtime import MESH_DIMS, sum_reducer
 
-        dims = tuple(d for d in ("cfg", "ring", "ulysses", "tp") if self.runtime.size(d) > 1)
+        dims = tuple(d for d in MESH_DIMS if self.runtime.size(d) > 1)
         wide = sum_reducer(self.runtime.group("cfg") if len(dims) == 1 else self.runtime.flat_group(dims))
 
         def reduce(t: torch.Tensor) -> torch.Tensor:

@@ -143,3 +143,21 @@ def test_a_target_without_guidance_or_a_family_without_cfg_parallel_is_refused_b
     opted_out = dataclasses.replace(get_family("qwenimage"), cfg_parallel=False, notes="No CFG parallelism: a reason.")
     with pytest.raises(ArgumentError, match=r"not available for model family 'qwenimage' \(a reason\)"):
         fastdit.accelerate(pipe, parallel=fastdit.Parallel(cfg=2), adapter=opted_out)
+
+
+def _run_compiled(rank: int, world_size: int, family: str, variant: str) -> dict:
+    pipe, tiny = _built(family, variant)
+    # Dynamo traces the blocks of the calls this rank computes; the eager backend keeps this a CPU-time test.
+    compile_config = fastdit.Compile(backend="eager")
+    fastdit.accelerate(pipe, parallel=fastdit.Parallel(cfg=2), cache=_cache(), compile=compile_config)
+    try:
+        out = run_tiny(pipe, tiny, **_overrides(family, variant))
+        stats = {name: t.get("cfg_parallel", {}) for name, t in fastdit.summary(pipe).transformers.items()}
+    finally:
+        fastdit.disable(pipe)
+    return {"out": out, "stats": stats}
+
+
+@pytest.mark.parametrize(("family", "variant"), [("qwenimage", "qwen-image"), ("sd3", "sd3")])
+def test_cfg2_with_compiled_blocks_and_cache(dist2: WorkerPool, family: str, variant: str) -> None:
+    _check(dist2.run(_run_compiled, family, variant, timeout=300), _expected(family, variant, cache=True))

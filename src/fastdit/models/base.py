@@ -13,11 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fastdit.attrs import resolve_attr
+
 if TYPE_CHECKING:
     from fastdit.parallel.plan import ContextParallelPlan
     from fastdit.parallel.tp_plan import TensorParallelPlan
 
-__all__ = ["BlockGroup", "CachePlan", "ForwardPattern", "ModelAdapter", "ModelPreset", "TinyPipeline"]
+__all__ = ["BlockGroup", "CachePlan", "ForwardPattern", "ModelAdapter", "ModelPreset", "TinyPipeline", "resolve_attr"]
 
 
 class ForwardPattern(enum.IntEnum):
@@ -240,11 +242,3 @@ class ModelAdapter:
 def qualified_name(cls: type) -> str:
     """``module.QualName`` of a class: the exact key adapters are registered under."""
     return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def resolve_attr(root: Any, path: str) -> Any:
-    """Follow a dotted attribute path (``"a.b.0"``; integers index sequences)."""
-    obj = root
-    for part in path.split("."):
-        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
-    return obj

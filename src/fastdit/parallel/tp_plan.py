@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fastdit.attrs import resolve_attr
 from fastdit.parallel.plan import match_modules
 
 __all__ = [
@@ -70,13 +71,6 @@ def _check_segments(owner: str, segments: tuple[Segment, ...]) -> None:
 
 # A split's unit: an int, or (numerator, denominator) attribute paths on the owning module (inner_dim // heads).
 Unit = int | tuple[str, str] | None
-
-
-def resolve_attr(root: object, path: str) -> object:
-    """Follow a dotted attribute path (``"attn.inner_dim"``) from ``root``."""
-    for part in path.split("."):
-        root = getattr(root, part)
-    return root
 
 
 def _check_unit(owner: str, unit: Unit) -> None:
