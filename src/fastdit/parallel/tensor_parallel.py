@@ -211,6 +211,10 @@ def _hook_dicts(module: torch.nn.Module) -> tuple[dict, ...]:
     return (module._forward_pre_hooks, module._forward_hooks)
 
 
+def _wait_output(_module: torch.nn.Module, _args: Any, output: Any) -> Any:
+    return output.wait() if isinstance(output, funcol.AsyncCollectiveTensor) else output
+
+
 def _split_linear(
     module: torch.nn.Linear, style: Style, sizes: list[int], mesh: DeviceMesh, device: torch.device
 ) -> tuple[Undo, int, int]:
@@ -231,6 +235,9 @@ def _split_linear(
     else:
         parallel = RowwiseParallel()
     parallelize_module(module, mesh, parallel)
+    # DTensor redistributes the output asynchronously; wait at once, while its buffers are still referenced here
+    # (an output of another shape reusing freed memory under an in-flight gloo collective corrupted the heap).
+    module.register_forward_hook(_wait_output)
     offload = _keep_on_cpu(originals)
 
     def undo() -> None:
