@@ -131,3 +131,26 @@ def test_pipeline_context_and_reset_reach_the_stack() -> None:
         module(**inputs)
     module._reset_stateful_cache()
     assert seen == ["uncond", "default"] and resets == [True]
+
+
+def test_removing_the_last_hook_leaves_no_instance_forward_behind() -> None:
+    module, log = Linear(), []
+    undo = layers.install(module, Layer.TRACK, "a", Recorder("a", log))
+    assert "forward" in vars(module)  # the registry's wrapper, while installed
+    undo()
+    assert "forward" not in vars(module) and not hasattr(module, "_diffusers_hook")
+    # A class-level patch made after disable reaches the module (an instance attribute would hide it).
+    original = Linear.forward
+    try:
+        Linear.forward = lambda self, x: x + 2
+        assert torch.equal(module(torch.zeros(1)), torch.full((1,), 2.0))
+    finally:
+        Linear.forward = original
+
+
+def test_an_instance_forward_set_before_install_is_kept() -> None:
+    module, log = Linear(), []
+    module.forward = lambda x: x + 3
+    undo = layers.install(module, Layer.TRACK, "a", Recorder("a", log))
+    undo()
+    assert torch.equal(module(torch.zeros(1)), torch.full((1,), 3.0))

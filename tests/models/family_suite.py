@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 import fastdit
 from fastdit.models.registry import get_family
@@ -64,6 +65,7 @@ class FamilySuite:
     def test_cache_threshold_zero_is_bit_identical(self, built: dict, variant: str) -> None:
         pipe, tiny = self._pipe(built, variant)
         baseline = run_tiny(pipe, tiny)
+        own_forward = _instance_forwards(pipe)
         fastdit.accelerate(pipe, cache=fastdit.DBCache(fn=1, bn=1, threshold=0.0, warmup_steps=0))
         try:
             cached = run_tiny(pipe, tiny)
@@ -73,6 +75,8 @@ class FamilySuite:
         assert stats.num_cached_steps == 0
         np.testing.assert_array_equal(cached, baseline)
         np.testing.assert_array_equal(run_tiny(pipe, tiny), baseline)  # disable restores the original
+        # Nothing left behind: an instance ``forward`` would hide a later class-level patch of the model.
+        assert _instance_forwards(pipe) == own_forward
 
     def test_cache_forced_schedule_skips_expected_steps(self, built: dict, variant: str) -> None:
         pipe, tiny = self._pipe(built, variant)
@@ -90,6 +94,16 @@ class FamilySuite:
         for name, info in stats.transformers.items():
             for branch, b in info["cache"]["branches"].items():
                 assert b["cached_steps"] == list(range(1, b["steps"])), (name, branch)
+
+
+def _instance_forwards(pipe) -> set[str]:
+    return {
+        f"{name}.{path}"
+        for name, component in pipe.components.items()
+        if isinstance(component, torch.nn.Module)
+        for path, module in component.named_modules()
+        if "forward" in vars(module)
+    }
 
 
 def _transformers(pipe, adapter) -> list:

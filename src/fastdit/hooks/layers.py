@@ -141,6 +141,10 @@ class LayerStack(ModelHook):
         self.terminal: Callable[..., Any] | None = None
         self._module: torch.nn.Module | None = None
         self._chain: Callable[..., Any] | None = None
+        # What the module looked like before this stack existed, so removing it leaves nothing behind: diffusers'
+        # registry puts the bound ``forward`` back as an *instance* attribute, which would hide a later class patch.
+        self.had_instance_forward = False
+        self.created_registry = False
 
     def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
         self._module = module
@@ -200,6 +204,8 @@ def _ensure_stack(module: torch.nn.Module) -> LayerStack:
     stack = stack_of(module)
     if stack is None:
         stack = LayerStack()
+        stack.had_instance_forward = "forward" in vars(module)
+        stack.created_registry = not isinstance(getattr(module, "_diffusers_hook", None), HookRegistry)
         registry = HookRegistry.check_if_exists_or_initialize(module)
         registry.register_hook(stack, STACK_HOOK)
         # A cache_context entered before this stack existed cached the list of child registries without it.
@@ -209,7 +215,14 @@ def _ensure_stack(module: torch.nn.Module) -> LayerStack:
 
 def _drop_if_empty(module: torch.nn.Module, stack: LayerStack) -> None:
     if not stack.entries and stack.terminal is None and stack_of(module) is stack:
-        HookRegistry.check_if_exists_or_initialize(module).remove_hook(STACK_HOOK, recurse=False)
+        registry = HookRegistry.check_if_exists_or_initialize(module)
+        registry.remove_hook(STACK_HOOK, recurse=False)
+        if registry.hooks:  # someone else's hooks remain: their registry keeps the forward it wraps
+            return
+        if not stack.had_instance_forward:
+            vars(module).pop("forward", None)
+        if stack.created_registry:
+            del module._diffusers_hook
 
 
 def install(module: torch.nn.Module, layer: Layer, name: str, hook: LayerHook) -> Callable[[], None]:
