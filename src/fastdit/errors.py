@@ -5,7 +5,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["ArgumentError", "FieldError", "FieldsError", "NonFiniteOutputError", "UnavailableError"]
+__all__ = [
+    "ArgumentError",
+    "FastditWarning",
+    "FieldError",
+    "FieldsError",
+    "NonFiniteOutputError",
+    "UnavailableError",
+]
 
 
 class FieldError(ValueError):
@@ -137,3 +144,7 @@ def _rebuild_non_finite(
     count: int, total: int, arguments: Mapping[str, Any], components: tuple[str, ...], float16: bool
 ) -> NonFiniteOutputError:
     return NonFiniteOutputError(count, total, arguments=arguments, components=components, float16=float16)
+
+
+class FastditWarning(UserWarning):
+    """Something fastdit cannot tell on its own and works around, e.g. where a sampler's runs begin."""

@@ -14,6 +14,7 @@ reads ``transformer_blocks`` still finds the original modules.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,14 +25,17 @@ from fastdit.cache.policy import Reducer, check_run_length, decide
 from fastdit.cache.state import BranchState, RunTracker, SegmentMemory
 from fastdit.cache.taylorseer import taylor_predict, taylor_update
 from fastdit.config import DBCache
-from fastdit.errors import FieldsError
+from fastdit.errors import FastditWarning, FieldsError
 from fastdit.hooks import layers
 from fastdit.hooks.args import ForwardArgs
 from fastdit.models.base import BlockGroup, ForwardPattern
+from fastdit.models.validate import AdapterError, bind_block_args, check_block_call
 
 __all__ = ["BLOCK_HOOK", "TRANSFORMER_HOOK", "BlockSlot", "CacheEngine"]
 
 TRANSFORMER_HOOK = "cache.transformer"
+# More consecutive calls at one timestep than any guidance scheme makes (cond, uncond, skip-layer, image guidance).
+_MAX_BRANCHES = 8
 BLOCK_HOOK = "cache.block"
 INTERLEAVED_HOOK = "cache.interleaved"
 
@@ -43,9 +47,16 @@ class BlockSlot:
     index: int
     role: str  # "front" | "middle" | "back"
     group: BlockGroup
+    pattern: ForwardPattern  # this block's own (the group's, or its override)
+    position: int = 0  # index within its group's list
     segment: int = -1
     last_in_segment: bool = False
     last_front: bool = False
+
+    @property
+    def name(self) -> str:
+        """The block's path, e.g. ``transformer_blocks.3``."""
+        return f"{self.group.path}.{self.position}"
 
     @property
     def passes_through(self) -> bool:
@@ -98,16 +109,41 @@ class TransformerCacheHook(layers.LayerHook):
         self.engine = engine
         self.timestep_arg = timestep_arg
         self._reader = ForwardArgs(module, (timestep_arg,) if timestep_arg else ())
+        self._owner = type(module).__name__
+        self._last: float | None = None
+        self._repeats = 0
+        self._warned = False
 
     def _timestep(self, args: tuple, kwargs: dict) -> float | None:
         value = self._reader.get(self.timestep_arg, args, kwargs) if self.timestep_arg else None
         if isinstance(value, torch.Tensor):
             # Some pipelines pass one timestep per token or frame, with conditioning tokens pinned at 0: the
             # largest entry is the one that follows the schedule.
-            return float(value.max())
-        if isinstance(value, (int, float)):
-            return float(value)
-        return None
+            timestep = float(value.max())
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            timestep = float(value)
+        else:
+            timestep = None
+            if self.timestep_arg is not None:
+                self._warn(f"received {type(value).__name__} for it, not a number or tensor")
+        self._repeats = self._repeats + 1 if timestep is not None and timestep == self._last else 0
+        self._last = timestep
+        if self._repeats == _MAX_BRANCHES:
+            self._warn(f"read the same value {timestep:g} in {_MAX_BRANCHES + 1} consecutive calls")
+        return timestep
+
+    def _warn(self, what: str) -> None:
+        # The run tracker tells steps, CFG branches and new runs apart by the timestep: without a usable one,
+        # consecutive runs merge (warm-up lost) and same-step calls read as ever more branches (nothing cached).
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"{self._owner}: timestep_arg={self.timestep_arg!r} {what}, so it does not follow the sampler's "
+                "schedule: fastdit cannot tell where runs and CFG branches begin. Name the forward parameter that "
+                "carries the timestep in the adapter, or call fastdit.reset(model) before each run",
+                FastditWarning,
+                stacklevel=2,
+            )
 
     def around(self, inner: Callable[..., Any], module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         signature = tuple(tuple(a.shape) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
@@ -119,6 +155,7 @@ class TransformerCacheHook(layers.LayerHook):
 
     def reset(self) -> None:
         self.engine.tracker.reset()
+        self._last, self._repeats = None, 0  # a new run may start at the last one's timestep (one-step samplers)
 
 
 class BlockCacheHook(layers.LayerHook):
@@ -134,6 +171,7 @@ class BlockCacheHook(layers.LayerHook):
         self.engine = engine
         self.slot = slot
         self._reader = ForwardArgs(module, (slot.group.hidden_arg, slot.group.encoder_arg))
+        self._check = FirstCallCheck(slot)
 
     def around(self, inner: Callable[..., Any], module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         state = self.engine.tracker.active
@@ -145,26 +183,26 @@ class BlockCacheHook(layers.LayerHook):
         if slot.role == "front":
             if state.front_entered_step != state.step:  # first front block called in this step
                 state.front_hidden_in, state.front_entered_step = hidden, state.step
-            output = _compute(state, inner, args, kwargs)
+            output = compute_checked(state, self._check, inner, module, args, kwargs)
             if slot.last_front:
                 self._decide(state, output)
             return output
         if slot.role == "back":
-            return _compute(state, inner, args, kwargs)
-        encoder = self._reader.get(group.encoder_arg, args, kwargs) if group.pattern.takes_encoder else None
+            return compute_checked(state, self._check, inner, module, args, kwargs)
+        encoder = self._reader.get(group.encoder_arg, args, kwargs) if slot.pattern.takes_encoder else None
         memory = state.segment(slot.segment)
         if memory.entered_step != state.step:  # first middle block of this segment called in this step
             memory.hidden_in, memory.encoder_in, memory.entered_step = hidden, encoder, state.step
         if state.computing:
-            output = _compute(state, inner, args, kwargs)
-            state.block_memory[slot.index] = group.pattern.extras(output)
+            output = compute_checked(state, self._check, inner, module, args, kwargs)
+            state.block_memory[slot.index] = slot.pattern.extras(output)
             if slot.last_in_segment:
                 self._remember(state, memory, output)
             return output
         return self._replay(state, memory, hidden, encoder)
 
     def _decide(self, state: BranchState, output: Any) -> None:
-        hidden_out, _ = self.slot.group.pattern.unpack(output)
+        hidden_out, _ = self.slot.pattern.unpack(output)
         hidden_in = state.front_hidden_in if state.front_entered_step == state.step else None
         if hidden_in is None or hidden_out.shape != hidden_in.shape:
             raise ValueError(
@@ -175,8 +213,7 @@ class BlockCacheHook(layers.LayerHook):
         self.engine.decide(state, hidden_out - hidden_in)
 
     def _remember(self, state: BranchState, memory: SegmentMemory, output: Any) -> None:
-        pattern: ForwardPattern = self.slot.group.pattern
-        hidden_out, encoder_out = pattern.unpack(output)
+        hidden_out, encoder_out = self.slot.pattern.unpack(output)
         memory.hidden_residual = hidden_out - memory.hidden_in
         memory.encoder_out = encoder_out
         memory.encoder_residual = None
@@ -196,7 +233,7 @@ class BlockCacheHook(layers.LayerHook):
     def _replay(
         self, state: BranchState, memory: SegmentMemory, hidden: torch.Tensor, encoder: torch.Tensor | None
     ) -> Any:
-        pattern = self.slot.group.pattern
+        pattern = self.slot.pattern
         extras = state.block_memory.get(self.slot.index, ())
         encoder_out = encoder if pattern.takes_encoder else memory.encoder_out
         if self.slot.last_in_segment:
@@ -240,16 +277,17 @@ def plan_slots(
     for group_index, (group, blocks) in enumerate(groups):
         middle = [i for i in range(index, index + len(blocks)) if fn <= i < total - bn]
         for i in range(index, index + len(blocks)):
+            where = {"group": group, "pattern": group.pattern_at(i - index, len(blocks)), "position": i - index}
             if i < fn:
-                slots.append(BlockSlot(index=i, role="front", group=group, last_front=i == fn - 1))
+                slots.append(BlockSlot(index=i, role="front", last_front=i == fn - 1, **where))
             elif i >= total - bn:
-                slots.append(BlockSlot(index=i, role="back", group=group))
+                slots.append(BlockSlot(index=i, role="back", **where))
             else:
                 slots.append(
                     BlockSlot(
                         index=i,
                         role="middle",
-                        group=group,
+                        **where,
                         segment=group_index,
                         last_in_segment=i == middle[-1],
                     )
@@ -263,6 +301,49 @@ def _compute(state: BranchState, inner: Callable[..., Any], args: tuple, kwargs:
     return inner(*args, **kwargs)
 
 
+class FirstCallCheck:
+    """The declared pattern of one block checked against its first computed call (a wrong one garbles silently).
+
+    Runs once per block, eagerly, before the block's output is used: shapes, the returned structure, and for two
+    streams of equal shape whether they come back the other way round.
+    """
+
+    def __init__(self, slot: BlockSlot) -> None:
+        self.slot = slot
+        self.pending = True
+
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        self.pending = False
+        slot = self.slot
+        try:
+            bound = bind_block_args(module, args, kwargs)
+        except TypeError as exc:
+            raise AdapterError(
+                f"block {slot.name}: its call does not bind to {type(module).__name__}.forward: {exc}"
+            ) from None
+        problem = check_block_call(slot.group, slot.pattern, bound, output)
+        if problem is not None:
+            raise AdapterError(
+                f"block {slot.name} ({type(module).__name__}, declared pattern {slot.pattern.value}): {problem}; "
+                "fix the adapter's BlockGroup (pattern, pattern_overrides, hidden_arg, encoder_arg)"
+            )
+
+
+def compute_checked(
+    state: BranchState,
+    check: FirstCallCheck,
+    inner: Callable[..., Any],
+    module: torch.nn.Module,
+    args: tuple,
+    kwargs: dict,
+) -> Any:
+    """Compute a block (counted), checking its declared pattern at its first call."""
+    output = _compute(state, inner, args, kwargs)
+    if check.pending:
+        check(module, args, kwargs, output)
+    return output
+
+
 class InterleavedSkipHook(layers.LayerHook):
     """A block of an interleaved list (:attr:`BlockGroup.interleaved`) whose output a cached step discards.
 
@@ -274,17 +355,20 @@ class InterleavedSkipHook(layers.LayerHook):
 
     may_skip = True
 
-    def __init__(self, engine: CacheEngine, slot: BlockSlot, group: BlockGroup, module: torch.nn.Module) -> None:
+    def __init__(
+        self, engine: CacheEngine, slot: BlockSlot, group: BlockGroup, pattern: ForwardPattern, module: torch.nn.Module
+    ) -> None:
         self.engine = engine
         self.slot = slot
         self.group = group
+        self.pattern = pattern
         self._reader = ForwardArgs(module, (group.hidden_arg, group.encoder_arg))
 
     def around(self, inner: Callable[..., Any], module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         state = self.engine.tracker.active
         if state is None or state.computing or not self.slot.passes_through:
             return inner(*args, **kwargs)
-        pattern = self.group.pattern
+        pattern = self.pattern
         hidden = self._reader.get(self.group.hidden_arg, args, kwargs)
         encoder = self._reader.get(self.group.encoder_arg, args, kwargs) if pattern.takes_encoder else None
         return pattern.pack(hidden, encoder)
@@ -334,7 +418,8 @@ def _install_interleaved(
         if companion is not None:
             group, companion_blocks = companion
             for i, block in enumerate(companion_blocks):
-                hook = InterleavedSkipHook(engine, slots[start + i], group, block)
+                pattern = group.pattern_at(i, len(companion_blocks))
+                hook = InterleavedSkipHook(engine, slots[start + i], group, pattern, block)
                 undo.append(layers.install(block, layers.Layer.SKIP, INTERLEAVED_HOOK, hook))
         start += len(blocks)
     return undo

@@ -13,7 +13,16 @@ from typing import Any
 
 import torch
 
-from fastdit.cache.hooks import BLOCK_HOOK, TRANSFORMER_HOOK, BlockSlot, Groups, TransformerCacheHook, plan_slots
+from fastdit.cache.hooks import (
+    BLOCK_HOOK,
+    TRANSFORMER_HOOK,
+    BlockSlot,
+    FirstCallCheck,
+    Groups,
+    TransformerCacheHook,
+    compute_checked,
+    plan_slots,
+)
 from fastdit.cache.policy import Reducer, relative_l1
 from fastdit.cache.state import BranchState, RunTracker
 from fastdit.config import DBPrune
@@ -68,33 +77,32 @@ class BlockPruneHook(layers.LayerHook):
         self.engine = engine
         self.slot = slot
         self._reader = ForwardArgs(module, (slot.group.hidden_arg, slot.group.encoder_arg))
+        self._check = FirstCallCheck(slot)
 
     def around(self, forward: Callable[..., Any], module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         state = self.engine.tracker.active
         if state is None:
             return forward(*args, **kwargs)
         if self.slot.role != "middle":
-            state.blocks_computed += 1
-            return forward(*args, **kwargs)
-        group = self.slot.group
+            return compute_checked(state, self._check, forward, module, args, kwargs)
+        group, pattern = self.slot.group, self.slot.pattern
         hidden = self._reader.get(group.hidden_arg, args, kwargs)
-        encoder = self._reader.get(group.encoder_arg, args, kwargs) if group.pattern.takes_encoder else None
+        encoder = self._reader.get(group.encoder_arg, args, kwargs) if pattern.takes_encoder else None
         memory: _BlockMemory | None = state.block_memory.get(self.slot.index)
         if self.engine.may_prune(state, memory, hidden):
             memory.continuous += 1
             state.pruned[-1] += 1
             hidden_out = hidden + memory.hidden_residual
             encoder_out = encoder + memory.encoder_residual if memory.encoder_residual is not None else encoder
-            packed = group.pattern.pack(hidden_out, encoder_out)
+            packed = pattern.pack(hidden_out, encoder_out)
             return (*packed, *memory.extras) if memory.extras else packed
-        state.blocks_computed += 1
-        output = forward(*args, **kwargs)
-        hidden_out, encoder_out = group.pattern.unpack(output)
+        output = compute_checked(state, self._check, forward, module, args, kwargs)
+        hidden_out, encoder_out = pattern.unpack(output)
         encoder_residual = None
         if encoder is not None and encoder_out is not None and encoder_out.shape == encoder.shape:
             encoder_residual = encoder_out - encoder
         state.block_memory[self.slot.index] = _BlockMemory(
-            hidden, hidden_out - hidden, encoder_residual, group.pattern.extras(output)
+            hidden, hidden_out - hidden, encoder_residual, pattern.extras(output)
         )
         return output
 

@@ -99,6 +99,9 @@ class BlockGroup:
             (e.g. Latte's temporal blocks between its spatial blocks). It is not a cache group of its own: a cached
             step that passes block ``i`` of this list through passes block ``i`` of that list through too, since the
             segment's cached residual replaces whatever it computed. Same length as this list.
+        pattern_overrides: Blocks of this list that are called or return differently from the others, by index
+            (negative counts from the end), e.g. ``{-1: ForwardPattern.P2}`` for a last block that returns only the
+            hidden states while the others return ``(encoder, hidden)``. Given as a mapping; kept as sorted pairs.
     """
 
     path: str
@@ -106,6 +109,7 @@ class BlockGroup:
     hidden_arg: str = "hidden_states"
     encoder_arg: str = "encoder_hidden_states"
     interleaved: BlockGroup | None = None
+    pattern_overrides: Mapping[int, ForwardPattern] | tuple[tuple[int, ForwardPattern], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.path or any(not part for part in self.path.split(".")):
@@ -113,6 +117,39 @@ class BlockGroup:
         object.__setattr__(self, "pattern", ForwardPattern(self.pattern))
         if self.interleaved is not None and self.interleaved.interleaved is not None:
             raise ValueError(f"BlockGroup.interleaved of {self.path!r}: an interleaved list cannot nest another")
+        items = (
+            self.pattern_overrides.items() if isinstance(self.pattern_overrides, Mapping) else self.pattern_overrides
+        )
+        overrides = []
+        for index, pattern in items:
+            if isinstance(index, bool) or not isinstance(index, int):
+                raise ValueError(f"BlockGroup.pattern_overrides of {self.path!r}: index {index!r} is not an int")
+            try:
+                overrides.append((index, ForwardPattern(pattern)))
+            except ValueError:
+                raise ValueError(
+                    f"BlockGroup.pattern_overrides of {self.path!r}: {pattern!r} at index {index} is not a "
+                    "ForwardPattern"
+                ) from None
+        object.__setattr__(self, "pattern_overrides", tuple(sorted(overrides)))
+
+    def pattern_at(self, index: int, count: int) -> ForwardPattern:
+        """The pattern of block ``index`` of this list of ``count`` blocks (an override, or :attr:`pattern`).
+
+        Raises:
+            ValueError: an override's index is outside the list, or two overrides name the same block.
+        """
+        resolved: dict[int, ForwardPattern] = {}
+        for i, pattern in self.pattern_overrides:
+            j = i + count if i < 0 else i
+            if not 0 <= j < count:
+                raise ValueError(
+                    f"BlockGroup.pattern_overrides of {self.path!r}: index {i} is outside the list of {count} blocks"
+                )
+            if j in resolved:
+                raise ValueError(f"BlockGroup.pattern_overrides of {self.path!r}: block {j} is named twice")
+            resolved[j] = pattern
+        return resolved.get(index, self.pattern)
 
 
 @dataclass(frozen=True, kw_only=True)

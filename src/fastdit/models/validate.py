@@ -22,6 +22,7 @@ __all__ = [
     "bind_block_args",
     "block_lists",
     "check_adapter",
+    "check_block_call",
     "probe_patterns",
     "resolve_block_groups",
     "resolve_interleaved",
@@ -90,16 +91,35 @@ def check_adapter(transformer: torch.nn.Module, adapter: ModelAdapter) -> None:
     if not any(len(blocks) for _, blocks in block_lists(transformer, adapter)):
         raise AdapterError(f"{adapter.family}: every block group of {type(transformer).__name__} is empty")
     for group, blocks in block_lists(transformer, adapter):
-        for block in {type(b): b for b in blocks}.values():
+        try:
+            kinds = {(type(b), group.pattern_at(i, len(blocks))): b for i, b in enumerate(blocks)}
+        except ValueError as exc:
+            raise AdapterError(f"{adapter.family}: {exc}") from None
+        for (_, pattern), block in kinds.items():
             params = _forward_signature(block).parameters
             names = list(params)[1:]  # drop self
-            wanted = [group.hidden_arg] + ([group.encoder_arg] if group.pattern.takes_encoder else [])
+            wanted = [group.hidden_arg] + ([group.encoder_arg] if pattern.takes_encoder else [])
             for name in wanted:
                 if name not in names:
                     raise AdapterError(
                         f"{adapter.family}: {type(block).__name__}.forward has no parameter {name!r} "
-                        f"(group {group.path!r}, pattern {group.pattern.value}); parameters: {names}"
+                        f"(group {group.path!r}, pattern {pattern.value}); parameters: {names}"
                     )
+    _check_timestep_arg(transformer, adapter)
+
+
+def _check_timestep_arg(transformer: torch.nn.Module, adapter: ModelAdapter) -> None:
+    """A declared ``timestep_arg`` must be a parameter of the transformer's ``forward`` (else runs go undetected)."""
+    if adapter.timestep_arg is None:
+        return
+    params = inspect.signature(type(transformer).forward).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if adapter.timestep_arg not in params and not takes_any:
+        names = list(params)[1:]
+        raise AdapterError(
+            f"{adapter.family}: timestep_arg={adapter.timestep_arg!r} is not a parameter of "
+            f"{type(transformer).__name__}.forward {names}; name the one that carries the timestep (or None)"
+        )
 
 
 def bind_block_args(block: torch.nn.Module, args: tuple, kwargs: dict) -> inspect.BoundArguments:
@@ -126,8 +146,40 @@ def _shape(x: Any) -> tuple[int, ...] | None:
     return tuple(x.shape) if isinstance(x, torch.Tensor) else None
 
 
-def _check_output(group: BlockGroup, bound: inspect.BoundArguments, output: Any) -> str | None:
-    pattern: ForwardPattern = group.pattern
+def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().mean() / (b.float().abs().mean() + 1e-12))
+
+
+def _swapped(hidden_in: Any, encoder_in: Any, hidden_out: Any, encoder_out: Any) -> str | None:
+    """Evidence that the two returned streams are the other way round (only when their shapes cannot tell).
+
+    Blocks are residual, so each output stream stays nearer its own input than the other stream's; a declared
+    order whose distances are twice the swapped order's is taken as wrong.
+    """
+    tensors = (hidden_in, encoder_in, hidden_out, encoder_out)
+    if not all(isinstance(t, torch.Tensor) for t in tensors) or len({t.shape for t in tensors}) != 1:
+        return None
+    declared = _distance(hidden_out, hidden_in) + _distance(encoder_out, encoder_in)
+    swapped = _distance(hidden_out, encoder_in) + _distance(encoder_out, hidden_in)
+    if swapped < 0.5 * declared:
+        return (
+            f"the returned streams look swapped: read as declared they differ from their inputs by {declared:.3g} "
+            f"(relative L1, summed), the other way round by {swapped:.3g}"
+        )
+    return None
+
+
+def check_block_call(
+    group: BlockGroup, pattern: ForwardPattern, bound: inspect.BoundArguments, output: Any
+) -> str | None:
+    """What is wrong with one block call read as ``pattern`` (``None`` if it fits).
+
+    Args:
+        group: The block's group (argument names).
+        pattern: The block's own pattern (:meth:`BlockGroup.pattern_at`).
+        bound: The call's arguments bound to the block's ``forward`` (:func:`bind_block_args`).
+        output: What the block returned.
+    """
     hidden_in = bound.arguments.get(group.hidden_arg)
     if not isinstance(hidden_in, torch.Tensor):
         return f"{group.hidden_arg} is {type(hidden_in).__name__}, not a tensor"
@@ -137,10 +189,18 @@ def _check_output(group: BlockGroup, bound: inspect.BoundArguments, output: Any)
     hidden_out, encoder_out = pattern.unpack(output)
     if _shape(hidden_out) != _shape(hidden_in):
         return f"hidden output shape {_shape(hidden_out)} != input shape {_shape(hidden_in)}"
+    encoder_in = bound.arguments.get(group.encoder_arg) if pattern.takes_encoder else None
     if pattern.returns_encoder and pattern.takes_encoder:
-        encoder_in = bound.arguments.get(group.encoder_arg)
         if encoder_out is not None and _shape(encoder_out) != _shape(encoder_in):
             return f"encoder output shape {_shape(encoder_out)} != input shape {_shape(encoder_in)}"
+        return _swapped(hidden_in, encoder_in, hidden_out, encoder_out)
+    if pattern.takes_encoder and isinstance(output, (tuple, list)) and len(output) > 1:
+        second = output[1]
+        if isinstance(encoder_in, torch.Tensor) and _shape(second) == _shape(encoder_in) != _shape(hidden_in):
+            return (
+                f"pattern {pattern.value} returns only the hidden states, but the block also returned a tensor "
+                f"shaped like {group.encoder_arg} {_shape(encoder_in)}: declare a pattern that returns it"
+            )
     return None
 
 
@@ -152,7 +212,7 @@ def probe_patterns(transformer: torch.nn.Module, adapter: ModelAdapter, run: Cal
     report = PatternReport()
     handles = []
 
-    def make_hook(group: BlockGroup):
+    def make_hook(group: BlockGroup, pattern: ForwardPattern):
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             report.calls[group.path] = report.calls.get(group.path, 0) + 1
             try:
@@ -160,16 +220,17 @@ def probe_patterns(transformer: torch.nn.Module, adapter: ModelAdapter, run: Cal
             except TypeError as exc:
                 report.errors.append(f"{adapter.family}: {group.path}: call does not bind: {exc}")
                 return
-            problem = _check_output(group, bound, output)
+            problem = check_block_call(group, pattern, bound, output)
             if problem and len(report.errors) < 8:
-                report.errors.append(f"{adapter.family}: {group.path} (pattern {group.pattern.value}): {problem}")
+                report.errors.append(f"{adapter.family}: {group.path} (pattern {pattern.value}): {problem}")
 
         return hook
 
     try:
         for group, blocks in block_lists(transformer, adapter):
-            for block in blocks:
-                handles.append(block.register_forward_hook(make_hook(group), with_kwargs=True))
+            for i, block in enumerate(blocks):
+                hook = make_hook(group, group.pattern_at(i, len(blocks)))
+                handles.append(block.register_forward_hook(hook, with_kwargs=True))
         run()
     finally:
         for h in handles:

@@ -1,0 +1,80 @@
+"""A third-party dual-stream DiT unknown to fastdit, written the way such models often are.
+
+Its blocks live in an unusual list (``stages``), are called by keyword with their own argument names, return
+``(txt, img)`` except the last, which returns only ``img``, and the sampler's loop does work between blocks that
+depends on the block index. The text and image streams have the same shape, so only their values tell them apart.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional
+from torch import nn
+
+
+class JointBlock(nn.Module):
+    """Joint attention over ``cat(txt, img)`` and one MLP per stream; the last block drops the text stream."""
+
+    def __init__(self, dim: int, heads: int, last: bool = False) -> None:
+        super().__init__()
+        self.heads, self.last = heads, last
+        self.norm_img, self.norm_txt = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv_img, self.qkv_txt = nn.Linear(dim, 3 * dim), nn.Linear(dim, 3 * dim)
+        self.out_img, self.out_txt = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.mlp_img = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+        self.mlp_txt = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+        self.mod = nn.Linear(dim, 2 * dim)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unflatten(-1, (self.heads, -1)).transpose(1, 2)
+
+    def forward(
+        self, img: torch.Tensor, txt: torch.Tensor, vec: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+        shift, scale = self.mod(vec)[:, None].chunk(2, dim=-1)
+        n_txt = txt.shape[1]
+        qkv = torch.cat([self.qkv_txt(self.norm_txt(txt)), self.qkv_img(self.norm_img(img) * (1 + scale) + shift)], 1)
+        q, k, v = (self._heads(t) for t in qkv.chunk(3, dim=-1))
+        # Spelled through the module path, not a module-level ``F``.
+        attn = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+        img = img + 0.5 * self.out_img(attn[:, n_txt:])
+        img = img + 0.5 * self.mlp_img(img)
+        if self.last:
+            return img
+        txt = txt + 0.5 * self.out_txt(attn[:, :n_txt])
+        return txt + 0.5 * self.mlp_txt(txt), img
+
+
+class ToyMMDiT(nn.Module):
+    """``forward(latents, context, sigma)``; blocks in ``stages``, the last of which returns only ``img``."""
+
+    def __init__(self, dim: int = 16, heads: int = 2, depth: int = 5) -> None:
+        super().__init__()
+        self.embed, self.embed_txt = nn.Linear(4, dim), nn.Linear(6, dim)
+        self.time = nn.Linear(1, dim)
+        self.stages = nn.ModuleList(JointBlock(dim, heads, last=i == depth - 1) for i in range(depth))
+        self.proj = nn.Linear(dim, 4)
+
+    def forward(self, latents: torch.Tensor, context: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        img, txt = self.embed(latents), self.embed_txt(context)
+        vec = self.time(sigma.reshape(-1, 1).float())
+        for i, stage in enumerate(self.stages):
+            out = stage(img=img, txt=txt, vec=vec)
+            if isinstance(out, tuple):
+                txt, img = out
+            else:
+                img = out
+            img = img + 0.01 * i * vec[:, None]  # loop-body work that depends on the block index
+        return self.proj(img)
+
+
+def sample(model: nn.Module, steps: int = 8, seed: int = 0, batch: int = 2) -> torch.Tensor:
+    """Euler sampling from sigma 1 to 0 with a fixed text context (8 text and 8 image tokens)."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, 8, 4, generator=generator)
+    context = torch.randn(batch, 8, 6, generator=generator)
+    sigmas = torch.linspace(1.0, 0.0, steps + 1)
+    with torch.no_grad():
+        for i in range(steps):
+            x = x + (sigmas[i + 1] - sigmas[i]) * model(x, context, sigmas[i].expand(batch))
+    return x
