@@ -18,10 +18,14 @@ STREAMS = {"hidden_arg": "img", "encoder_arg": "txt"}
 
 
 def _adapter(group: BlockGroup, timestep_arg: str = "sigma") -> ModelAdapter:
-    return ModelAdapter(family="toy_mmdit", transformer_classes=(CLASS,), block_groups=(group,), timestep_arg=timestep_arg)
+    return ModelAdapter(
+        family="toy_mmdit", transformer_classes=(CLASS,), block_groups=(group,), timestep_arg=timestep_arg
+    )
 
 
-RIGHT = _adapter(BlockGroup(path="stages", pattern=ForwardPattern.P1, pattern_overrides={-1: ForwardPattern.P2}, **STREAMS))
+RIGHT = _adapter(
+    BlockGroup(path="stages", pattern=ForwardPattern.P1, pattern_overrides={-1: ForwardPattern.P2}, **STREAMS)
+)
 
 
 @pytest.fixture
@@ -31,7 +35,9 @@ def model() -> ToyMMDiT:
 
 
 def _forced(fn: int = 1, bn: int = 0) -> fastdit.DBCache:
-    return fastdit.DBCache(fn=fn, bn=bn, warmup_steps=0, step_mask=fastdit.StepMask(compute_steps=(0, 3, 6), policy="static"))
+    return fastdit.DBCache(
+        fn=fn, bn=bn, warmup_steps=0, step_mask=fastdit.StepMask(compute_steps=(0, 3, 6), policy="static")
+    )
 
 
 def test_a_last_block_with_its_own_pattern_caches_and_is_exact_at_threshold_zero(model: ToyMMDiT) -> None:

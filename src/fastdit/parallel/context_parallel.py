@@ -40,6 +40,7 @@ from fastdit.parallel.attention.dispatch import (
     mark_processors,
     route_marked_dispatch,
     route_modules,
+    route_sdpa_calls,
     route_sdpa_modules,
 )
 from fastdit.parallel.plan import (
@@ -52,6 +53,7 @@ from fastdit.parallel.plan import (
     linear_attention_paths,
     local_attention_paths,
     match_modules,
+    sdpa_call_paths,
     validate_plan,
 )
 from fastdit.parallel.runtime import ParallelRuntime
@@ -362,6 +364,8 @@ def _install_routing(
         undo.append(route_marked_dispatch(routing.dispatch_modules))
     if routing.sdpa_modules or routing.dispatch_modules:
         undo.append(mark_attention_modules(transformer, marker, local_paths))
+    if routing.sdpa_calls:
+        undo.append(route_sdpa_calls(transformer, sdpa_call_paths(transformer, routing), marker))
 
 
 def apply_context_parallel(

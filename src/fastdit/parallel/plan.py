@@ -353,6 +353,11 @@ class AttentionRouting:
             sample's padded text tokens), so every attention call exchanges them instead of deriving them from the
             split sizes. Refused with USP (which needs equal lengths inside each Ulysses group) and with CUDA graphs
             (which would freeze one call's lengths).
+        sdpa_calls: Module path patterns (plan path syntax) of modules whose ``forward`` computes softmax attention
+            inline — any module, with or without a ``processor`` — through ``scaled_dot_product_attention`` however
+            it is spelled (``F.``, ``torch.nn.functional.``, an imported name) on ``(B, H, S, D)`` tensors: while
+            such a module runs, every SDPA call it makes is context-parallel. For third-party models; processors at
+            or below a match need no other routing.
         linear: Module path pattern -> the :class:`TokenSum` reductions of the linear attention modules it matches
             (covering, like ``local``, the attention modules at or below the match): while such a module runs, the
             named reductions over its local tokens are all-reduced over the ranks, so its local queries meet the
@@ -366,6 +371,7 @@ class AttentionRouting:
     local: tuple[str, ...] = ()
     mask_transform: Callable[[torch.Tensor], torch.Tensor] | None = None
     exchange_lengths: bool = False
+    sdpa_calls: tuple[str, ...] = ()
     linear: Mapping[str, tuple[TokenSum, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -376,7 +382,7 @@ class AttentionRouting:
         object.__setattr__(self, "linear", MappingProxyType(linear))
         if isinstance(self.local, str):
             raise ValueError(f"AttentionRouting.local={self.local!r}: expected a tuple of paths, not a string")
-        kinds = ("modules", "sdpa_modules", "dispatch_modules")
+        kinds = ("modules", "sdpa_modules", "dispatch_modules", "sdpa_calls")
         for name in kinds:
             if isinstance(getattr(self, name), str):
                 raise ValueError(f"AttentionRouting.{name}={getattr(self, name)!r}: expected a tuple of module names")
@@ -385,7 +391,8 @@ class AttentionRouting:
         object.__setattr__(self, "local", tuple(self.local))
         if not any(getattr(self, name) for name in kinds) and not self.linear:
             raise ValueError(
-                "AttentionRouting: modules, sdpa_modules and dispatch_modules are empty, and linear too; name a module"
+                "AttentionRouting: modules, sdpa_modules, dispatch_modules and sdpa_calls are empty, and linear too; "
+                "name a module"
             )
         both = set(self.modules) & set(self.dispatch_modules)
         if both:
@@ -537,13 +544,35 @@ def _covered_attention(transformer: torch.nn.Module, pattern: str, field_name: s
     """Attention module paths at or below the modules ``pattern`` matches (at least one, else ``ValueError``)."""
     attention = [name for name, m in transformer.named_modules() if getattr(m, "processor", None) is not None]
     roots = [name for name, _ in match_modules(transformer, pattern)]
-    found = [a for a in attention if any(a == r or a.startswith(f"{r}.") or r == "" for r in roots)]
+    found = [a for a in attention if _below(a, roots)]
     if not found:
         raise ValueError(
             f"context-parallel plan: AttentionRouting.{field_name} path {pattern!r} covers no attention module of "
             f"{type(transformer).__name__}"
         )
     return found
+
+
+def sdpa_call_paths(transformer: torch.nn.Module, routing: AttentionRouting) -> list[str]:
+    """Paths of the modules ``routing.sdpa_calls`` matches, outermost first (each pattern must match one).
+
+    Raises:
+        ValueError: a pattern matches no module.
+    """
+    found: list[str] = []
+    for pattern in routing.sdpa_calls:
+        matched = [name for name, _ in match_modules(transformer, pattern)]
+        if not matched:
+            raise ValueError(
+                f"context-parallel plan: AttentionRouting.sdpa_calls path {pattern!r} matches no module of "
+                f"{type(transformer).__name__}"
+            )
+        found += [m for m in matched if m not in found]
+    return found
+
+
+def _below(path: str, roots: list[str]) -> bool:
+    return any(path == r or path.startswith(f"{r}.") or r == "" for r in roots)
 
 
 def local_attention_paths(transformer: torch.nn.Module, routing: AttentionRouting) -> set[str]:
@@ -559,7 +588,7 @@ def local_attention_paths(transformer: torch.nn.Module, routing: AttentionRoutin
     paths: set[str] = set()
     for pattern in routing.local:
         roots = [name for name, _ in match_modules(transformer, pattern)]
-        found = [a for a in attention if any(a == r or a.startswith(f"{r}.") or r == "" for r in roots)]
+        found = [a for a in attention if _below(a, roots)]
         if not found:
             raise ValueError(
                 f"context-parallel plan: AttentionRouting.local path {pattern!r} covers no attention module of "
@@ -648,12 +677,13 @@ def _validate_attention(
     both = sorted(local & set(linear))
     if both:
         raise ValueError(f"context-parallel plan: {both} are both local and linear in AttentionRouting")
+    inline = sdpa_call_paths(transformer, routing)
     attention = [
         (n, m)
         for n, m in transformer.named_modules()
-        if getattr(m, "processor", None) is not None and n not in local and n not in linear
+        if getattr(m, "processor", None) is not None and n not in local and n not in linear and not _below(n, inline)
     ]
-    if not attention and not linear:
+    if not attention and not linear and not inline:
         raise ValueError(f"context-parallel plan: {type(transformer).__name__} has no attention processors to route")
     for path, module in attention:
         processor = module.processor

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from fastdit.config import Attention
 from fastdit.cuda_graph import current_call_signature
@@ -52,6 +53,7 @@ __all__ = [
     "mark_attention_modules",
     "mark_processors",
     "route_modules",
+    "route_sdpa_calls",
     "route_sdpa_modules",
 ]
 
@@ -530,6 +532,54 @@ def mark_attention_modules(
     for path, module in transformer.named_modules():
         if getattr(module, "processor", None) is None or path in local:
             continue
+        handles.append(module.register_forward_pre_hook(enter))
+        handles.append(module.register_forward_hook(leave, always_call=True))
+
+    def undo() -> None:
+        for handle in handles:
+            handle.remove()
+
+    return undo
+
+
+class _SdpaCallMode(TorchFunctionMode):
+    """Sends every ``scaled_dot_product_attention`` call made while it is active to one context-parallel attention.
+
+    A torch function mode sees the call however the model spells it (``F.``, ``torch.nn.functional.``, a name
+    imported from either); the mode is off inside its own handler, so the local kernels the context-parallel
+    attention runs are the real ones.
+    """
+
+    def __init__(self, marker: ContextParallelAttention) -> None:
+        super().__init__()
+        self.marker = marker
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is F.scaled_dot_product_attention:
+            return _routed_sdpa(self.marker, *args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def route_sdpa_calls(
+    transformer: torch.nn.Module, paths: Iterable[str], marker: ContextParallelAttention
+) -> Callable[[], None]:
+    """While a module of ``transformer`` at one of ``paths`` runs, its SDPA calls go to ``marker``; returns the undo.
+
+    A forward pre-hook enters a :class:`_SdpaCallMode`, a forward hook that runs even when forward raises leaves it.
+    """
+    tokens = threading.local()
+
+    def enter(module: torch.nn.Module, args: tuple) -> None:
+        mode = _SdpaCallMode(marker)
+        mode.__enter__()
+        tokens.__dict__.setdefault("stack", []).append(mode)
+
+    def leave(module: torch.nn.Module, args: tuple, output: Any) -> None:
+        tokens.stack.pop().__exit__(None, None, None)
+
+    handles = []
+    for path in paths:
+        module = transformer.get_submodule(path)
         handles.append(module.register_forward_pre_hook(enter))
         handles.append(module.register_forward_hook(leave, always_call=True))
 
