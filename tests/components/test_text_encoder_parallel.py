@@ -242,7 +242,9 @@ def test_plans_read_transformers_base_model_tp_plan() -> None:
         assert isinstance(ours, Colwise if style == "colwise" else Rowwise), path
         assert ours.unit == ("head_dim" if ".self_attn." in path else None), path
     assert plan.layers["lm_head"] == Colwise(gather_output=True)  # LlamaForCausalLM._tp_plan
-    assert set(plan.fallback.layers) == {f"model.layers.*.mlp.{n}" for n in ("gate_proj", "up_proj", "down_proj")}
+    mlp = {f"model.layers.*.mlp.{n}" for n in ("gate_proj", "up_proj", "down_proj")}
+    assert (plan.fallback.name, set(plan.fallback.layers)) == ("mlp+head", {*mlp, "lm_head"})
+    assert (plan.fallback.fallback.name, set(plan.fallback.fallback.layers)) == ("mlp-only", mlp)
     # GLM's fused [gate|up] projection, which transformers gathers and splits again, stays split by halves.
     glm = plan_for_class("transformers.models.glm.modeling_glm.GlmModel")
     assert glm.layers["layers.*.mlp.gate_up_proj"] == Colwise(segments=(1, 1))

@@ -123,7 +123,11 @@ def _translated(class_name: str, spec: _FromTransformers, tied_head: bool) -> Te
     config = _import(spec.config)
     layers = translate_transformers_plan(config.base_model_tp_plan or {}, spec.prefix, spec.fused)
     head = translate_transformers_plan(getattr(cls, "_tp_plan", None) or {})  # the LM head, if the class has one
-    notes = f"layers from {config.__name__}.base_model_tp_plan" + (f" ({spec.reason})" if spec.reason else "")
+    notes = f"attention by heads, MLP by width, from {config.__name__}.base_model_tp_plan"
+    notes += f" ({spec.reason})" if spec.reason else ""
+    for path, segments in spec.fused.items():
+        notes += f"; fused {path.rpartition('.')[2]} split per part {segments}"
+    notes += "; embeddings and norms whole"
     if head and tied_head:
         # A head tied to the token embedding would be held twice (a slice, and whole in the embedding): more bytes
         # per rank than not splitting it.
@@ -134,6 +138,12 @@ def _translated(class_name: str, spec: _FromTransformers, tied_head: bool) -> Te
     fallback = TensorParallelPlan(
         layers=_mlp_only(layers), name="mlp-only", notes="the MLPs only, for a degree the (KV) heads do not divide"
     )
+    if head:
+        # The head splits by vocabulary, whatever the heads: kept in the first fallback (Qwen2.5-VL-7B's 28 heads
+        # at 8 ranks still split its 0.5 B-parameter head).
+        fallback = TensorParallelPlan(
+            layers={**fallback.layers, **head}, name="mlp+head", notes="the MLPs and the LM head", fallback=fallback
+        )
     return TensorParallelPlan(layers={**layers, **head}, notes=notes, fallback=fallback)
 
 
