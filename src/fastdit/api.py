@@ -212,6 +212,13 @@ class Summary:
                     continue
                 lines.append(f"  {branch}: {b['num_cached_steps']}/{b['steps']} steps cached {b['cached_steps']}")
                 lines.append(f"    residual diffs: [{diffs}]")
+        for name, info in self.text_encoders.items():
+            split = info["text_encoder_parallel"]
+            whole = split["split_bytes"] + split["replicated_bytes"]
+            lines.append(
+                f"{name}: {split['plan']} plan over {split['degree']} ranks, "
+                f"{split['parameter_bytes_per_rank'] / 2**20:.1f} MiB of {whole / 2**20:.1f} per rank"
+            )
         return "\n".join(lines)
 
     def to_json(self) -> str:

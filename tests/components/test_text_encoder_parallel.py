@@ -308,6 +308,7 @@ PIPELINE_TOLERANCE = 1e-4
 LAYOUTS: dict[str, list[dict[str, int]]] = {
     "flux": [{"ulysses": 2}, {"tp": 2}],  # CLIP + T5
     "qwenimage": [{"ulysses": 2}, {"tp": 2}, {"cfg": 2}],  # Qwen2.5-VL; CFG ranks encode the same prompts
+    "hunyuan_video": [{"ulysses": 2}],  # Llama with 1 KV head (its MLPs only) + CLIP
 }
 
 
@@ -325,14 +326,16 @@ def _run_pipeline(rank: int, world_size: int, family: str, layouts: list[dict[st
         fastdit.accelerate(pipe, parallel=fastdit.Parallel(**layout, text_encoder=True))
         try:
             out = run_tiny(pipe, tiny)
-            stats = {name: info["text_encoder_parallel"] for name, info in fastdit.summary(pipe).text_encoders.items()}
+            summary = fastdit.summary(pipe)
+            stats = {name: info["text_encoder_parallel"] for name, info in summary.text_encoders.items()}
+            text = str(summary)
         finally:
             fastdit.disable(pipe)
         restored = all(
             all(torch.equal(encoders[name].state_dict()[k], v) for k, v in state.items())
             for name, state in before.items()
         )
-        results.append({"out": out, "stats": stats, "restored": restored})
+        results.append({"out": out, "stats": stats, "restored": restored, "text": text})
     return results
 
 
@@ -353,4 +356,8 @@ def test_pipeline_with_split_text_encoders_matches_one_process(family: str) -> N
                     and stats["parameter_bytes_per_rank"] < stats["split_bytes"] + stats["replicated_bytes"]
                 )
             assert result["restored"], f"{layout}: disable did not restore the text encoders"
+            for name, stats in result["stats"].items():
+                assert f"{name}: {stats['plan']} plan over 2 ranks" in result["text"], result["text"]
+    if family == "hunyuan_video":  # one KV head does not split: the fallback
+        assert {s["plan"] for s in per_rank[0]["stats"].values()} == {"mlp-only", "full"}
     assert np.array_equal(run_tiny(pipe, tiny), expected)
