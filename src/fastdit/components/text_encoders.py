@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -269,7 +269,7 @@ _FROM_TRANSFORMERS: dict[str, _FromTransformers] = {
     ),
 }
 
-_OWN: dict[str, object] = {
+_OWN: dict[str, Callable[[], TensorParallelPlan]] = {
     f"{_T}.t5.modeling_t5.T5EncoderModel": functools.partial(_t5_plan, "T5"),
     f"{_T}.umt5.modeling_umt5.UMT5EncoderModel": functools.partial(_t5_plan, "UMT5"),
     # transformers 5's CLIPTextModel is the text transformer itself; the projection model holds one as text_model.
