@@ -380,8 +380,12 @@ class _TextEncoderParallel:
                 check_unsplit(item.module, plan)
                 resolve_tp_plan(item.module, plan, degree, type(item.module).__name__)
             except ValueError as error:
+                # The plan's messages say "tp": here the degree is the world size, every rank of the job.
                 raise ArgumentError(
-                    "accelerate", "parallel", parallel, f"text_encoder=True: {item.name}: {error}"
+                    "accelerate",
+                    "parallel",
+                    parallel,
+                    f"text_encoder=True splits the text encoders over all {degree} ranks: {item.name}: {error}",
                 ) from error
 
     def apply(self, context: Context) -> None:

@@ -282,7 +282,9 @@ def test_checks_refuse_before_any_weight_moves(monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(ArgumentError, match=r"text_encoder=True .* one rank \(world size 1\): there is nothing"):
         fastdit.accelerate(pipe, parallel=fastdit.Parallel(text_encoder=True))
     # CLIP's 2 heads and 64-wide MLP do not split over 3 ranks: the message says which size and why.
-    with pytest.raises(ArgumentError, match=r"text_encoder: .*'CLIPTextModel'.* is not divisible by tp=3; valid"):
+    with pytest.raises(
+        ArgumentError, match=r"over all 3 ranks: text_encoder: .*'CLIPTextModel'.* is not divisible by tp=3; valid"
+    ):
         _check_request(pipe, ulysses=3)
     _check_request(pipe, ulysses=2)  # every encoder fits 2 ranks
     # A registered encoder class without a plan is named.
