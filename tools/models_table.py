@@ -116,7 +116,7 @@ def render() -> str:
         "[parallel.md](parallel.md)) — every plan is tested on 2 and 3 gloo ranks against one process — or why there",
         "is none. The tensor-parallel column gives what the family's plan splits (see",
         "[tensor_parallel.md](tensor_parallel.md)) — every plan is tested on 2 gloo ranks against one process, alone",
-        "and under a step cache — or why there is none. Text-encoder and VAE parallelism are not available yet.",
+        "and under a step cache — or why there is none. Text-encoder parallelism is per encoder class, at the end.",
         "",
         f"**{supported} transformer classes supported; {with_cp} with context parallelism; {with_tp} with tensor "
         "parallelism.**",
@@ -125,7 +125,29 @@ def render() -> str:
         "| tiny pipelines | CLI names |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    return "\n".join(header + rows) + "\n"
+    return "\n".join(header + rows + text_encoder_rows()) + "\n"
+
+
+def text_encoder_rows() -> list[str]:
+    """The text-encoder table: each registered encoder class and what ``Parallel(text_encoder=True)`` splits."""
+    from fastdit.components.text_encoders import plan_for_class, planned_classes
+
+    lines = [
+        "",
+        "## Text encoders",
+        "",
+        "`Parallel(text_encoder=True)` splits every text encoder of the pipeline over all ranks of the job (see",
+        "[text_encoder_parallel.md](text_encoder_parallel.md)); every class is tested on 2 gloo ranks against one",
+        "process. The fallback applies at a degree the (KV) heads do not divide.",
+        "",
+        "| encoder class | plan | fallback |",
+        "|---|---|---|",
+    ]
+    for name in planned_classes():
+        plan = plan_for_class(name)
+        fallback = plan.fallback.name if plan.fallback is not None else "—"
+        lines.append(f"| `{name.rpartition('.')[2]}` | {plan.notes} | {fallback} |")
+    return lines
 
 
 def main() -> int:

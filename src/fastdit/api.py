@@ -14,7 +14,7 @@ different techniques nest on a module is fixed by the layer table of :mod:`fastd
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -166,9 +166,10 @@ def reset(target: Any) -> None:
 
 @dataclass
 class Summary:
-    """What fastdit did in the last run, per transformer component."""
+    """What fastdit did in the last run, per transformer component (and per text encoder it split)."""
 
     transformers: dict[str, dict[str, Any]]
+    text_encoders: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def num_cached_steps(self) -> int:
@@ -186,6 +187,7 @@ class Summary:
         """JSON-ready form."""
         return {
             "transformers": self.transformers,
+            "text_encoders": self.text_encoders,
             "num_cached_steps": self.num_cached_steps,
             "blocks_computed_fraction": self.blocks_computed_fraction,
         }
@@ -210,6 +212,13 @@ class Summary:
                     continue
                 lines.append(f"  {branch}: {b['num_cached_steps']}/{b['steps']} steps cached {b['cached_steps']}")
                 lines.append(f"    residual diffs: [{diffs}]")
+        for name, info in self.text_encoders.items():
+            split = info["text_encoder_parallel"]
+            whole = split["split_bytes"] + split["replicated_bytes"]
+            lines.append(
+                f"{name}: {split['plan']} plan over {split['degree']} ranks, "
+                f"{split['parameter_bytes_per_rank'] / 2**20:.1f} MiB of {whole / 2**20:.1f} per rank"
+            )
         return "\n".join(lines)
 
     def to_json(self) -> str:
@@ -244,4 +253,16 @@ def summary(target: Any) -> Summary:
         if graphs is not None:
             info["cuda_graph"] = graphs.stats()
         out[item.name] = info
-    return Summary(out)
+    return Summary(out, _text_encoders(context))
+
+
+def _text_encoders(context: Context) -> dict[str, dict[str, Any]]:
+    """Per text encoder that a technique split: its class and that technique's statistics."""
+    from fastdit.components.registry import TEXT_ENCODER
+
+    out: dict[str, dict[str, Any]] = {}
+    for item in context.components.of(TEXT_ENCODER):
+        split = context.state("text_encoder_parallel", item.name)
+        if split is not None:
+            out[item.name] = {"class": type(item.module).__name__, "text_encoder_parallel": split.stats()}
+    return out

@@ -279,7 +279,11 @@ class Parallel:
     ring: int = _doc("Ring-attention context-parallel degree.", 1)
     tp: int = _doc("Tensor-parallel degree of the transformer.", 1)
     cfg: int = _doc("CFG-parallel degree (1 or 2): cond and uncond branches on different ranks.", 1)
-    text_encoder: bool = _doc("Shard the text encoders with tensor parallelism over the TP ranks.", False)
+    text_encoder: bool = _doc(
+        "Split the text encoders with tensor parallelism over all ranks of the job (every rank encodes the same "
+        "prompts, CFG ranks included); needs more than one process.",
+        False,
+    )
     vae: bool = _doc("Decode the latent in parallel over all ranks.", False)
     ulysses_chunks: int = _doc(
         "Pipeline Ulysses attention over this many head chunks, so one chunk's all-to-all overlaps another's "

@@ -344,6 +344,68 @@ class _CudaGraph:
             context.add(self.name, item.name, applied.undo, applied.state)
 
 
+class _TextEncoderParallel:
+    """Tensor parallelism of every text encoder over all ranks of the job (each rank encodes the same prompts)."""
+
+    name = "text_encoder_parallel"
+    needs_components = True
+
+    def requested(self, request: Request) -> bool:
+        return request.parallel is not None and request.parallel.text_encoder
+
+    def check(self, request: Request, components: Components) -> None:
+        from fastdit.components.registry import TEXT_ENCODER
+        from fastdit.components.text_encoders import text_encoder_plan
+        from fastdit.parallel.tensor_parallel import check_unsplit
+        from fastdit.parallel.tp_plan import resolve_tp_plan
+
+        parallel = request.parallel
+        degree = parallel.world_size
+        if degree == 1:
+            raise ArgumentError(
+                "accelerate",
+                "parallel",
+                parallel,
+                "text_encoder=True splits the text encoders over all ranks of the job, and this layout has one rank "
+                "(world size 1): there is nothing to split over; run on several processes or drop text_encoder",
+            )
+        encoders = components.of(TEXT_ENCODER)
+        if not encoders:
+            raise ArgumentError(
+                "accelerate", "parallel", parallel, "text_encoder=True: the target has no text encoder to split"
+            )
+        for item in encoders:
+            try:
+                plan = text_encoder_plan(item.module)
+                check_unsplit(item.module, plan)
+                resolve_tp_plan(item.module, plan, degree, type(item.module).__name__)
+            except ValueError as error:
+                # The plan's messages say "tp": here the degree is the world size, every rank of the job.
+                raise ArgumentError(
+                    "accelerate",
+                    "parallel",
+                    parallel,
+                    f"text_encoder=True splits the text encoders over all {degree} ranks: {item.name}: {error}",
+                ) from error
+
+    def apply(self, context: Context) -> None:
+        from fastdit.components.registry import TEXT_ENCODER
+        from fastdit.components.text_encoders import text_encoder_plan
+        from fastdit.parallel.tensor_parallel import apply_tensor_parallel
+
+        runtime = context.runtime
+        mesh = runtime.world_mesh()
+        for item in context.components.of(TEXT_ENCODER):
+            applied = apply_tensor_parallel(
+                item.module,
+                text_encoder_plan(item.module),
+                mesh,
+                device=runtime.device,
+                family=type(item.module).__name__,
+            )
+            context.add(self.name, item.name, applied.undo, applied.state)
+
+
 TECHNIQUES: tuple[Technique, ...] = (
     _TensorParallel(),
     _ContextParallel(),
@@ -352,7 +414,7 @@ TECHNIQUES: tuple[Technique, ...] = (
     _Cache(),
     _Compile(),
     _CudaGraph(),
-    _Unavailable("text_encoder_parallel", "text_encoder", "text_encoder"),
+    _TextEncoderParallel(),
     _Unavailable("vae_parallel", "vae", "vae"),
 )
 """Every technique, in application order."""

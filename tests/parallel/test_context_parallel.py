@@ -524,7 +524,6 @@ def test_world_size_mismatch_leaves_the_model_alone() -> None:
 @pytest.mark.parametrize(
     ("options", "match"),
     [
-        ({"parallel": fastdit.Parallel(text_encoder=True)}, "text_encoder parallelism"),
         ({"parallel": fastdit.Parallel(vae=True)}, "vae parallelism"),
         ({"attention": fastdit.Attention(backend="math")}, "only available with context parallelism"),
     ],

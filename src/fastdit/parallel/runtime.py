@@ -251,12 +251,30 @@ class ParallelRuntime:
         Raises:
             ValueError: Without a process group.
         """
+        return self.flat_mesh(dims).get_group()
+
+    def flat_mesh(self, dims: tuple[str, ...]) -> DeviceMesh:
+        """A 1-D device mesh over several mesh dims (the first one outermost in rank order), as :meth:`flat_group`.
+
+        Raises:
+            ValueError: Without a process group.
+        """
         for dim in dims:
             _check_dim(dim)
         if self.mesh is None:
             raise ValueError(f"mesh dims {dims}: this runtime has no process group")
-        flat = self.mesh[dims]._flatten("fastdit_" + "_".join(dims), backend_override=self._options())
-        return flat.get_group()
+        return self.mesh[dims]._flatten("fastdit_" + "_".join(dims), backend_override=self._options())
+
+    def world_mesh(self) -> DeviceMesh:
+        """A 1-D device mesh over every rank of the job, in global rank order (every dim of :data:`MESH_DIMS`).
+
+        For work every rank does alike whatever its place in the layout (the text encoders, which see the same
+        prompts on every rank, CFG ranks included).
+
+        Raises:
+            ValueError: Without a process group.
+        """
+        return self.flat_mesh(MESH_DIMS)
 
     def _options(self) -> dist.Backend.Options:
         return group_options(self.parallel.timeout_s)

@@ -114,22 +114,27 @@ def planned_bytes(
     """
     plan = resolve_tp_plan(transformer, plan, degree, family)
     split = replicated = 0
-    split_ids: set[int] = set()
+    split_modules: set[int] = set()
     for _, module, style in plan_layers(transformer, plan):
         if isinstance(style, LocalSlice):
             continue
+        split_modules.add(id(module))
         for name, param in module.named_parameters(recurse=False):
-            split_ids.add(id(param))
             # A row-wise layer's bias is added once, after the sum: every rank holds it whole.
             if name == "bias" and not isinstance(style, (Colwise, ShardedNorm)):
                 replicated += _bytes(param)
             else:
                 split += _bytes(param)
+    # By owning module, not by parameter: a weight tied between a split layer and a whole one (a language model's
+    # head and its token embedding) is held twice once split, as a slice and whole.
     seen: set[int] = set()
-    for param in transformer.parameters():
-        if id(param) not in split_ids and id(param) not in seen:
-            seen.add(id(param))
-            replicated += _bytes(param)
+    for module in transformer.modules():
+        if id(module) in split_modules:
+            continue
+        for param in module.parameters(recurse=False):
+            if id(param) not in seen:
+                seen.add(id(param))
+                replicated += _bytes(param)
     return {
         "plan": plan.name,
         "split_bytes": split,
@@ -403,6 +408,7 @@ def _place_rest(transformer: torch.nn.Module, device: torch.device, split: set[i
     """
     replaced: list[tuple[dict, str, Any]] = []
     copies: dict[int, Any] = {}  # tied parameters stay tied
+    counted: set[int] = set()  # and are counted once (T5's shared embedding), wherever they already are
     total = 0
     for module in transformer.modules():
         if isinstance(module, ShardedNormModule):  # its parameters are already the rank's slices, on the device
@@ -411,8 +417,9 @@ def _place_rest(transformer: torch.nn.Module, device: torch.device, split: set[i
             for name, value in list(table.items()):
                 if value is None or isinstance(value, DTensor) or id(value) in split:
                     continue
-                if is_param:
-                    total += _bytes(value) if id(value) not in copies else 0
+                if is_param and id(value) not in counted:
+                    counted.add(id(value))
+                    total += _bytes(value)
                 if value.device == device:
                     continue
                 if id(value) not in copies:

@@ -69,8 +69,9 @@ def _check_segments(owner: str, segments: tuple[Segment, ...]) -> None:
             raise ValueError(f"{owner}.segments={segments!r}: each segment is a positive int or an attribute path")
 
 
-# A split's unit: an int, or (numerator, denominator) attribute paths on the owning module (inner_dim // heads).
-Unit = int | tuple[str, str] | None
+# A split's unit: an int, an attribute path on the owning module (``"head_dim"``), or (numerator, denominator)
+# attribute paths on it (inner_dim // heads).
+Unit = int | str | tuple[str, str] | None
 
 
 def _check_unit(owner: str, unit: Unit) -> None:
@@ -78,9 +79,13 @@ def _check_unit(owner: str, unit: Unit) -> None:
         return
     if isinstance(unit, int) and not isinstance(unit, bool) and unit > 0:
         return
+    if isinstance(unit, str) and unit:
+        return
     if isinstance(unit, tuple) and len(unit) == 2 and all(isinstance(u, str) and u for u in unit):
         return
-    raise ValueError(f"{owner}.unit={unit!r}: a positive int or a (numerator, denominator) pair of attribute paths")
+    raise ValueError(
+        f"{owner}.unit={unit!r}: a positive int, an attribute path or a (numerator, denominator) pair of them"
+    )
 
 
 @dataclass(frozen=True)
@@ -91,7 +96,8 @@ class Colwise:
         segments: The fused parts of the output, each split on its own (empty: one part).
         gather_output: All-gather the output so every rank gets all features (AdaLN modulation; ``Linear`` only).
         unit: Split each segment only in whole units of this many features (a head), when no divided attribute
-            already says so.
+            already says so: an int, an attribute path read on the owning module (``"head_dim"``), or a
+            (numerator, denominator) pair of them.
     """
 
     segments: tuple[Segment, ...] = ()
@@ -290,6 +296,11 @@ def unit_size(owner: torch.nn.Module, style: Style, where: str) -> int | None:
     unit = getattr(style, "unit", None)
     if unit is None or isinstance(unit, int):
         return unit
+    if isinstance(unit, str):
+        value = resolve_attr(owner, unit)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"tensor-parallel plan: {where!r} unit {unit!r} reads {value!r}, not a positive int")
+        return value
     numerator, denominator = (resolve_attr(owner, path) for path in unit)
     if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (numerator, denominator)):
         raise ValueError(f"tensor-parallel plan: {where!r} unit {unit} reads {numerator!r} / {denominator!r}")
