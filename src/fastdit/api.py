@@ -14,7 +14,7 @@ different techniques nest on a module is fixed by the layer table of :mod:`fastd
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -169,6 +169,7 @@ class Summary:
     """What fastdit did in the last run, per transformer component."""
 
     transformers: dict[str, dict[str, Any]]
+    vaes: dict[str, dict[str, Any]] = field(default_factory=dict)  # VAE parallelism's statistics, per VAE
 
     @property
     def num_cached_steps(self) -> int:
@@ -186,6 +187,7 @@ class Summary:
         """JSON-ready form."""
         return {
             "transformers": self.transformers,
+            "vaes": self.vaes,
             "num_cached_steps": self.num_cached_steps,
             "blocks_computed_fraction": self.blocks_computed_fraction,
         }
@@ -244,4 +246,5 @@ def summary(target: Any) -> Summary:
         if graphs is not None:
             info["cuda_graph"] = graphs.stats()
         out[item.name] = info
-    return Summary(out)
+    vaes = {r.component: r.state.stats() for r in context.applied() if r.technique == "vae_parallel"}
+    return Summary(out, vaes)

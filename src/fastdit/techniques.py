@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from fastdit.components.vae_technique import VaeParallel
 from fastdit.errors import ArgumentError, UnavailableError
 
 if TYPE_CHECKING:
@@ -353,7 +354,7 @@ TECHNIQUES: tuple[Technique, ...] = (
     _Compile(),
     _CudaGraph(),
     _Unavailable("text_encoder_parallel", "text_encoder", "text_encoder"),
-    _Unavailable("vae_parallel", "vae", "vae"),
+    VaeParallel(),
 )
 """Every technique, in application order."""
 

@@ -95,7 +95,8 @@ class VaePlan:
         methods: The instance methods wrapped (``"decode"``, ``"encode"``).
         encode_unit: Image rows per latent row (the encoder's total downsampling), read from the VAE: encoder bands
             are whole multiples of it. ``None``: ``encode`` is not split.
-        halo_modules: Fully qualified class -> halo, for modules that pad inside their ``forward`` (causal 3-D
+        halo_modules: Fully qualified class -> halo (or a function of the instance giving it, ``None`` for an
+            instance that pads nothing itself), for modules that pad inside their ``forward`` (causal 3-D
             convolutions) or pad before a convolution (a downsampler padding ``(0, 1, 0, 1)``); the convolutions
             inside them are not hooked again. Plain ``Conv2d``/``Conv3d`` need no entry (their halo is read from the
             kernel, padding, dilation and stride).
@@ -104,17 +105,23 @@ class VaePlan:
         attention: Fully qualified classes of softmax-attention modules: keys and values are gathered while they run.
         linear_attention: Fully qualified class -> the token sums of its linear attention (all-reduced).
         norms: Fully qualified classes of ``GroupNorm`` (or exact subclasses) whose statistics are reduced.
+        band_checks: Fully qualified class -> a check run before each call of such a module on a band, given the
+            module, every band's row count there and its input; it returns why the band cannot be exact (raised
+            on every rank alike) or ``None`` (an attention that picks its kernel by the local token count).
         refuse: Fully qualified class -> why a band cannot compute it exactly (raised when the VAE holds one).
         notes: What was checked for this class, for the docs.
     """
 
     methods: tuple[str, ...] = ("decode", "encode")
     encode_unit: Callable[[torch.nn.Module], int] | None = None
-    halo_modules: Mapping[str, HaloSpec] = field(default_factory=dict)
+    halo_modules: Mapping[str, HaloSpec | Callable[[torch.nn.Module], HaloSpec | None]] = field(default_factory=dict)
     local_convs: tuple[str, ...] = ()
     attention: tuple[str, ...] = ()
     linear_attention: Mapping[str, tuple[TokenSum, ...]] = field(default_factory=dict)
     norms: tuple[str, ...] = (_GROUP_NORM,)
+    band_checks: Mapping[str, Callable[[torch.nn.Module, list[int], torch.Tensor], str | None]] = field(
+        default_factory=dict
+    )
     refuse: Mapping[str, str] = field(default_factory=dict)
     notes: str = ""
 
@@ -247,10 +254,8 @@ def _conv_halo(conv: torch.nn.Module) -> HaloSpec:
     dilation = conv.dilation[-2]
     stride = conv.stride[-2]
     padding = conv.padding
-    if isinstance(padding, str):  # "same" pads (k-1)/2 either side with stride 1; "valid" none
-        pad = (dilation * (kernel - 1)) // 2 if padding == "same" else 0
-    else:
-        pad = padding[-2]
+    # "same" pads about (k-1)/2 either side with stride 1, "valid" nothing; the halo covers the larger side.
+    pad = padding[-2] if not isinstance(padding, str) else (dilation * (kernel - 1)) // 2 if padding == "same" else 0
     reach = dilation * (kernel - 1)
     return HaloSpec(radius=max(pad, reach - pad), stride=stride)
 
@@ -449,6 +454,19 @@ def _install_attention(module: torch.nn.Module, path: str) -> Callable[[], None]
     return lambda: [h.remove() for h in handles]
 
 
+def _install_check(module: torch.nn.Module, path: str, check: Callable) -> Callable[[], None]:
+    def before(mod: torch.nn.Module, args: tuple) -> None:
+        band = _active()
+        if band is None:
+            return
+        x = args[0]
+        reason = check(mod, band.rows_of_all(x.shape[-2]), x)
+        if reason is not None:
+            raise VaeParallelError(f"VAE parallel: {path!r}: {reason} (input bands {list(band.sizes)})")
+
+    return module.register_forward_pre_hook(before).remove
+
+
 # ----------------------------------------------------------------------------------------------------------- entry
 
 
@@ -530,17 +548,23 @@ class _Targets:
     norms: list[tuple[str, torch.nn.Module]] = field(default_factory=list)
     attention: list[tuple[str, torch.nn.Module]] = field(default_factory=list)
     linear: dict[str, tuple[TokenSum, ...]] = field(default_factory=dict)
+    checks: list[tuple[str, torch.nn.Module, Callable]] = field(default_factory=list)
 
 
 def _classify(path: str, module: torch.nn.Module, plan: VaePlan, found: _Targets) -> bool:
     """Record what ``module`` needs; return whether its children are covered by it (not walked)."""
     name = _qualified(type(module))
     where = f"{path or '<root>'} ({name})"
+    if name in plan.band_checks:
+        found.checks.append((path, module, plan.band_checks[name]))
     if name in plan.refuse:
         raise ValueError(f"VAE parallel: {where}: {plan.refuse[name]}")
     if name in plan.halo_modules:
-        found.halos.append((path, module, plan.halo_modules[name], True))
-        return True
+        spec = plan.halo_modules[name]
+        spec = spec(module) if callable(spec) else spec
+        if spec is not None:  # None: this instance pads nothing itself (its children are walked)
+            found.halos.append((path, module, spec, True))
+            return True
     if type(module) in _PLAIN_CONVS or name in plan.local_convs:
         spec = _conv_halo(module)
         if spec.radius > 0 or spec.stride > 1:
@@ -562,9 +586,28 @@ def _classify(path: str, module: torch.nn.Module, plan: VaePlan, found: _Targets
     if name in plan.linear_attention:
         found.linear[path] = plan.linear_attention[name]
         return False
+    if isinstance(module, _PADS):
+        raise ValueError(f"VAE parallel: {where}: pads rows outside any halo module of the VAE's plan")
+    if isinstance(module, torch.nn.Upsample) and not _row_local_upsample(module):
+        raise ValueError(f"VAE parallel: {where}: {module.mode!r} upsampling mixes rows across band edges")
     if hasattr(module, "processor") or hasattr(module, "set_processor"):
         raise ValueError(f"VAE parallel: {where}: an attention module the VAE's plan does not cover")
     return False
+
+
+_PADS = (
+    torch.nn.modules.padding._ConstantPadNd,
+    torch.nn.modules.padding._ReflectionPadNd,
+    torch.nn.modules.padding._ReplicationPadNd,
+)
+
+
+def _row_local_upsample(module: torch.nn.Upsample) -> bool:
+    """Nearest upsampling by a whole factor copies each row into its own output rows: row-local."""
+    factor = module.scale_factor
+    factors = factor if isinstance(factor, tuple) else (factor,)
+    whole = factor is not None and all(float(f).is_integer() for f in factors)
+    return module.mode in ("nearest", "nearest-exact") and whole
 
 
 def _walk(vae: torch.nn.Module, plan: VaePlan) -> _Targets:
@@ -630,6 +673,8 @@ def apply_vae_parallel(vae: torch.nn.Module, plan: VaePlan, group: dist.ProcessG
             undos.append(_install_norm(norm))
         for path, module in found.attention:
             undos.append(_install_attention(module, path))
+        for path, module, check in found.checks:
+            undos.append(_install_check(module, path, check))
         if found.linear:
             undos.append(install_token_sums(vae, found.linear, group, when=lambda: _active() is not None))
         for name in plan.methods:
