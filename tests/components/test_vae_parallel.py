@@ -137,7 +137,7 @@ def test_band_sizes() -> None:
     assert band_sizes(40, 3, 8) == (16, 16, 8)
     with pytest.raises(VaeParallelError, match="not a multiple of the band unit 8"):
         band_sizes(44, 2, 8)
-    with pytest.raises(VaeParallelError, match="2 rows .* cannot give each of 3 ranks a band"):
+    with pytest.raises(VaeParallelError, match=r"2 rows .* cannot give each of 3 ranks a band"):
         band_sizes(2, 3)
 
 

@@ -32,8 +32,8 @@ class VaeParallel:
     def check(self, request: Request, components: Components) -> None:
         """Refuse (naming the field) a single rank, a target without a VAE, a VAE without a plan or with tiling on."""
         from fastdit.components.registry import VAE
-        from fastdit.components.vae_plans import plan_for
         from fastdit.components.vae_parallel import check_vae
+        from fastdit.components.vae_plans import plan_for
 
         parallel = request.parallel
         if parallel.world_size < 2:
