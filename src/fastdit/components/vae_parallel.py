@@ -108,6 +108,9 @@ class VaePlan:
         band_checks: Fully qualified class -> a check run before each call of such a module on a band, given the
             module, every band's row count there and its input; it returns why the band cannot be exact (raised
             on every rank alike) or ``None`` (an attention that picks its kernel by the local token count).
+        tiled: Method -> (path of the submodule its tiled form calls once per tile, the output shape of that
+            submodule for an input shape): with ``use_tiling=True`` the tiles are spread over the ranks instead
+            (empty: tiling is refused).
         refuse: Fully qualified class -> why a band cannot compute it exactly (raised when the VAE holds one).
         notes: What was checked for this class, for the docs.
     """
@@ -123,6 +126,9 @@ class VaePlan:
         default_factory=dict
     )
     refuse: Mapping[str, str] = field(default_factory=dict)
+    tiled: Mapping[str, tuple[str, Callable[[torch.nn.Module, torch.Size], tuple[int, ...]]]] = field(
+        default_factory=dict
+    )
     notes: str = ""
 
 
@@ -138,6 +144,7 @@ class VaeParallelState:
         linear_attentions: Linear attention modules whose token sums are reduced.
         calls: Calls of each wrapped method.
         exchanges: Halo exchanges (one per hooked module call).
+        tiles: Tiles spread over the ranks (tiled mode).
         last_bands: Rows of each rank's band in the last call.
     """
 
@@ -148,6 +155,7 @@ class VaeParallelState:
     linear_attentions: int = 0
     calls: dict[str, int] = field(default_factory=dict)
     exchanges: int = 0
+    tiles: int = 0
     last_bands: tuple[int, ...] = ()
 
     def stats(self) -> dict[str, Any]:
@@ -160,6 +168,7 @@ class VaeParallelState:
             "linear_attentions_reduced": self.linear_attentions,
             "calls": dict(self.calls),
             "halo_exchanges": self.exchanges,
+            "tiles_spread": self.tiles,
             "last_bands": list(self.last_bands),
         }
 
@@ -500,7 +509,12 @@ def _gather_output(out: Any, band: _Band) -> Any:
 
 
 def _wrap_method(
-    vae: torch.nn.Module, name: str, unit: int, group: dist.ProcessGroup | None, state: VaeParallelState
+    vae: torch.nn.Module,
+    name: str,
+    unit: int,
+    group: dist.ProcessGroup | None,
+    state: VaeParallelState,
+    tiled: Mapping[str, tuple[str, Callable]],
 ) -> Callable[[], None]:
     """Replace the instance's ``name`` method by one that runs the original on this rank's band and gathers."""
     original = getattr(vae, name)
@@ -511,6 +525,8 @@ def _wrap_method(
     def banded(*args: Any, **kwargs: Any) -> Any:
         if _active() is not None:  # called from inside another banded call: already on a band
             return original(*args, **kwargs)
+        if getattr(vae, "use_tiling", False) and name in tiled:
+            return _tiled_call(vae, original, tiled[name], group, state, name, args, kwargs)
         if getattr(vae, "use_tiling", False):
             raise VaeParallelError(
                 f"VAE parallel: {type(vae).__name__}.use_tiling=True: tiled decoding is not split over ranks; "
@@ -537,6 +553,66 @@ def _wrap_method(
             delattr(vae, name)
 
     return undo
+
+
+@contextmanager
+def _instance_forward(module: torch.nn.Module, forward: Callable) -> Iterator[None]:
+    """``module`` runs ``forward`` (an instance attribute) while active; any earlier instance forward comes back."""
+    had_own, own = "forward" in module.__dict__, module.__dict__.get("forward")
+    module.forward = forward
+    try:
+        yield
+    finally:
+        if had_own:
+            module.forward = own
+        else:
+            del module.forward
+
+
+def _tiled_call(
+    vae: torch.nn.Module,
+    original: Callable,
+    tiled: tuple[str, Callable],
+    group: dist.ProcessGroup | None,
+    state: VaeParallelState,
+    name: str,
+    args: tuple,
+    kwargs: dict,
+) -> Any:
+    """The VAE's own tiled method with its tiles spread over the ranks: equal to the single-device tiled call.
+
+    Pass 1 runs the method with its per-tile submodule computing tiles ``i % world == rank`` only (zeros of the
+    right shape stand in for the others, so the blend of this pass is discarded); each tile is then broadcast from
+    the rank that computed it; pass 2 runs the method again with the submodule returning the tiles by index, so
+    the blend runs on real data. No code of the VAE is copied.
+    """
+    path, shape_of = tiled
+    module = vae.get_submodule(path)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    tiles: list[torch.Tensor] = []
+
+    own_forward = module.forward
+
+    def compute(*inputs: Any) -> torch.Tensor:
+        if len(tiles) % world == rank:
+            tiles.append(own_forward(*inputs))
+        else:
+            tiles.append(inputs[0].new_zeros(shape_of(vae, inputs[0].shape)))
+        return tiles[-1].clone()  # the blend writes into the tiles it is given: keep ours intact
+
+    with _instance_forward(module, compute):
+        original(*args, **kwargs)
+    for index, tile in enumerate(tiles):
+        owner = index % world
+        tile = tile.contiguous()
+        dist.broadcast(tile, dist.get_global_rank(group, owner) if group is not None else owner, group=group)
+        tiles[index] = tile
+    replay = iter(tiles)
+    with _instance_forward(module, lambda *inputs: next(replay)):
+        out = original(*args, **kwargs)
+    state.calls[f"{name}_tiled"] = state.calls.get(f"{name}_tiled", 0) + 1
+    state.tiles += len(tiles)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------------- the walk
@@ -632,7 +708,7 @@ def check_vae(vae: torch.nn.Module, plan: VaePlan) -> None:
             raise ValueError(f"VAE parallel: {type(vae).__name__} has no method {name!r} its plan wraps")
     if "encode" in plan.methods and plan.encode_unit is None:
         raise ValueError(f"VAE parallel: the plan of {type(vae).__name__} wraps encode but names no encode_unit")
-    if getattr(vae, "use_tiling", False):
+    if getattr(vae, "use_tiling", False) and not set(plan.methods) <= set(plan.tiled):
         raise ValueError(
             f"VAE parallel: {type(vae).__name__}.use_tiling=True: tiled decoding is not split over ranks yet; call "
             "vae.disable_tiling() (the parallel decode is exact and needs no tiles)"
@@ -679,7 +755,7 @@ def apply_vae_parallel(vae: torch.nn.Module, plan: VaePlan, group: dist.ProcessG
             undos.append(install_token_sums(vae, found.linear, group, when=lambda: _active() is not None))
         for name in plan.methods:
             unit = plan.encode_unit(vae) if name == "encode" and plan.encode_unit is not None else 1
-            undos.append(_wrap_method(vae, name, unit, group, state))
+            undos.append(_wrap_method(vae, name, unit, group, state, plan.tiled))
     except BaseException:
         undo_all()
         raise

@@ -60,6 +60,16 @@ def _linear_kernel(module: torch.nn.Module, rows: list[int], x: torch.Tensor) ->
     )
 
 
+def _decoder_tile(vae: torch.nn.Module, shape: torch.Size) -> tuple[int, ...]:
+    factor = _levels_factor(vae)
+    return (shape[0], vae.decoder.conv_out.out_channels, shape[2] * factor, shape[3] * factor)
+
+
+def _encoder_tile(vae: torch.nn.Module, shape: torch.Size) -> tuple[int, ...]:
+    factor = _levels_factor(vae)  # each stride-2 level floors: rows // 2 ** levels
+    return (shape[0], vae.encoder.conv_out.out_channels, shape[2] // factor, shape[3] // factor)
+
+
 _KL_LIKE = {
     "encode_unit": _levels_factor,
     "halo_modules": _DOWNSAMPLE_2D,
@@ -82,7 +92,9 @@ def _wan_like(prefix: str) -> VaePlan:
 
 
 VAE_PLANS: dict[str, VaePlan] = {
-    f"{_AE}.autoencoder_kl.AutoencoderKL": VaePlan(**_KL_LIKE),
+    f"{_AE}.autoencoder_kl.AutoencoderKL": VaePlan(
+        **_KL_LIKE, tiled={"decode": ("decoder", _decoder_tile), "encode": ("encoder", _encoder_tile)}
+    ),
     f"{_AE}.autoencoder_kl_flux2.AutoencoderKLFlux2": VaePlan(**_KL_LIKE),
     f"{_AE}.autoencoder_dc.AutoencoderDC": VaePlan(
         encode_unit=_compression,
