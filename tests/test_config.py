@@ -65,8 +65,6 @@ def test_every_field_is_documented() -> None:
 
 def test_unavailable_options_raise_not_implemented() -> None:
     pipe = object()
-    with pytest.raises(NotImplementedError, match="vae parallelism"):
-        fastdit.accelerate(pipe, parallel=fastdit.Parallel(vae=True))
     with pytest.raises(NotImplementedError, match="flash"):
         fastdit.accelerate(pipe, attention=fastdit.Attention(backend="flash"))
 

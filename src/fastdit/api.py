@@ -170,6 +170,7 @@ class Summary:
 
     transformers: dict[str, dict[str, Any]]
     text_encoders: dict[str, dict[str, Any]] = field(default_factory=dict)
+    vaes: dict[str, dict[str, Any]] = field(default_factory=dict)  # VAE parallelism's statistics, per VAE
 
     @property
     def num_cached_steps(self) -> int:
@@ -188,6 +189,7 @@ class Summary:
         return {
             "transformers": self.transformers,
             "text_encoders": self.text_encoders,
+            "vaes": self.vaes,
             "num_cached_steps": self.num_cached_steps,
             "blocks_computed_fraction": self.blocks_computed_fraction,
         }
@@ -253,7 +255,8 @@ def summary(target: Any) -> Summary:
         if graphs is not None:
             info["cuda_graph"] = graphs.stats()
         out[item.name] = info
-    return Summary(out, _text_encoders(context))
+    vaes = {r.component: r.state.stats() for r in context.applied() if r.technique == "vae_parallel"}
+    return Summary(out, _text_encoders(context), vaes)
 
 
 def _text_encoders(context: Context) -> dict[str, dict[str, Any]]:

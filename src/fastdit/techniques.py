@@ -15,10 +15,10 @@ Adding a technique is one entry here plus its own module with an ``apply_<techni
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from fastdit.errors import ArgumentError, UnavailableError
+from fastdit.components.vae_technique import VaeParallel
+from fastdit.errors import ArgumentError
 
 if TYPE_CHECKING:
     from fastdit.components import Components
@@ -44,34 +44,6 @@ class Technique(Protocol):
     def apply(self, context: Context) -> None:
         """Apply to the context's components; record every undo in ``context`` as soon as it exists."""
         ...
-
-
-def _not_available(what: str, request: Request) -> UnavailableError:
-    return UnavailableError(
-        "accelerate", "parallel", request.parallel, f"{what} parallelism is not available in this version of fastdit"
-    )
-
-
-@dataclass(frozen=True)
-class _Unavailable:
-    """A technique of the list that is not built yet: requesting it raises before anything is touched."""
-
-    name: str
-    what: str
-    field: str
-    needs_components = False  # refused from the request alone, before the target is even walked
-
-    def requested(self, request: Request) -> bool:
-        value = getattr(request.parallel, self.field, None) if request.parallel is not None else None
-        if isinstance(value, bool):  # a switch (text_encoder, vae); True == 1 must not read as "degree 1"
-            return value
-        return isinstance(value, int) and value > 1
-
-    def check(self, request: Request, components: Components) -> None:
-        raise _not_available(self.what, request)
-
-    def apply(self, context: Context) -> None:  # pragma: no cover - check always raises
-        raise _not_available(self.what, context.request)
 
 
 class _TensorParallel:
@@ -415,7 +387,7 @@ TECHNIQUES: tuple[Technique, ...] = (
     _Compile(),
     _CudaGraph(),
     _TextEncoderParallel(),
-    _Unavailable("vae_parallel", "vae", "vae"),
+    VaeParallel(),
 )
 """Every technique, in application order."""
 

@@ -521,10 +521,14 @@ def test_world_size_mismatch_leaves_the_model_alone() -> None:
     fastdit.disable(pipe)
 
 
+def test_vae_parallelism_on_one_process_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"vae=True splits the VAE's decode over the ranks of the job"):
+        fastdit.accelerate(_tiny_pipeline(), parallel=fastdit.Parallel(vae=True))
+
+
 @pytest.mark.parametrize(
     ("options", "match"),
     [
-        ({"parallel": fastdit.Parallel(vae=True)}, "vae parallelism"),
         ({"attention": fastdit.Attention(backend="math")}, "only available with context parallelism"),
     ],
 )

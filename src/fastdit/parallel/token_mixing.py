@@ -54,13 +54,18 @@ class _TokenSumMode(TorchFunctionMode):
 
 
 def install_token_sums(
-    transformer: torch.nn.Module, linear: Mapping[str, tuple[TokenSum, ...]], group: dist.ProcessGroup | None
+    transformer: torch.nn.Module,
+    linear: Mapping[str, tuple[TokenSum, ...]],
+    group: dist.ProcessGroup | None,
+    *,
+    when: Callable[[], bool] | None = None,
 ) -> Callable[[], None]:
     """While each linear attention module in ``linear`` (path -> its sums) runs, all-reduce its token sums.
 
     Every rank makes the same calls (the same code on shards of one sequence), so the all-reduces pair up. After the
     module's forward, fewer reductions than the plan names (a processor that changed) raise ``RuntimeError`` on
-    every rank alike. Returns the undo (removes the hooks).
+    every rank alike. ``when`` (if given) is asked at each call whether the tokens are split at all (a VAE is split
+    only inside its wrapped decode). Returns the undo (removes the hooks).
     """
     state = threading.local()
     handles = []
@@ -68,12 +73,15 @@ def install_token_sums(
         module = transformer.get_submodule(path)
 
         def enter(mod: torch.nn.Module, args: tuple, *, sums: tuple[TokenSum, ...] = sums, path: str = path) -> None:
-            mode = _TokenSumMode(sums, group, path)
-            mode.__enter__()
+            mode = _TokenSumMode(sums, group, path) if when is None or when() else None
+            if mode is not None:
+                mode.__enter__()
             state.__dict__.setdefault("stack", []).append(mode)
 
         def leave(mod: torch.nn.Module, args: tuple, output: Any) -> None:
             mode = state.stack.pop()
+            if mode is None:
+                return
             mode.__exit__(None, None, None)
             if mode.reduced != len(mode.wanted):
                 raise RuntimeError(

@@ -1,0 +1,161 @@
+"""VAE parallelism: decode time and per-rank peak activation memory, 1 rank vs N, for the FLUX.1 VAE shape.
+
+The VAE has the published FLUX.1 ``AutoencoderKL`` config with random weights (the cost does not depend on the
+values). Each layout runs in its own processes (``mp.spawn``: gloo on CPU, NCCL on GPU): one untimed decode, then
+``--repeats`` timed ones. Peak activation memory is measured during one decode: on CUDA
+``torch.cuda.max_memory_allocated`` above the memory held before it; on the CPU the peak resident set size (sampled
+every millisecond by a thread) above the resident size before it, which counts the allocator's whole footprint and
+is a coarser measure. The parallel output is checked against the one-rank output.
+
+    python benchmarks/vae_parallel.py --size 256 --ranks 2 --out benchmarks/results/2026-12-01_cpu_vae_parallel.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fastdit.bench import json_ready, markdown_table
+from fastdit.io import write_json
+
+DATE = "2026-12-01"
+FLUX_VAE: dict[str, Any] = {
+    "in_channels": 3,
+    "out_channels": 3,
+    "latent_channels": 16,
+    "block_out_channels": (128, 256, 512, 512),
+    "down_block_types": ("DownEncoderBlock2D",) * 4,
+    "up_block_types": ("UpDecoderBlock2D",) * 4,
+    "layers_per_block": 2,
+    "norm_num_groups": 32,
+    "use_quant_conv": False,
+    "use_post_quant_conv": False,
+}
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class _PeakRss:
+    """The largest resident set size seen while active, sampled by a thread."""
+
+    def __enter__(self) -> _PeakRss:
+        self.start = self.peak = _rss_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, _rss_bytes())
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss_bytes())
+
+
+def _decode_peak(vae: torch.nn.Module, z: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, int]:
+    """One decode and the activation memory it needed above what was held before."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        held = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        out = vae.decode(z).sample
+        torch.cuda.synchronize(device)
+        return out, torch.cuda.max_memory_allocated(device) - held
+    with _PeakRss() as peak:
+        out = vae.decode(z).sample
+    return out, peak.peak - peak.start
+
+
+def _rank(rank: int, world: int, args: argparse.Namespace, store: str, results: Any) -> None:
+    from diffusers import AutoencoderKL
+
+    from fastdit.components.vae_parallel import apply_vae_parallel
+    from fastdit.components.vae_plans import plan_for
+
+    cuda = torch.cuda.is_available() and not args.cpu
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    torch.manual_seed(0)
+    vae = AutoencoderKL(**FLUX_VAE).to(device, dtype).eval()
+    z = torch.randn(1, 16, args.size // 8, args.size // 8, generator=torch.Generator().manual_seed(1))
+    z = z.to(device, dtype)
+    if world > 1:
+        apply_vae_parallel(vae, plan_for(vae), None)
+    with torch.no_grad():
+        out, peak = _decode_peak(vae, z, device)
+        times = []
+        for _ in range(args.repeats):
+            dist.barrier()
+            if cuda:
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            vae.decode(z)
+            if cuda:
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+    results[rank] = {"peak_bytes": peak, "seconds": min(times), "out": out.float().cpu() if rank == 0 else None}
+    dist.destroy_process_group()
+
+
+def _run(world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_rank, args=(world, args, os.path.join(tmp, "store"), results), nprocs=world, join=True)
+        return [results[r] for r in range(world)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", type=int, default=512, help="image height and width (pixels)")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2], help="parallel layouts to compare with 1 rank")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
+    parser.add_argument("--cpu", action="store_true", help="run on the CPU even when CUDA is available")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available() and not args.cpu
+    device = torch.cuda.get_device_name(0) if cuda else f"CPU ({args.threads} thread(s) per rank)"
+    rows, reference = [], None
+    for world in [1, *args.ranks]:
+        ranks = _run(world, args)
+        if world == 1:
+            reference = ranks[0]["out"]
+        err = (ranks[0]["out"] - reference).abs().max().item()
+        rows.append(
+            {
+                "ranks": world,
+                "decode_s": max(r["seconds"] for r in ranks),
+                "peak_activation_mib_per_rank": max(r["peak_bytes"] for r in ranks) / 2**20,
+                "max_abs_diff_vs_1_rank": err,
+            }
+        )
+    print(f"FLUX.1 VAE decode, {args.size}x{args.size}, {device}")
+    header = list(rows[0])
+    cells = [[f"{v:.3g}" if isinstance(v, float) else v for v in row.values()] for row in rows]
+    print(markdown_table(header, cells, numeric=[True] * len(header)), end="")
+    if args.out is not None:
+        payload = {"date": DATE, "device": device, "size": args.size, "config": FLUX_VAE, "rows": rows}
+        write_json(args.out, json_ready(payload))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,764 @@
+"""Exact VAE parallelism: decode (and encode) split by rows over every rank of the job, equal to one device.
+
+Every rank runs the same pipeline code, so every rank calls ``vae.decode(latents)`` with the same latents. The
+wrapped ``decode`` keeps rank ``r``'s contiguous band of rows (dim -2), runs the VAE's own method on it while a
+*band* is active, and all-gathers the output rows, so every rank returns the full image. While the band is active:
+
+* every convolution whose kernel spans more than one row gets its neighbours' edge rows (a *halo*, exchanged point
+  to point with the rank above and the rank below) on its interior sides before it runs, and the rows it computed
+  from them are cropped after; at the image's own edges its padding (zeros, replicate, causal) applies as usual;
+* every ``GroupNorm`` takes its statistics over all ranks' rows (each rank's own rows only: halos never leave the
+  convolution hooks);
+* softmax attention gathers its keys and values over the ranks (local queries attend to every key) and linear
+  attention sums its token reductions over the ranks.
+
+Everything else in these VAEs (1 x 1 convolutions, nearest upsampling, pixel shuffles, activations, per-pixel channel
+norms) is row-local. The result equals the untiled single-device decode up to float rounding — unlike tiled decoding,
+which blends tiles that each saw only part of the image. What each VAE class needs is its :class:`VaePlan` in
+:mod:`fastdit.components.vae_plans`.
+
+The halo here is not :func:`fastdit.parallel.token_mixing.install_halos`: that one all-gathers one tensor's edges for
+stride-1 convolutions of the transformer; a VAE needs strided convolutions (halos aligned to the stride), several
+tensors per call (a causal convolution's cache of earlier frames) and hooks that act only while a band is active (the
+same VAE may be called outside the wrapped methods). The linear attention's token sums do reuse
+:func:`~fastdit.parallel.token_mixing.install_token_sums`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import threading
+import types
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from fastdit.hooks.state import Applied
+from fastdit.parallel.plan import TokenSum
+
+__all__ = [
+    "HaloSpec",
+    "VaeParallelError",
+    "VaeParallelState",
+    "VaePlan",
+    "apply_vae_parallel",
+    "band_sizes",
+    "check_vae",
+]
+
+_GROUP_NORM = "torch.nn.modules.normalization.GroupNorm"
+_PLAIN_CONVS = (torch.nn.Conv2d, torch.nn.Conv3d)
+_ROW_LOCAL_NORMS = (torch.nn.LayerNorm, torch.nn.RMSNorm)
+
+
+class VaeParallelError(RuntimeError):
+    """A band decode cannot be exact (a band too small for a halo, a mask the plan cannot build); raised on every
+    rank alike, since every rank computes the same sizes."""
+
+
+@dataclass(frozen=True)
+class HaloSpec:
+    """The halo of a module that pads its own input inside ``forward`` (or whose parent pads before the convolution).
+
+    Attributes:
+        radius: Rows of context each output row needs beyond its band, on either side.
+        stride: The module's row stride: the halo is rounded up to a multiple of it, so band starts stay aligned.
+    """
+
+    radius: int
+    stride: int = 1
+
+    @property
+    def rows(self) -> int:
+        """Rows exchanged with each neighbour: ``stride * ceil(radius / stride)``."""
+        return self.stride * math.ceil(self.radius / self.stride)
+
+    @property
+    def crop(self) -> int:
+        """Output rows cropped on each interior side."""
+        return self.rows // self.stride
+
+
+@dataclass(frozen=True, kw_only=True)
+class VaePlan:
+    """What one VAE class needs to decode (and encode) exactly over row bands.
+
+    Attributes:
+        methods: The instance methods wrapped (``"decode"``, ``"encode"``).
+        encode_unit: Image rows per latent row (the encoder's total downsampling), read from the VAE: encoder bands
+            are whole multiples of it. ``None``: ``encode`` is not split.
+        halo_modules: Fully qualified class -> halo (or a function of the instance giving it, ``None`` for an
+            instance that pads nothing itself), for modules that pad inside their ``forward`` (causal 3-D
+            convolutions) or pad before a convolution (a downsampler padding ``(0, 1, 0, 1)``); the convolutions
+            inside them are not hooked again. Plain ``Conv2d``/``Conv3d`` need no entry (their halo is read from the
+            kernel, padding, dilation and stride).
+        local_convs: Fully qualified convolution subclasses known to be plain ``Conv2d``/``Conv3d`` (no padding of
+            their own): hooked like them.
+        attention: Fully qualified classes of softmax-attention modules: keys and values are gathered while they run.
+        linear_attention: Fully qualified class -> the token sums of its linear attention (all-reduced).
+        norms: Fully qualified classes of ``GroupNorm`` (or exact subclasses) whose statistics are reduced.
+        band_checks: Fully qualified class -> a check run before each call of such a module on a band, given the
+            module, every band's row count there and its input; it returns why the band cannot be exact (raised
+            on every rank alike) or ``None`` (an attention that picks its kernel by the local token count).
+        tiled: Method -> (path of the submodule its tiled form calls once per tile, the output shape of that
+            submodule for an input shape): with ``use_tiling=True`` the tiles are spread over the ranks instead
+            (empty: tiling is refused).
+        refuse: Fully qualified class -> why a band cannot compute it exactly (raised when the VAE holds one).
+        notes: What was checked for this class, for the docs.
+    """
+
+    methods: tuple[str, ...] = ("decode", "encode")
+    encode_unit: Callable[[torch.nn.Module], int] | None = None
+    halo_modules: Mapping[str, HaloSpec | Callable[[torch.nn.Module], HaloSpec | None]] = field(default_factory=dict)
+    local_convs: tuple[str, ...] = ()
+    attention: tuple[str, ...] = ()
+    linear_attention: Mapping[str, tuple[TokenSum, ...]] = field(default_factory=dict)
+    norms: tuple[str, ...] = (_GROUP_NORM,)
+    band_checks: Mapping[str, Callable[[torch.nn.Module, list[int], torch.Tensor], str | None]] = field(
+        default_factory=dict
+    )
+    refuse: Mapping[str, str] = field(default_factory=dict)
+    tiled: Mapping[str, tuple[str, Callable[[torch.nn.Module, torch.Size], tuple[int, ...]]]] = field(
+        default_factory=dict
+    )
+    notes: str = ""
+
+
+@dataclass
+class VaeParallelState:
+    """What VAE parallelism installed on one VAE, and what it did since.
+
+    Attributes:
+        ranks: Ranks the bands are spread over.
+        halo_modules: Modules that exchange halo rows.
+        norms: Norms whose statistics are reduced over the ranks.
+        attentions: Softmax attention modules that gather keys and values.
+        linear_attentions: Linear attention modules whose token sums are reduced.
+        calls: Calls of each wrapped method.
+        exchanges: Halo exchanges (one per hooked module call).
+        tiles: Tiles spread over the ranks (tiled mode).
+        last_bands: Rows of each rank's band in the last call.
+    """
+
+    ranks: int
+    halo_modules: int = 0
+    norms: int = 0
+    attentions: int = 0
+    linear_attentions: int = 0
+    calls: dict[str, int] = field(default_factory=dict)
+    exchanges: int = 0
+    tiles: int = 0
+    last_bands: tuple[int, ...] = ()
+
+    def stats(self) -> dict[str, Any]:
+        """JSON-ready statistics."""
+        return {
+            "ranks": self.ranks,
+            "halo_modules": self.halo_modules,
+            "norms_reduced": self.norms,
+            "attentions_gathered": self.attentions,
+            "linear_attentions_reduced": self.linear_attentions,
+            "calls": dict(self.calls),
+            "halo_exchanges": self.exchanges,
+            "tiles_spread": self.tiles,
+            "last_bands": list(self.last_bands),
+        }
+
+
+@dataclass(frozen=True)
+class _Band:
+    """The band split of one wrapped call: who holds which rows of the method's input."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    world: int
+    sizes: tuple[int, ...]  # input rows of every rank, in rank order
+    state: VaeParallelState
+
+    @property
+    def top(self) -> bool:
+        """Whether a rank holds rows above this one."""
+        return self.rank > 0
+
+    @property
+    def bottom(self) -> bool:
+        """Whether a rank holds rows below this one."""
+        return self.rank < self.world - 1
+
+    def rows_of_all(self, local_rows: int) -> list[int]:
+        """Every rank's row count of a tensor of which this rank holds ``local_rows`` (same scale on every rank)."""
+        scale = Fraction(local_rows, self.sizes[self.rank])
+        rows = [scale * s for s in self.sizes]
+        if any(r.denominator != 1 for r in rows):
+            raise VaeParallelError(
+                f"VAE parallel: a tensor of {local_rows} rows on rank {self.rank} (band of {self.sizes[self.rank]} "
+                f"rows) does not scale to whole rows on every band {list(self.sizes)}"
+            )
+        return [int(r) for r in rows]
+
+
+_LOCAL = threading.local()
+
+
+def _active() -> _Band | None:
+    return getattr(_LOCAL, "band", None)
+
+
+@contextmanager
+def _banded(band: _Band) -> Iterator[None]:
+    previous = _active()
+    _LOCAL.band = band
+    try:
+        yield
+    finally:
+        _LOCAL.band = previous
+
+
+def band_sizes(rows: int, world: int, unit: int = 1) -> tuple[int, ...]:
+    """Rows of each rank's band: whole ``unit``s, as even as possible, the larger bands first.
+
+    Raises:
+        VaeParallelError: ``rows`` is not a multiple of ``unit``, or some rank would get no rows.
+    """
+    if rows % unit:
+        raise VaeParallelError(f"VAE parallel: {rows} rows are not a multiple of the band unit {unit}")
+    base, extra = divmod(rows // unit, world)
+    if base == 0:
+        raise VaeParallelError(
+            f"VAE parallel: {rows} rows (units of {unit}) cannot give each of {world} ranks a band; use fewer ranks "
+            "or a larger image"
+        )
+    return tuple((base + (r < extra)) * unit for r in range(world))
+
+
+def _gather_rows(t: torch.Tensor, band: _Band, dim: int = -2) -> torch.Tensor:
+    """All-gather ``t``'s bands along ``dim`` in rank order (uneven bands: padded to the largest, then stripped)."""
+    dim = dim % t.ndim
+    rows = band.rows_of_all(t.shape[dim])
+    longest = max(rows)
+    local = t.contiguous()
+    if local.shape[dim] < longest:
+        pad = list(local.shape)
+        pad[dim] = longest - local.shape[dim]
+        local = torch.cat([local, local.new_zeros(pad)], dim=dim)
+    parts = [torch.empty_like(local) for _ in range(band.world)]
+    dist.all_gather(parts, local, group=band.group)
+    return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, rows, strict=True)], dim=dim)
+
+
+# ---------------------------------------------------------------------------------------------------------- halos
+
+
+def _conv_halo(conv: torch.nn.Module) -> HaloSpec:
+    """The halo of a plain convolution from its row kernel, padding, dilation and stride."""
+    kernel = conv.kernel_size[-2]
+    dilation = conv.dilation[-2]
+    stride = conv.stride[-2]
+    padding = conv.padding
+    # "same" pads about (k-1)/2 either side with stride 1, "valid" nothing; the halo covers the larger side.
+    pad = padding[-2] if not isinstance(padding, str) else (dilation * (kernel - 1)) // 2 if padding == "same" else 0
+    reach = dilation * (kernel - 1)
+    return HaloSpec(radius=max(pad, reach - pad), stride=stride)
+
+
+def _exchange(tensors: list[torch.Tensor], rows: int, band: _Band) -> list[torch.Tensor]:
+    """Pad each tensor's dim -2 with ``rows`` edge rows of the neighbouring bands (interior sides only)."""
+    group = band.group
+    peer_above = dist.get_global_rank(group, band.rank - 1) if band.top and group is not None else band.rank - 1
+    peer_below = dist.get_global_rank(group, band.rank + 1) if band.bottom and group is not None else band.rank + 1
+    ops, received = [], []
+    for i, x in enumerate(tensors):
+        above = below = None
+        # Distinct tags per tensor: messages between one pair of ranks are then matched by tensor, not by order.
+        if band.top:
+            ops.append(dist.P2POp(dist.isend, x[..., :rows, :].contiguous(), peer_above, group, tag=2 * i))
+            above = x.new_empty((*x.shape[:-2], rows, x.shape[-1]))
+            ops.append(dist.P2POp(dist.irecv, above, peer_above, group, tag=2 * i + 1))
+        if band.bottom:
+            ops.append(dist.P2POp(dist.isend, x[..., -rows:, :].contiguous(), peer_below, group, tag=2 * i + 1))
+            below = x.new_empty((*x.shape[:-2], rows, x.shape[-1]))
+            ops.append(dist.P2POp(dist.irecv, below, peer_below, group, tag=2 * i))
+        received.append((above, below))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    out = []
+    for x, (above, below) in zip(tensors, received, strict=True):
+        pieces = [p for p in (above, x, below) if p is not None]
+        out.append(torch.cat(pieces, dim=-2) if len(pieces) > 1 else x)
+    return out
+
+
+def _check_rows(band: _Band, local_rows: int, spec: HaloSpec, path: str) -> None:
+    """Every band must hold the rows its neighbours need; all ranks compute every band's rows, so all raise."""
+    rows = band.rows_of_all(local_rows)
+    if min(rows) < spec.rows:
+        raise VaeParallelError(
+            f"VAE parallel: {path!r} needs a halo of {spec.rows} rows, but the bands hold {rows} rows there (input "
+            f"bands {list(band.sizes)}); use fewer ranks or a larger image"
+        )
+
+
+def _install_halo(module: torch.nn.Module, spec: HaloSpec, path: str, all_tensors: bool) -> Callable[[], None]:
+    """Hook ``module`` to pad its band input with halo rows and crop the output rows computed from them."""
+
+    def pad(mod: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        band = _active()
+        if band is None or spec.rows == 0:
+            return None
+        x = args[0]
+        _check_rows(band, x.shape[-2], spec, path)
+        # Tensors of the band (the input, a causal convolution's cache of earlier frames) all get their halo.
+        pos = [i for i, a in enumerate(args) if i == 0 or (all_tensors and _is_band(a, x))]
+        keys = [k for k, v in kwargs.items() if all_tensors and _is_band(v, x)]
+        padded = _exchange([args[i] for i in pos] + [kwargs[k] for k in keys], spec.rows, band)
+        new_args = list(args)
+        for i, t in zip(pos, padded, strict=False):
+            new_args[i] = t
+        new_kwargs = dict(kwargs)
+        for k, t in zip(keys, padded[len(pos) :], strict=True):
+            new_kwargs[k] = t
+        band.state.exchanges += 1
+        return tuple(new_args), new_kwargs
+
+    def crop(mod: torch.nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor | None:
+        band = _active()
+        if band is None or spec.rows == 0:
+            return None
+        start = spec.crop if band.top else 0
+        length = output.shape[-2] - start - (spec.crop if band.bottom else 0)
+        return output.narrow(-2, start, length)
+
+    handles = [
+        module.register_forward_pre_hook(pad, with_kwargs=True),
+        module.register_forward_hook(crop, with_kwargs=True),
+    ]
+    return lambda: [h.remove() for h in handles]
+
+
+def _is_band(value: Any, x: torch.Tensor) -> bool:
+    return (
+        isinstance(value, torch.Tensor)
+        and value.ndim >= 4
+        and value.ndim == x.ndim
+        and value.shape[-2:] == x.shape[-2:]
+    )
+
+
+# ------------------------------------------------------------------------------------------------------ group norm
+
+
+def _band_group_norm(norm: torch.nn.GroupNorm, x: torch.Tensor, band: _Band) -> torch.Tensor:
+    """``GroupNorm`` of the whole image from this rank's rows: per-group mean and variance reduced over the ranks.
+
+    Two passes (the mean, then the centred squares) rather than one of sums and sums of squares: the one-pass
+    variance cancels catastrophically for activations far from zero, the two-pass one matches ``F.group_norm``.
+    Sums and counts travel as float64 so the counts of large videos stay exact.
+    """
+    batch, channels = x.shape[:2]
+    groups = x.reshape(batch, norm.num_groups, -1)
+    work = groups if groups.dtype in (torch.float32, torch.float64) else groups.float()
+    count = torch.full((batch, norm.num_groups, 1), float(work.shape[-1]), dtype=torch.float64, device=x.device)
+    first = torch.cat([work.sum(-1, keepdim=True, dtype=torch.float64), count], dim=-1)
+    dist.all_reduce(first, group=band.group)
+    total = first[..., 1:]
+    mean = (first[..., :1] / total).to(work.dtype)
+    centred = work - mean
+    second = centred.square().sum(-1, keepdim=True, dtype=torch.float64)
+    dist.all_reduce(second, group=band.group)
+    rstd = torch.rsqrt(second / total + norm.eps).to(work.dtype)
+    out = (centred * rstd).reshape(x.shape).to(x.dtype)
+    if norm.affine:
+        shape = (1, channels) + (1,) * (x.ndim - 2)
+        out = out * norm.weight.reshape(shape) + norm.bias.reshape(shape)
+    return out
+
+
+def _install_norm(norm: torch.nn.GroupNorm) -> Callable[[], None]:
+    """Replace ``norm``'s forward (on the instance: hooks, parameters and state dict stay as they are)."""
+    had_own = "forward" in norm.__dict__
+    own = norm.__dict__.get("forward")
+    original = norm.forward
+
+    def forward(self: torch.nn.GroupNorm, x: torch.Tensor) -> torch.Tensor:
+        band = _active()
+        if band is None:
+            return original(x)
+        return _band_group_norm(self, x, band)
+
+    norm.forward = types.MethodType(forward, norm)
+
+    def undo() -> None:
+        if had_own:
+            norm.forward = own
+        else:
+            del norm.forward
+
+    return undo
+
+
+# ------------------------------------------------------------------------------------------------------- attention
+
+
+class _GatherKeysMode(TorchFunctionMode):
+    """While a softmax attention module runs on a band: its keys and values are all-gathered over the ranks."""
+
+    def __init__(self, band: _Band, path: str) -> None:
+        super().__init__()
+        self.band = band
+        self.path = path
+        self.gathered = 0
+
+    def __torch_function__(self, func: Any, types_: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if func is F.scaled_dot_product_attention:
+            args = list(args)
+            mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+            if mask is not None or kwargs.get("is_causal") or (len(args) > 5 and args[5]):
+                raise VaeParallelError(
+                    f"VAE parallel: attention {self.path!r} is masked; its plan does not say how to build the mask "
+                    "of the gathered keys"
+                )
+            # The mode is off inside this handler: the gathers and the attention run as usual. Keys come in rank
+            # order, which is the image's row order (the order would not matter for unmasked attention anyway).
+            for i, name in ((1, "key"), (2, "value")):
+                if len(args) > i:
+                    args[i] = _gather_rows(args[i], self.band)
+                else:
+                    kwargs[name] = _gather_rows(kwargs[name], self.band)
+            self.gathered += 1
+        return func(*args, **kwargs)
+
+
+def _install_attention(module: torch.nn.Module, path: str) -> Callable[[], None]:
+    stack: list[_GatherKeysMode | None] = []
+
+    def enter(mod: torch.nn.Module, args: tuple) -> None:
+        band = _active()
+        mode = None if band is None else _GatherKeysMode(band, path)
+        if mode is not None:
+            mode.__enter__()
+        stack.append(mode)
+
+    def leave(mod: torch.nn.Module, args: tuple, output: Any) -> None:
+        mode = stack.pop()
+        if mode is None:
+            return
+        mode.__exit__(None, None, None)
+        if mode.gathered == 0:
+            raise VaeParallelError(
+                f"VAE parallel: attention {path!r} made no F.scaled_dot_product_attention call; its processor no "
+                "longer matches the plan (set the default attention processor)"
+            )
+
+    handles = [module.register_forward_pre_hook(enter), module.register_forward_hook(leave, always_call=True)]
+    return lambda: [h.remove() for h in handles]
+
+
+def _install_check(module: torch.nn.Module, path: str, check: Callable) -> Callable[[], None]:
+    def before(mod: torch.nn.Module, args: tuple) -> None:
+        band = _active()
+        if band is None:
+            return
+        x = args[0]
+        reason = check(mod, band.rows_of_all(x.shape[-2]), x)
+        if reason is not None:
+            raise VaeParallelError(f"VAE parallel: {path!r}: {reason} (input bands {list(band.sizes)})")
+
+    return module.register_forward_pre_hook(before).remove
+
+
+# ----------------------------------------------------------------------------------------------------------- entry
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _rebuild_distribution(dist_: Any, band: _Band) -> Any:
+    """A posterior of the whole latent from the gathered parameters (mean and log-variance, stacked on dim 1)."""
+    params = _gather_rows(dist_.parameters, band)
+    if "deterministic" in inspect.signature(type(dist_)).parameters:
+        return type(dist_)(params, deterministic=getattr(dist_, "deterministic", False))
+    return type(dist_)(params)
+
+
+def _gather_output(out: Any, band: _Band) -> Any:
+    """The wrapped method's output with every band tensor gathered: tensors, tuples, diffusers outputs, posteriors."""
+    from diffusers.utils import BaseOutput
+
+    if out is None:
+        return None
+    if isinstance(out, torch.Tensor):
+        return _gather_rows(out, band)
+    if isinstance(out, BaseOutput):
+        return type(out)(**{k: _gather_output(v, band) for k, v in out.items()})
+    if isinstance(out, tuple):
+        return tuple(_gather_output(v, band) for v in out)
+    if isinstance(getattr(out, "parameters", None), torch.Tensor):
+        return _rebuild_distribution(out, band)
+    raise VaeParallelError(f"VAE parallel: cannot gather an output of type {type(out).__name__}")
+
+
+def _wrap_method(
+    vae: torch.nn.Module,
+    name: str,
+    unit: int,
+    group: dist.ProcessGroup | None,
+    state: VaeParallelState,
+    tiled: Mapping[str, tuple[str, Callable]],
+) -> Callable[[], None]:
+    """Replace the instance's ``name`` method by one that runs the original on this rank's band and gathers."""
+    original = getattr(vae, name)
+    first = next(iter(inspect.signature(original).parameters))
+    had_own, own = name in vae.__dict__, vae.__dict__.get(name)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+
+    def banded(*args: Any, **kwargs: Any) -> Any:
+        if _active() is not None:  # called from inside another banded call: already on a band
+            return original(*args, **kwargs)
+        if getattr(vae, "use_tiling", False) and name in tiled:
+            return _tiled_call(vae, original, tiled[name], group, state, name, args, kwargs)
+        if getattr(vae, "use_tiling", False):
+            raise VaeParallelError(
+                f"VAE parallel: {type(vae).__name__}.use_tiling=True: tiled decoding is not split over ranks; "
+                "call vae.disable_tiling() (the parallel decode is exact and needs no tiles)"
+            )
+        x = args[0] if args else kwargs.pop(first)
+        sizes = band_sizes(x.shape[-2], world, unit)
+        start = sum(sizes[:rank])
+        local = x.narrow(-2, start, sizes[rank])
+        band = _Band(group, rank, world, sizes, state)
+        state.calls[name] = state.calls.get(name, 0) + 1
+        state.last_bands = sizes
+        with _banded(band):
+            out = original(local, *args[1:], **kwargs)
+        return _gather_output(out, band)
+
+    banded.__doc__ = original.__doc__
+    setattr(vae, name, banded)
+
+    def undo() -> None:
+        if had_own:
+            setattr(vae, name, own)
+        else:
+            delattr(vae, name)
+
+    return undo
+
+
+@contextmanager
+def _instance_forward(module: torch.nn.Module, forward: Callable) -> Iterator[None]:
+    """``module`` runs ``forward`` (an instance attribute) while active; any earlier instance forward comes back."""
+    had_own, own = "forward" in module.__dict__, module.__dict__.get("forward")
+    module.forward = forward
+    try:
+        yield
+    finally:
+        if had_own:
+            module.forward = own
+        else:
+            del module.forward
+
+
+def _tiled_call(
+    vae: torch.nn.Module,
+    original: Callable,
+    tiled: tuple[str, Callable],
+    group: dist.ProcessGroup | None,
+    state: VaeParallelState,
+    name: str,
+    args: tuple,
+    kwargs: dict,
+) -> Any:
+    """The VAE's own tiled method with its tiles spread over the ranks: equal to the single-device tiled call.
+
+    Pass 1 runs the method with its per-tile submodule computing tiles ``i % world == rank`` only (zeros of the
+    right shape stand in for the others, so the blend of this pass is discarded); each tile is then broadcast from
+    the rank that computed it; pass 2 runs the method again with the submodule returning the tiles by index, so
+    the blend runs on real data. No code of the VAE is copied.
+    """
+    path, shape_of = tiled
+    module = vae.get_submodule(path)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    tiles: list[torch.Tensor] = []
+
+    own_forward = module.forward
+
+    def compute(*inputs: Any) -> torch.Tensor:
+        if len(tiles) % world == rank:
+            tiles.append(own_forward(*inputs))
+        else:
+            tiles.append(inputs[0].new_zeros(shape_of(vae, inputs[0].shape)))
+        return tiles[-1].clone()  # the blend writes into the tiles it is given: keep ours intact
+
+    with _instance_forward(module, compute):
+        original(*args, **kwargs)
+    for index, tile in enumerate(tiles):
+        owner = index % world
+        tile = tile.contiguous()
+        dist.broadcast(tile, dist.get_global_rank(group, owner) if group is not None else owner, group=group)
+        tiles[index] = tile
+    replay = iter(tiles)
+    with _instance_forward(module, lambda *inputs: next(replay)):
+        out = original(*args, **kwargs)
+    state.calls[f"{name}_tiled"] = state.calls.get(f"{name}_tiled", 0) + 1
+    state.tiles += len(tiles)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------- the walk
+
+
+@dataclass
+class _Targets:
+    halos: list[tuple[str, torch.nn.Module, HaloSpec, bool]] = field(default_factory=list)
+    norms: list[tuple[str, torch.nn.Module]] = field(default_factory=list)
+    attention: list[tuple[str, torch.nn.Module]] = field(default_factory=list)
+    linear: dict[str, tuple[TokenSum, ...]] = field(default_factory=dict)
+    checks: list[tuple[str, torch.nn.Module, Callable]] = field(default_factory=list)
+
+
+def _classify(path: str, module: torch.nn.Module, plan: VaePlan, found: _Targets) -> bool:
+    """Record what ``module`` needs; return whether its children are covered by it (not walked)."""
+    name = _qualified(type(module))
+    where = f"{path or '<root>'} ({name})"
+    if name in plan.band_checks:
+        found.checks.append((path, module, plan.band_checks[name]))
+    if name in plan.refuse:
+        raise ValueError(f"VAE parallel: {where}: {plan.refuse[name]}")
+    if name in plan.halo_modules:
+        spec = plan.halo_modules[name]
+        spec = spec(module) if callable(spec) else spec
+        if spec is not None:  # None: this instance pads nothing itself (its children are walked)
+            found.halos.append((path, module, spec, True))
+            return True
+    if type(module) in _PLAIN_CONVS or name in plan.local_convs:
+        spec = _conv_halo(module)
+        if spec.radius > 0 or spec.stride > 1:
+            found.halos.append((path, module, spec, False))
+        return True
+    if isinstance(module, torch.nn.modules.conv._ConvNd):
+        kernel = module.kernel_size
+        if type(module) is torch.nn.Conv1d and kernel == (1,):
+            return True
+        raise ValueError(f"VAE parallel: {where}: a convolution the VAE's plan does not cover")
+    if name in plan.norms:
+        found.norms.append((path, module))
+        return False
+    if isinstance(module, (torch.nn.GroupNorm, torch.nn.modules.instancenorm._InstanceNorm)):
+        raise ValueError(f"VAE parallel: {where}: a norm over the spatial dims the VAE's plan does not reduce")
+    if name in plan.attention:
+        found.attention.append((path, module))
+        return False
+    if name in plan.linear_attention:
+        found.linear[path] = plan.linear_attention[name]
+        return False
+    if isinstance(module, _PADS):
+        raise ValueError(f"VAE parallel: {where}: pads rows outside any halo module of the VAE's plan")
+    if isinstance(module, torch.nn.Upsample) and not _row_local_upsample(module):
+        raise ValueError(f"VAE parallel: {where}: {module.mode!r} upsampling mixes rows across band edges")
+    if hasattr(module, "processor") or hasattr(module, "set_processor"):
+        raise ValueError(f"VAE parallel: {where}: an attention module the VAE's plan does not cover")
+    return False
+
+
+_PADS = (
+    torch.nn.modules.padding._ConstantPadNd,
+    torch.nn.modules.padding._ReflectionPadNd,
+    torch.nn.modules.padding._ReplicationPadNd,
+)
+
+
+def _row_local_upsample(module: torch.nn.Upsample) -> bool:
+    """Nearest upsampling by a whole factor copies each row into its own output rows: row-local."""
+    factor = module.scale_factor
+    factors = factor if isinstance(factor, tuple) else (factor,)
+    whole = factor is not None and all(float(f).is_integer() for f in factors)
+    return module.mode in ("nearest", "nearest-exact") and whole
+
+
+def _walk(vae: torch.nn.Module, plan: VaePlan) -> _Targets:
+    found = _Targets()
+    covered: list[str] = []
+    for path, module in vae.named_modules():
+        if any(path.startswith(prefix + ".") for prefix in covered):
+            continue
+        if _classify(path, module, plan, found):
+            covered.append(path)
+    return found
+
+
+def check_vae(vae: torch.nn.Module, plan: VaePlan) -> None:
+    """Check, touching nothing, that ``plan`` covers every row-mixing module of ``vae`` and its settings.
+
+    Raises:
+        ValueError: A module the plan does not cover, a method the VAE lacks, or ``use_tiling=True``.
+    """
+    for name in plan.methods:
+        if not callable(getattr(vae, name, None)):
+            raise ValueError(f"VAE parallel: {type(vae).__name__} has no method {name!r} its plan wraps")
+    if "encode" in plan.methods and plan.encode_unit is None:
+        raise ValueError(f"VAE parallel: the plan of {type(vae).__name__} wraps encode but names no encode_unit")
+    if getattr(vae, "use_tiling", False) and not set(plan.methods) <= set(plan.tiled):
+        raise ValueError(
+            f"VAE parallel: {type(vae).__name__}.use_tiling=True: tiled decoding is not split over ranks yet; call "
+            "vae.disable_tiling() (the parallel decode is exact and needs no tiles)"
+        )
+    _walk(vae, plan)
+
+
+def apply_vae_parallel(vae: torch.nn.Module, plan: VaePlan, group: dist.ProcessGroup | None) -> Applied:
+    """Split ``vae``'s decode (and encode) by rows over the ranks of ``group``, exactly.
+
+    Args:
+        vae: The VAE instance (its class's plan is ``plan``).
+        plan: What the class needs (:mod:`fastdit.components.vae_plans`).
+        group: Every rank of the job (``None``: the default group).
+
+    Returns:
+        The undo (removes every hook and wrapper; the VAE is then bit-identical to before) and a
+        :class:`VaeParallelState`.
+
+    Raises:
+        ValueError: ``check_vae`` refuses the VAE (nothing is touched).
+    """
+    from fastdit.parallel.token_mixing import install_token_sums
+
+    check_vae(vae, plan)
+    found = _walk(vae, plan)
+    state = VaeParallelState(ranks=dist.get_world_size(group))
+    undos: list[Callable[[], None]] = []
+
+    def undo_all() -> None:
+        while undos:
+            undos.pop()()
+
+    try:
+        for path, module, spec, all_tensors in found.halos:
+            undos.append(_install_halo(module, spec, path, all_tensors))
+        for _, norm in found.norms:
+            undos.append(_install_norm(norm))
+        for path, module in found.attention:
+            undos.append(_install_attention(module, path))
+        for path, module, check in found.checks:
+            undos.append(_install_check(module, path, check))
+        if found.linear:
+            undos.append(install_token_sums(vae, found.linear, group, when=lambda: _active() is not None))
+        for name in plan.methods:
+            unit = plan.encode_unit(vae) if name == "encode" and plan.encode_unit is not None else 1
+            undos.append(_wrap_method(vae, name, unit, group, state, plan.tiled))
+    except BaseException:
+        undo_all()
+        raise
+    state.halo_modules, state.norms = len(found.halos), len(found.norms)
+    state.attentions, state.linear_attentions = len(found.attention), len(found.linear)
+    return Applied(undo_all, state)

@@ -1,0 +1,120 @@
+"""The VAE-parallel plans, keyed by exact VAE class (fully qualified name; no prefix or ``isinstance`` matching).
+
+A plan says what a band decode of that class needs beyond plain ``Conv2d``/``Conv3d`` halos and ``GroupNorm``
+reductions (which the engine finds itself): modules that pad inside their ``forward`` (with their halo), softmax
+and linear attention modules, and how many image rows one latent row covers (encoder bands are whole multiples).
+A VAE class without a plan here is refused by ``Parallel(vae=True)``, naming the class.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastdit.components.vae_parallel import HaloSpec, VaePlan
+from fastdit.parallel.plan import TokenSum
+
+__all__ = ["VAE_PLANS", "plan_for"]
+
+_D = "diffusers.models"
+_AE = f"{_D}.autoencoders"
+_ATTENTION = f"{_D}.attention_processor.Attention"
+# Pads (0, 1, 0, 1) before a 3 x 3 stride-2 convolution with no padding of its own: one row below, stride 2.
+_DOWNSAMPLE_2D = {f"{_D}.downsampling.Downsample2D": HaloSpec(radius=1, stride=2)}
+
+
+def _levels_factor(vae: torch.nn.Module) -> int:
+    """Image rows per latent row of a VAE that halves the resolution between consecutive levels."""
+    return 2 ** (len(vae.config.block_out_channels) - 1)
+
+
+def _compression(vae: torch.nn.Module) -> int:
+    """Image rows per latent row, as the VAE states it."""
+    return int(vae.spatial_compression_ratio)
+
+
+def _config_compression(vae: torch.nn.Module) -> int:
+    return int(vae.config.spatial_compression_ratio)
+
+
+def _causal_conv(module: torch.nn.Module) -> HaloSpec:
+    """A causal 3-D convolution that zero-pads its rows itself (``_padding``: w, w, h, h, t, 0) before a
+    ``padding=0`` convolution."""
+    return HaloSpec(radius=module._padding[2], stride=module.stride[-2])
+
+
+def _resample(module: torch.nn.Module) -> HaloSpec | None:
+    """A Wan-style resampler: downsampling pads (0, 1, 0, 1) before a 3 x 3 stride-2 convolution (hooked as a
+    whole, so the halo arrives before the pad); upsampling is nearest then a plain convolution (walked)."""
+    return HaloSpec(radius=1, stride=2) if module.mode.startswith("downsample") else None
+
+
+def _linear_kernel(module: torch.nn.Module, rows: list[int], x: torch.Tensor) -> str | None:
+    """The multiscale attention runs linear attention only above ``attention_head_dim`` tokens, counted on the
+    band: every band must be above it, or a band would run the quadratic kernel the full image does not."""
+    fewest = min(rows) * x.shape[-1]
+    if fewest > module.attention_head_dim:
+        return None
+    return (
+        f"a band holds {fewest} tokens, not more than attention_head_dim={module.attention_head_dim}: it would run "
+        "quadratic instead of linear attention; use fewer ranks or a larger image"
+    )
+
+
+def _decoder_tile(vae: torch.nn.Module, shape: torch.Size) -> tuple[int, ...]:
+    factor = _levels_factor(vae)
+    return (shape[0], vae.decoder.conv_out.out_channels, shape[2] * factor, shape[3] * factor)
+
+
+def _encoder_tile(vae: torch.nn.Module, shape: torch.Size) -> tuple[int, ...]:
+    factor = _levels_factor(vae)  # each stride-2 level floors: rows // 2 ** levels
+    return (shape[0], vae.encoder.conv_out.out_channels, shape[2] // factor, shape[3] // factor)
+
+
+_KL_LIKE = {
+    "encode_unit": _levels_factor,
+    "halo_modules": _DOWNSAMPLE_2D,
+    "attention": (_ATTENTION,),
+    "notes": "3 x 3 convolutions (halo 1), Downsample2D (halo 2, stride 2), GroupNorm, mid-block softmax attention.",
+}
+
+
+def _wan_like(prefix: str) -> VaePlan:
+    return VaePlan(
+        encode_unit=_compression,
+        halo_modules={f"{prefix}CausalConv3d": _causal_conv, f"{prefix}Resample": _resample},
+        attention=(f"{prefix}AttentionBlock",),
+        norms=(),
+        notes=(
+            "Causal 3-D convolutions pad inside forward and take the cache of earlier frames: both tensors get the "
+            "halo; per-frame attention gathers keys; RMS norms over channels are local; no GroupNorm."
+        ),
+    )
+
+
+VAE_PLANS: dict[str, VaePlan] = {
+    f"{_AE}.autoencoder_kl.AutoencoderKL": VaePlan(
+        **_KL_LIKE, tiled={"decode": ("decoder", _decoder_tile), "encode": ("encoder", _encoder_tile)}
+    ),
+    f"{_AE}.autoencoder_kl_flux2.AutoencoderKLFlux2": VaePlan(**_KL_LIKE),
+    f"{_AE}.autoencoder_dc.AutoencoderDC": VaePlan(
+        encode_unit=_compression,
+        linear_attention={f"{_D}.attention_processor.SanaMultiscaleLinearAttention": (TokenSum(torch.matmul, 0),)},
+        band_checks={f"{_D}.attention_processor.SanaMultiscaleLinearAttention": _linear_kernel},
+        norms=(),
+        notes="Linear attention sums its value-key products over the ranks; pixel (un)shuffles and RMS norms local.",
+    ),
+    f"{_AE}.autoencoder_kl_hunyuanimage.AutoencoderKLHunyuanImage": VaePlan(
+        encode_unit=_config_compression,
+        attention=(f"{_AE}.autoencoder_kl_hunyuanimage.HunyuanImageAttentionBlock",),
+        notes="Pixel-(un)shuffle resamplers after stride-1 convolutions; GroupNorm; single-head softmax attention.",
+    ),
+    f"{_AE}.autoencoder_kl_wan.AutoencoderKLWan": _wan_like(f"{_AE}.autoencoder_kl_wan.Wan"),
+    f"{_AE}.autoencoder_kl_qwenimage.AutoencoderKLQwenImage": _wan_like(f"{_AE}.autoencoder_kl_qwenimage.QwenImage"),
+}
+"""Plans by fully qualified VAE class name."""
+
+
+def plan_for(vae: torch.nn.Module) -> VaePlan | None:
+    """The plan of exactly ``type(vae)`` (``None`` if there is none)."""
+    cls = type(vae)
+    return VAE_PLANS.get(f"{cls.__module__}.{cls.__qualname__}")
