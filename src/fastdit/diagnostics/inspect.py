@@ -17,7 +17,13 @@ from typing import Any
 import torch
 
 from fastdit.diagnostics.decide import Decision, cp_decision, divisibility, main_attention, tp_decision
-from fastdit.diagnostics.patterns import GroupFinding, LoopBodyChange, detect_group, loop_body_changes
+from fastdit.diagnostics.patterns import (
+    GroupFinding,
+    LoopBodyChange,
+    detect_group,
+    index_dependence,
+    loop_body_changes,
+)
 from fastdit.diagnostics.sequence import SequenceFacts, sequence_facts
 from fastdit.diagnostics.structure import HEAD_COUNTS, AttentionFacts, LinearFacts, attention_facts, modulation_linears
 from fastdit.diagnostics.synth import TIME_ARGS
@@ -47,6 +53,7 @@ class InspectReport:
         groups: Every block list with its detected pattern and evidence.
         main_groups: The lists that form the cache groups, in execution order.
         loop_body: Changes between consecutive block calls.
+        loop_body_index: Per list and changed value, whether that work depends on the block index.
         attention: Attention modules (full-size sizes).
         attention_calls: ``module: q (..) k (..)`` of the distinct attention calls of the traced forward.
         modulation: AdaLN modulation linears.
@@ -67,6 +74,7 @@ class InspectReport:
     groups: list[GroupFinding] = field(default_factory=list)
     main_groups: list[str] = field(default_factory=list)
     loop_body: list[LoopBodyChange] = field(default_factory=list)
+    loop_body_index: list[str] = field(default_factory=list)
     attention: list[AttentionFacts] = field(default_factory=list)
     attention_calls: list[str] = field(default_factory=list)
     modulation: list[LinearFacts] = field(default_factory=list)
@@ -127,12 +135,14 @@ def inspect_resolved(target: Target) -> InspectReport:
         family=target.adapter.family if target.adapter else None,
         config_source=target.config_source,
     )
-    meta, report.structure_note = build_meta(target)
     try:
         setup = forward_setup(target)
     except Exception as exc:  # no forward: structure only
         report.forward_error = f"no forward could be run: {exc}"
         setup = None
+    fill = dict(getattr(setup.model, "config", None) or {}) if setup else None
+    meta, report.structure_note = build_meta(target, fill)
+    report.config_source = target.config_source
     structure = meta if meta is not None else (setup.model if setup else None)
     if structure is None:
         raise RuntimeError(f"{target.spec}: neither the full-size model nor a small one could be built")
@@ -146,9 +156,12 @@ def inspect_resolved(target: Target) -> InspectReport:
     model = setup.model
     report.groups = [detect_group(trace, p, resolve_attr(model, p)) for p in block_list_paths(model)]
     report.main_groups = _main_groups(structure, report.groups, trace)
-    declared = [g.path for g in target.adapter.block_groups] if target.adapter else report.main_groups
+    declared = report.main_groups
+    if target.adapter:
+        declared = [p for g in target.adapter.block_groups for p in (g.path, g.interleaved and g.interleaved.path) if p]
     findings = {g.path: g for g in report.groups}
     report.loop_body = loop_body_changes(trace, findings, [p for p in declared if p in findings])
+    report.loop_body_index = index_dependence(report.loop_body, findings)
     report.modulation = modulation_linears(structure, trace.linear_inputs)
     ordered = [findings[p] for p in report.main_groups] + report.groups
     report.sequence = sequence_facts(trace, ordered, _hidden_root_arg(trace))
@@ -279,6 +292,7 @@ def propose_adapter(report: InspectReport, target: Target, trace: Trace) -> str:
         lines.append(text + ",")
     timestep = next((n for n in trace.root_arguments if n in TIME_ARGS), None)
     family = target.cls.__name__.lower()
+    timestep_text = f"\"{timestep}\"" if timestep else "None"
     body = "\n".join(lines) or "        # no block list was detected"
     return (
         "from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter\n\n"
@@ -286,7 +300,7 @@ def propose_adapter(report: InspectReport, target: Target, trace: Trace) -> str:
         f'    family="{family}",\n'
         f'    transformer_classes=("{qualified_name(target.cls)}",),\n'
         f"    block_groups=(\n{body}\n    ),\n"
-        f"    timestep_arg={timestep!r},\n"
+        f"    timestep_arg={timestep_text},\n"
         ")\n"
         f"# CP sketch: {report.cp.strategy if report.cp else '-'}; TP sketch: {report.tp.strategy if report.tp else '-'}"
         " (see the CP and TP sections of this report)\n"

@@ -16,7 +16,7 @@ import torch
 from fastdit.diagnostics.trace import BlockCall, Trace, tensors_in
 from fastdit.models.base import ForwardPattern
 
-__all__ = ["GroupFinding", "LoopBodyChange", "detect_group", "find_masks", "loop_body_changes"]
+__all__ = ["GroupFinding", "LoopBodyChange", "detect_group", "find_masks", "index_dependence", "loop_body_changes"]
 
 # Parameter-name fragments that name a text (or second) stream; decisive only when the returned values say nothing.
 _ENCODER_WORDS = ("encoder", "context", "audio", "txt", "text")
@@ -270,3 +270,24 @@ def find_masks(call: BlockCall) -> list[str]:
             if "mask" in key:
                 found.append(f"{label} {tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}")
     return found
+
+
+def index_dependence(changes: list[LoopBodyChange], findings: dict[str, GroupFinding]) -> list[str]:
+    """Per list and changed value, whether the loop-body work depends on the block index, with the reason."""
+    lines = []
+    keys = sorted({(c.after.rpartition(".")[0], c.stream) for c in changes if c.within_group})
+    for group, stream in keys:
+        after = sorted(
+            int(c.after.rpartition(".")[2])
+            for c in changes
+            if c.within_group and c.stream == stream and c.after.rpartition(".")[0] == group
+        )
+        boundaries = max(findings[group].num_calls - 1, 1)
+        if stream not in ("hidden", "encoder"):
+            why = "a per-block argument: computed from the block index in the loop"
+        elif len(after) < boundaries:
+            why = f"only after blocks {after} of {boundaries} boundaries: depends on the block index"
+        else:
+            why = "after every block: the same work each iteration (index dependence not visible)"
+        lines.append(f"{group}: {stream} changes between blocks: {why}")
+    return lines

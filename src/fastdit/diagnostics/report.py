@@ -86,7 +86,7 @@ def render_text(report: InspectReport) -> str:
     loop = [
         f"{'WITHIN LIST' if c.within_group else 'hand-over'}: {c.after} -> {c.before}: {c.stream} {c.detail}"
         for c in report.loop_body
-    ]
+    ] + report.loop_body_index
     out = head
     out += _section("Block lists", _groups(report))
     out += _section("Work between block calls (loop body)", loop)

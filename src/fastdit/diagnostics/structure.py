@@ -15,9 +15,9 @@ import torch
 
 __all__ = ["HEAD_COUNTS", "AttentionFacts", "LinearFacts", "attention_facts", "modulation_linears", "star_path"]
 
-_Q = ("to_q", "q_proj", "q", "wq", "query")
-_K = ("to_k", "k_proj", "k", "wk", "key")
-_FUSED = ("to_qkv", "qkv", "qkv_proj", "wqkv", "in_proj")
+_Q = ("to_q", "q_proj", "q", "wq", "query", "to_query")
+_K = ("to_k", "k_proj", "k", "wk", "key", "to_key")
+_FUSED = ("to_qkv", "qkv", "qkv_proj", "wqkv")
 _HEADS = ("heads", "num_heads", "n_heads", "num_attention_heads")
 _KV_HEADS = ("kv_heads", "num_kv_heads", "num_key_value_heads", "n_kv_heads")
 HEAD_COUNTS = frozenset(_HEADS + _KV_HEADS)
@@ -157,7 +157,7 @@ def attention_facts(root: torch.nn.Module) -> list[AttentionFacts]:
     merged: dict[str, AttentionFacts] = {}
     for path, module in root.named_modules():
         facts = _one(path, module) if path else None
-        if facts is None:
+        if facts is None or facts.heads is None:  # a query-like linear without heads is not attention
             continue
         if facts.path in merged:
             merged[facts.path].count += 1

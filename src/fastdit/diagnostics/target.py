@@ -138,13 +138,30 @@ def resolve_target(spec: str) -> Target:
     )
 
 
-def build_meta(target: Target) -> tuple[torch.nn.Module | None, str | None]:
-    """The full-size model on ``meta`` (no memory, no weights), or ``None`` and why it could not be built."""
+def build_meta(target: Target, fill: dict[str, Any] | None = None) -> tuple[torch.nn.Module | None, str | None]:
+    """The full-size model on ``meta`` (no memory, no weights), or ``None`` and why it could not be built.
+
+    Args:
+        target: The resolved target.
+        fill: Values for the config entries that are ``None`` (class defaults that leave a size open), tried when
+            the plain config fails; :attr:`Target.config` and :attr:`Target.config_source` then record them.
+    """
     try:
         with torch.device("meta"):
             return target.cls(**target.config), None
-    except Exception as exc:  # a constructor that computes on its tensors; the tiny model stands in
-        return None, f"{type(exc).__name__}: {exc}"
+    except Exception as exc:  # a constructor that needs a value its defaults leave open; retry below
+        problem = f"{type(exc).__name__}: {exc}"
+    filled = {k: fill[k] for k, v in target.config.items() if v is None and fill and fill.get(k) is not None}
+    if not filled:
+        return None, problem
+    try:
+        with torch.device("meta"):
+            model = target.cls(**{**target.config, **filled})
+    except Exception as exc:  # the tiny model stands in for the structure
+        return None, f"{problem}; with {sorted(filled)} filled: {type(exc).__name__}: {exc}"
+    target.config.update(filled)
+    target.config_source += f" ({', '.join(sorted(filled))} from the tiny model, the defaults leave them open)"
+    return model, None
 
 
 @dataclass
