@@ -74,8 +74,10 @@ def _split_strategy(seq: SequenceFacts, changes: list[LoopBodyChange], first_gro
     else:
         decision = Decision(
             f"split at {first_group}.0",
-            ["forward builds the sequence itself (patch embedding of a latent grid): the first block's inputs are "
-             "the first place the whole token sequence exists"],
+            [
+                "forward builds the sequence itself (patch embedding of a latent grid): the first block's inputs are "
+                "the first place the whole token sequence exists"
+            ],
         )
     made = [p for p in seq.producers if "seq@" in p]
     if made and not seq.built_inside:
@@ -137,7 +139,9 @@ def tp_decision(attention: list[AttentionFacts], modulation: list[LinearFacts]) 
     for facts in attention:
         decision.details += [f"divide {facts.path}.{name}" for name in facts.head_attributes]
         if facts.fused:
-            decision.details.append(f"{facts.path}: fused {', '.join(facts.fused)}: re-lay out per head before sharding")
+            decision.details.append(
+                f"{facts.path}: fused {', '.join(facts.fused)}: re-lay out per head before sharding"
+            )
         if facts.qk_norm == "full inner dim":
             decision.details.append(
                 f"{facts.path}: QK-norm over the full inner dim: it needs a sharded norm (statistics over all ranks)"

@@ -209,7 +209,9 @@ def _compare_groups(report: InspectReport, adapter: ModelAdapter) -> list[str]:
         if path not in declared_paths:
             lines.append(f"note: {path} looks like a block list the adapter does not declare")
     if any(c.within_group for c in report.loop_body) and adapter.patch is None:
-        lines.append("note: work between blocks was detected and the adapter has no patch: check the cache hooks keep it")
+        lines.append(
+            "note: work between blocks was detected and the adapter has no patch: check the cache hooks keep it"
+        )
     return lines
 
 
@@ -248,14 +250,18 @@ def _compare_tp(report: InspectReport, adapter: ModelAdapter) -> list[str]:
     lines = []
     for path in wanted:
         covered = any(fnmatch.fnmatchcase(path, pattern) or path == pattern for pattern in plan.divide)
-        used = any(fnmatch.fnmatchcase(path.rpartition(".")[0], p) or p.startswith(path.rpartition(".")[0])
-                   for p in plan.layers)
+        used = any(
+            fnmatch.fnmatchcase(path.rpartition(".")[0], p) or p.startswith(path.rpartition(".")[0])
+            for p in plan.layers
+        )
         if covered or not used:
             continue
         if path.rpartition(".")[2] in HEAD_COUNTS:
             lines.append(f"MISMATCH: TP plan splits {path.rpartition('.')[0]} but does not divide {path}")
         else:
-            lines.append(f"note: {path} holds a sharded width; the plan leaves it whole (fine if attention never reads it)")
+            lines.append(
+                f"note: {path} holds a sharded width; the plan leaves it whole (fine if attention never reads it)"
+            )
     attn = main_attention(report.attention)
     if attn and attn.gqa and report.tp.per_degree.get(2) == "ffn-only" and plan.fallback is None:
         lines.append("note: GQA heads do not divide 2 and the TP plan has no FFN-only fallback")
@@ -292,7 +298,8 @@ def propose_adapter(report: InspectReport, target: Target, trace: Trace) -> str:
         lines.append(text + ",")
     timestep = next((n for n in trace.root_arguments if n in TIME_ARGS), None)
     family = target.cls.__name__.lower()
-    timestep_text = f"\"{timestep}\"" if timestep else "None"
+    cp, tp = (d.strategy if d else "-" for d in (report.cp, report.tp))
+    timestep_text = f'"{timestep}"' if timestep else "None"
     body = "\n".join(lines) or "        # no block list was detected"
     return (
         "from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter\n\n"
@@ -302,6 +309,5 @@ def propose_adapter(report: InspectReport, target: Target, trace: Trace) -> str:
         f"    block_groups=(\n{body}\n    ),\n"
         f"    timestep_arg={timestep_text},\n"
         ")\n"
-        f"# CP sketch: {report.cp.strategy if report.cp else '-'}; TP sketch: {report.tp.strategy if report.tp else '-'}"
-        " (see the CP and TP sections of this report)\n"
+        f"# CP sketch: {cp}; TP sketch: {tp} (see the CP and TP sections of this report)\n"
     )

@@ -8,6 +8,7 @@ that a cross-attention of the block reads as keys, is a token sequence.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -233,7 +234,7 @@ def loop_body_changes(trace: Trace, findings: dict[str, GroupFinding], groups: l
     """Changes between consecutive calls of the lists ``groups`` (in execution order)."""
     calls = [c for c in trace.blocks if c.group in groups and findings[c.group].pattern is not None]
     changes: list[LoopBodyChange] = []
-    for prev, nxt in zip(calls, calls[1:], strict=False):
+    for prev, nxt in itertools.pairwise(calls):
         pf, nf = findings[prev.group], findings[nxt.group]
         hidden_out, encoder_out = _stream_out(pf, prev.output)
         pairs = [("hidden", hidden_out, nxt.arguments.get(nf.hidden_arg))]
@@ -243,7 +244,9 @@ def loop_body_changes(trace: Trace, findings: dict[str, GroupFinding], groups: l
         for stream, out, inp in pairs:
             detail = _compare(out, inp)
             if detail:
-                changes.append(LoopBodyChange(f"{prev.group}.{prev.index}", f"{nxt.group}.{nxt.index}", stream, detail, same))
+                changes.append(
+                    LoopBodyChange(f"{prev.group}.{prev.index}", f"{nxt.group}.{nxt.index}", stream, detail, same)
+                )
         if same:
             changes.extend(_argument_changes(prev, nxt, pf))
     return changes

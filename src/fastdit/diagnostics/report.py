@@ -78,10 +78,10 @@ def render_text(report: InspectReport) -> str:
         f"fastdit inspect {report.target}",
         f"  class: {report.transformer_class}",
         f"  family: {report.family or '(unregistered)'}",
-        f"  structure: {report.config_source}" + (f" (meta build failed: {report.structure_note})"
-                                                  if report.structure_note else ""),
-        f"  forward: {report.forward_source or '-'}" + (f" [FAILED: {report.forward_error}]"
-                                                       if report.forward_error else ""),
+        f"  structure: {report.config_source}"
+        + (f" (meta build failed: {report.structure_note})" if report.structure_note else ""),
+        f"  forward: {report.forward_source or '-'}"
+        + (f" [FAILED: {report.forward_error}]" if report.forward_error else ""),
     ]
     loop = [
         f"{'WITHIN LIST' if c.within_group else 'hand-over'}: {c.after} -> {c.before}: {c.stream} {c.detail}"

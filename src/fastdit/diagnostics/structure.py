@@ -165,7 +165,11 @@ def attention_facts(root: torch.nn.Module) -> list[AttentionFacts]:
             merged[facts.path] = facts
     # Packed q/k/v + MLP projections live on the block (Flux.2 single blocks): a "qkv" linear wider than 3 heads' worth.
     for path, module in root.named_modules():
-        if isinstance(module, torch.nn.Linear) and "qkv" in path.rpartition(".")[2] and "mlp" in path.rpartition(".")[2]:
+        if (
+            isinstance(module, torch.nn.Linear)
+            and "qkv" in path.rpartition(".")[2]
+            and "mlp" in path.rpartition(".")[2]
+        ):
             parent = star_path(path.rpartition(".")[0])
             for facts in merged.values():
                 if facts.path.startswith(parent) and "qkv+mlp" not in facts.fused:

@@ -182,7 +182,7 @@ class ForwardSetup:
     context: dict[str, Any]
 
 
-class _Captured(Exception):
+class _CapturedError(Exception):
     """Stops a tiny pipeline at its first transformer call."""
 
 
@@ -199,7 +199,7 @@ def _capture_tiny(adapter: ModelAdapter) -> ForwardSetup:
 
     def grab(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         seen["call"] = (args, kwargs)
-        raise _Captured
+        raise _CapturedError
 
     handle = model.register_forward_pre_hook(grab, with_kwargs=True)
     kwargs = {**tiny.call_kwargs, "output_type": "latent"}
@@ -207,7 +207,7 @@ def _capture_tiny(adapter: ModelAdapter) -> ForwardSetup:
         torch.manual_seed(0)
         with torch.no_grad():
             pipe(**kwargs, generator=torch.Generator().manual_seed(0))
-    except _Captured:
+    except _CapturedError:
         pass
     finally:
         handle.remove()
@@ -215,8 +215,9 @@ def _capture_tiny(adapter: ModelAdapter) -> ForwardSetup:
         raise RuntimeError(f"the tiny {adapter.family!r} pipeline never called its {name}")
     args, call_kwargs = seen["call"]
     context = {k: v for k, v in tiny.call_kwargs.items() if k in ("height", "width", "num_frames")}
-    return ForwardSetup(model.eval(), args, call_kwargs, f"first transformer call of the tiny {tiny.name!r} pipeline",
-                        context)
+    return ForwardSetup(
+        model.eval(), args, call_kwargs, f"first transformer call of the tiny {tiny.name!r} pipeline", context
+    )
 
 
 def forward_setup(target: Target) -> ForwardSetup:

@@ -213,9 +213,9 @@ def _install(root: torch.nn.Module, trace: Trace, lists: list[str], stack: list[
             handles.append(module.register_forward_pre_hook(push(path), with_kwargs=True))
             handles.append(module.register_forward_hook(pop, with_kwargs=True, always_call=True))
         parent = path.rpartition(".")[0]
-        if path and not path.startswith(inside) and path not in lists and path.count(".") < 2:
-            handles.append(module.register_forward_hook(boundary(path), with_kwargs=True))
-        elif parent in firsts:
+        # Boundaries: modules outside the lists down to depth 2, and the direct children of each list's first block.
+        outside = bool(path) and not path.startswith(inside) and path not in lists and path.count(".") < 2
+        if outside or parent in firsts:
             handles.append(module.register_forward_hook(boundary(path), with_kwargs=True))
         if parent in lists:
             handles.append(module.register_forward_hook(block(parent, int(path.rpartition(".")[2])), with_kwargs=True))
