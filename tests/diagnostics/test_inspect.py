@@ -143,6 +143,7 @@ def test_diffusers_class_name_resolves_to_its_family() -> None:
         ("no-such-model", "unknown target"),
         ("no_such_module_xyz:Model", "cannot import"),
         ("tests.diagnostics.toy_mmdit:Missing", "cannot import"),
+        ("FluxPipeline", "not a torch.nn.Module class"),
     ],
 )
 def test_bad_targets(spec: str, message: str) -> None:

@@ -129,9 +129,11 @@ def resolve_target(spec: str) -> Target:
     if re.fullmatch(r"[A-Za-z_][\w.]*", spec):
         module, _, name = spec.rpartition(".")
         try:
+            found = getattr(importlib.import_module(module or "diffusers"), name)
+        except (ImportError, AttributeError):
+            found = None
+        if found is not None:
             return _from_class(spec, "class", _import_class(module or "diffusers", name, spec))
-        except TargetError:
-            pass
     raise TargetError(
         f"unknown target {spec!r}: not a registered model or family (see `fastdit list`), a diffusers transformer "
         "class, module.path:Class, or a folder with a config"
