@@ -177,3 +177,33 @@ def test_only_the_cli_imports_diagnostics() -> None:
         and path.parts[len(root.parts)] not in ("cli", "diagnostics")
     )
     assert importers == []
+
+
+def test_an_example_call_and_a_last_block_of_its_own_go_into_the_proposal() -> None:
+    from tests.cache import toy_joint_dit
+
+    report = inspect_target(f"{toy_joint_dit.__name__}:ToyJointDiT", example=f"{toy_joint_dit.__name__}:example")
+    group = report.group("stages")
+    assert (group.pattern, group.hidden_arg, group.encoder_arg, group.overrides) == (1, "img", "txt", {-1: 2})
+    assert "pattern_overrides={-1: ForwardPattern.P2}" in report.proposed_adapter
+    assert any('AttentionRouting(sdpa_calls=("stages.*",))' in r for r in report.cp.reasons)
+    namespace: dict = {}
+    exec(report.proposed_adapter, namespace)
+    model = toy_joint_dit.ToyJointDiT().eval()
+    baseline = toy_joint_dit.sample(model)
+    fastdit.accelerate(model, adapter=namespace["ADAPTER"], cache=fastdit.DBCache(fn=1, bn=0, threshold=0))
+    try:
+        assert torch.equal(toy_joint_dit.sample(model), baseline)
+    finally:
+        fastdit.disable(model)
+
+
+def test_an_unusable_example_is_one_clear_error() -> None:
+    from tests.cache import toy_joint_dit
+
+    with pytest.raises(TargetError, match="cannot import 'nothing'"):
+        inspect_target(f"{toy_joint_dit.__name__}:ToyJointDiT", example=f"{toy_joint_dit.__name__}:nothing")
+    with pytest.raises(TargetError, match=r"expected \(model, kwargs\)"):
+        inspect_target(f"{toy_joint_dit.__name__}:ToyJointDiT", example=f"{toy_joint_dit.__name__}:ToyJointDiT")
+    with pytest.raises(TargetError, match="calling it raised TypeError"):
+        inspect_target(f"{toy_joint_dit.__name__}:ToyJointDiT", example=f"{toy_joint_dit.__name__}:sample")

@@ -121,7 +121,10 @@ def test_plan_is_frozen_data() -> None:
     [
         (lambda: SplitInput(dim=1.5), "SplitInput.dim"),
         (lambda: GatherOutput(dim=1, expected_dims=0), "GatherOutput.expected_dims"),
-        (lambda: AttentionRouting(modules=()), "AttentionRouting: modules, sdpa_modules and dispatch_modules"),
+        (
+            lambda: AttentionRouting(modules=()),
+            "AttentionRouting: modules, sdpa_modules, dispatch_modules and sdpa_calls",
+        ),
         (lambda: AttentionRouting(modules=("m",), dispatch_modules=("m",)), "AttentionRouting.dispatch_modules"),
         (lambda: AttentionRouting(modules=("m",), exchange_lengths=1), "AttentionRouting.exchange_lengths"),
         (lambda: AttentionRouting(modules=(FLUX_MODULE,), mask_transform="diagonal"), "mask_transform"),

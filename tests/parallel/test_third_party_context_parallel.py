@@ -10,7 +10,7 @@ import fastdit
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, validate_plan
 from fastdit.testing.distributed import WorkerPool
-from tests.cache.toy_mmdit import ToyMMDiT, sample
+from tests.cache.toy_joint_dit import ToyJointDiT, sample
 
 pytestmark = pytest.mark.distributed
 
@@ -21,8 +21,8 @@ PLAN = ContextParallelPlan(
     attention=AttentionRouting(sdpa_calls=("stages.*",)),
 )
 ADAPTER = ModelAdapter(
-    family="toy_mmdit",
-    transformer_classes=(f"{ToyMMDiT.__module__}.ToyMMDiT",),
+    family="toy_joint_dit",
+    transformer_classes=(f"{ToyJointDiT.__module__}.ToyJointDiT",),
     block_groups=(
         BlockGroup(
             path="stages",
@@ -37,9 +37,9 @@ ADAPTER = ModelAdapter(
 )
 
 
-def _model() -> ToyMMDiT:
+def _model() -> ToyJointDiT:
     torch.manual_seed(0)
-    return ToyMMDiT().eval()
+    return ToyJointDiT().eval()
 
 
 def _cache() -> fastdit.DBCache:
@@ -104,10 +104,10 @@ def _unrouted(rank: int, world_size: int) -> torch.Tensor:
 
 def test_a_pattern_that_matches_nothing_is_refused_on_meta() -> None:
     with torch.device("meta"):
-        model = ToyMMDiT()
+        model = ToyJointDiT()
     bad = ContextParallelPlan(
         inputs=PLAN.inputs, gather=PLAN.gather, attention=AttentionRouting(sdpa_calls=("blocks.*",))
     )
-    with pytest.raises(ValueError, match=r"sdpa_calls path 'blocks\.\*' matches no module of ToyMMDiT"):
+    with pytest.raises(ValueError, match=r"sdpa_calls path 'blocks\.\*' matches no module of ToyJointDiT"):
         validate_plan(model, bad, 2)
     validate_plan(model, PLAN, 2)

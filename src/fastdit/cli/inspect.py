@@ -31,6 +31,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("target", metavar="TARGET", help="model name, diffusers class, module:Class or model folder")
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH (atomically)")
+    parser.add_argument(
+        "--example",
+        metavar="MODULE:FUNCTION",
+        help="a function returning (model, kwargs) or (model, args, kwargs): a small instance of TARGET and one call "
+        "of it, traced instead of inputs made from the signature (third-party models with their own argument names)",
+    )
     return parser
 
 
@@ -52,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from fastdit.diagnostics.target import TargetError
 
     try:
-        report = inspect_target(args.target)
+        report = inspect_target(args.target, args.example)
     except TargetError as error:
         raise CLIError(str(error)) from None
     print(render_text(report), end="")

@@ -11,6 +11,7 @@ proposes one. :mod:`~fastdit.diagnostics.report` renders the result.
 from __future__ import annotations
 
 import fnmatch
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -27,7 +28,7 @@ from fastdit.diagnostics.patterns import (
 from fastdit.diagnostics.sequence import SequenceFacts, sequence_facts
 from fastdit.diagnostics.structure import HEAD_COUNTS, AttentionFacts, LinearFacts, attention_facts, modulation_linears
 from fastdit.diagnostics.synth import TIME_ARGS
-from fastdit.diagnostics.target import Target, build_meta, forward_setup, resolve_target
+from fastdit.diagnostics.target import ForwardSetup, Target, build_meta, example_setup, forward_setup, resolve_target
 from fastdit.diagnostics.trace import Trace, block_list_paths, trace_forward
 from fastdit.models.base import ForwardPattern, ModelAdapter, qualified_name, resolve_attr
 
@@ -117,29 +118,35 @@ def _hidden_root_arg(trace: Trace) -> str | None:
     return next((n for n, v in trace.root_arguments.items() if isinstance(v, torch.Tensor)), None)
 
 
-def inspect_target(spec: str) -> InspectReport:
+def inspect_target(spec: str, example: str | None = None) -> InspectReport:
     """Inspect ``spec`` (see :func:`fastdit.diagnostics.target.resolve_target` for what it may name).
 
+    Args:
+        spec: The target.
+        example: ``module.path:function`` giving a small model and one call of it (see
+            :func:`fastdit.diagnostics.target.example_setup`); ``None``: made from a tiny pipeline or the signature.
+
     Raises:
-        fastdit.diagnostics.target.TargetError: if ``spec`` names nothing inspectable.
+        fastdit.diagnostics.target.TargetError: if ``spec`` names nothing inspectable, or the example is unusable.
     """
     target = resolve_target(spec)
-    return inspect_resolved(target)
+    setup = example_setup(example, target) if example is not None else None
+    return inspect_resolved(target, setup)
 
 
-def inspect_resolved(target: Target) -> InspectReport:
-    """Inspect an already resolved target."""
+def inspect_resolved(target: Target, setup: ForwardSetup | None = None) -> InspectReport:
+    """Inspect an already resolved target (with ``setup``, the model and call to trace, if given)."""
     report = InspectReport(
         target=target.spec,
         transformer_class=qualified_name(target.cls),
         family=target.adapter.family if target.adapter else None,
         config_source=target.config_source,
     )
-    try:
-        setup = forward_setup(target)
-    except Exception as exc:  # no forward: structure only
-        report.forward_error = f"no forward could be run: {exc}"
-        setup = None
+    if setup is None:
+        try:
+            setup = forward_setup(target)
+        except Exception as exc:  # no forward: structure only
+            report.forward_error = f"no forward could be run: {exc}"
     fill = dict(getattr(setup.model, "config", None) or {}) if setup else None
     meta, report.structure_note = build_meta(target, fill)
     report.config_source = target.config_source
@@ -171,15 +178,46 @@ def inspect_resolved(target: Target) -> InspectReport:
 
 
 def _finish(report: InspectReport, target: Target, trace: Trace, structure: torch.nn.Module) -> None:
+    inline = inline_attention(trace, structure)
+    report.attention += inline
     attn = main_attention(report.attention)
     report.divisibility = divisibility(attn, report.sequence.lengths)
     first = report.main_groups[0] if report.main_groups else None
     report.cp = cp_decision(report.sequence, report.loop_body, attn, first)
+    if inline:
+        paths = ", ".join(f'"{a.path}"' for a in inline)
+        report.cp.reasons.append(
+            f"attention is computed inline (scaled_dot_product_attention in {paths}, no processor): route it with "
+            f"AttentionRouting(sdpa_calls=({paths},))"
+        )
     report.tp = tp_decision(report.attention, report.modulation)
     if target.adapter is not None:
         report.comparison = compare_adapter(report, target.adapter)
     else:
         report.proposed_adapter = propose_adapter(report, target, trace)
+
+
+def inline_attention(trace: Trace, structure: torch.nn.Module) -> list[AttentionFacts]:
+    """Attention the trace saw computed by modules without a ``processor`` (inline SDPA), one entry per path
+    pattern, with heads read from the call's query and key shapes ``(B, H, S, D)``."""
+    found: dict[str, AttentionFacts] = {}
+    for call in trace.attention:
+        try:
+            module = structure.get_submodule(call.module) if call.module else structure
+        except AttributeError:  # traced on a smaller model than the structure: a path the latter lacks
+            continue
+        if getattr(module, "processor", None) is not None or len(call.query) != 4 or len(call.key) != 4:
+            continue
+        path = re.sub(r"\.\d+(?=\.|$)", ".*", call.module)
+        if path in found:
+            found[path].count += 1
+            continue
+        heads, kv = call.query[1], call.key[1]
+        cross = call.key[2] != call.query[2]
+        found[path] = AttentionFacts(
+            path or "(root)", type(module).__name__, 1, heads, kv, call.query[3], kv < heads, cross
+        )
+    return list(found.values())
 
 
 def _compare_groups(report: InspectReport, adapter: ModelAdapter) -> list[str]:
@@ -279,6 +317,9 @@ def _group_text(finding: GroupFinding, indent: str) -> str:
         args.append(f'hidden_arg="{finding.hidden_arg}"')
     if ForwardPattern(finding.pattern).takes_encoder and finding.encoder_arg != "encoder_hidden_states":
         args.append(f'encoder_arg="{finding.encoder_arg}"')
+    if finding.overrides:
+        pairs = ", ".join(f"{i}: ForwardPattern.P{p}" for i, p in sorted(finding.overrides.items()))
+        args.append(f"pattern_overrides={{{pairs}}}")
     return f"{indent}BlockGroup({', '.join(args)})"
 
 

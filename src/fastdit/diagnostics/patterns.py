@@ -39,6 +39,8 @@ class GroupFinding:
         returns: How the first call's return value reads (``"tensor"``, ``"tuple(encoder, hidden)"``, ...).
         evidence: Why, in a few words per decision.
         interleaved_with: Another list whose calls alternate with this one's.
+        overrides: Blocks whose calls read as another pattern than the first block's: index (negative from the
+            end for the last blocks) -> pattern value (``BlockGroup.pattern_overrides``).
     """
 
     path: str
@@ -53,6 +55,7 @@ class GroupFinding:
     returns: str = ""
     evidence: list[str] = field(default_factory=list)
     interleaved_with: str | None = None
+    overrides: dict[int, int] = field(default_factory=dict)
 
 
 def _seq_tensor(value: Any) -> bool:
@@ -119,7 +122,34 @@ def detect_group(trace: Trace, path: str, blocks: torch.nn.ModuleList) -> GroupF
     if not calls:
         finding.evidence.append("never called in the traced forward")
         return finding
-    call = calls[0]
+    _detect_call(finding, calls[0], trace)
+    _note_interleaving(finding, trace)
+    if finding.pattern is None:
+        return finding
+    first = _structure(calls[0].output)
+    for call in calls[1:]:
+        if call.index == calls[0].index or _structure(call.output) == first:
+            continue  # the same block again (a later step), or returned alike: the group's pattern
+        other = GroupFinding(path, len(blocks), 1, finding.block_class)
+        _detect_call(other, call, trace)
+        if other.pattern is not None and other.pattern != finding.pattern:
+            index = call.index - len(blocks) if call.index >= len(blocks) - 2 else call.index
+            finding.overrides[index] = other.pattern
+            finding.evidence.append(f"block {call.index} returns {other.returns}: pattern {other.pattern} there")
+    return finding
+
+
+def _structure(output: Any) -> tuple:
+    """What a block call returned, coarsely: a tensor, or a tuple's length and which entries are tensors."""
+    if isinstance(output, torch.Tensor):
+        return ("tensor",)
+    if isinstance(output, (tuple, list)):
+        return ("tuple", tuple(isinstance(o, torch.Tensor) for o in output))
+    return (type(output).__name__,)
+
+
+def _detect_call(finding: GroupFinding, call: BlockCall, trace: Trace) -> None:
+    """Fill ``finding`` from one call of the list."""
     finding.positional = list(call.positional)
     finding.keyword = [n for n in call.arguments if n not in call.positional]
     returned = _returned(call.output)
@@ -127,7 +157,7 @@ def detect_group(trace: Trace, path: str, blocks: torch.nn.ModuleList) -> GroupF
     hidden = _first_tensor_arg(call)
     if not tensors or hidden is None:
         finding.evidence.append("no tensor argument or return value: not a block list")
-        return finding
+        return
     # The returned tensors, each matched to the input it continues.
     matched: list[tuple[int, str]] = []
     taken: set[str] = set()
@@ -142,8 +172,6 @@ def detect_group(trace: Trace, path: str, blocks: torch.nn.ModuleList) -> GroupF
     finding.hidden_arg = hidden
     others = [(i, n) for i, n in matched if n != hidden]
     _decide(finding, call, trace, returned, hidden_pos, others)
-    _note_interleaving(finding, trace)
-    return finding
 
 
 def _decide(

@@ -23,7 +23,15 @@ import torch
 from fastdit.models.base import ModelAdapter, qualified_name
 from fastdit.models.registry import all_adapters, get_family, get_preset
 
-__all__ = ["ForwardSetup", "Target", "TargetError", "build_meta", "forward_setup", "resolve_target"]
+__all__ = [
+    "ForwardSetup",
+    "Target",
+    "TargetError",
+    "build_meta",
+    "example_setup",
+    "forward_setup",
+    "resolve_target",
+]
 
 
 class TargetError(ValueError):
@@ -222,8 +230,36 @@ def _capture_tiny(adapter: ModelAdapter) -> ForwardSetup:
     )
 
 
-def forward_setup(target: Target) -> ForwardSetup:
-    """The model and call the traced forward uses (see the module docstring)."""
+def example_setup(spec: str, target: Target) -> ForwardSetup:
+    """The model and call an example function ``module.path:function`` gives: ``(model, kwargs)`` or
+    ``(model, args, kwargs)``, a small instance of the target's class and one call of it (for models whose inputs
+    cannot be made from the signature).
+
+    Raises:
+        TargetError: the function cannot be imported, returns something else, or a model of another class.
+    """
+    module, _, name = spec.partition(":")
+    try:
+        function = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise TargetError(f"--example {spec!r}: cannot import {name!r} from {module!r}: {exc}") from None
+    try:
+        result = function()
+    except Exception as exc:  # the user's function: its failure is the example's, named as such
+        raise TargetError(f"--example {spec!r}: calling it raised {type(exc).__name__}: {exc}") from None
+    if not isinstance(result, tuple) or len(result) not in (2, 3) or not isinstance(result[0], torch.nn.Module):
+        raise TargetError(f"--example {spec!r}: expected (model, kwargs) or (model, args, kwargs), got {result!r:.80}")
+    model, args, kwargs = (result[0], (), result[1]) if len(result) == 2 else result
+    if not issubclass(type(model), target.cls):
+        raise TargetError(f"--example {spec!r}: gives a {type(model).__name__}, not a {target.cls.__name__}")
+    return ForwardSetup(model.eval(), tuple(args), dict(kwargs), f"the call {spec} gives", {})
+
+
+def forward_setup(target: Target, example: str | None = None) -> ForwardSetup:
+    """The model and call the traced forward uses (see the module docstring); ``example`` names a function that
+    gives them (:func:`example_setup`)."""
+    if example is not None:
+        return example_setup(example, target)
     if target.adapter is not None and target.adapter.tiny_pipelines:
         return _capture_tiny(target.adapter)
     from fastdit.diagnostics.synth import synthesize

@@ -11,15 +11,15 @@ from fastdit.errors import FastditWarning
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter
 from fastdit.models.validate import AdapterError
 
-from .toy_mmdit import ToyMMDiT, sample
+from .toy_joint_dit import ToyJointDiT, sample
 
-CLASS = f"{ToyMMDiT.__module__}.ToyMMDiT"
+CLASS = f"{ToyJointDiT.__module__}.ToyJointDiT"
 STREAMS = {"hidden_arg": "img", "encoder_arg": "txt"}
 
 
 def _adapter(group: BlockGroup, timestep_arg: str = "sigma") -> ModelAdapter:
     return ModelAdapter(
-        family="toy_mmdit", transformer_classes=(CLASS,), block_groups=(group,), timestep_arg=timestep_arg
+        family="toy_joint_dit", transformer_classes=(CLASS,), block_groups=(group,), timestep_arg=timestep_arg
     )
 
 
@@ -29,9 +29,9 @@ RIGHT = _adapter(
 
 
 @pytest.fixture
-def model() -> ToyMMDiT:
+def model() -> ToyJointDiT:
     torch.manual_seed(0)
-    return ToyMMDiT().eval()
+    return ToyJointDiT().eval()
 
 
 def _forced(fn: int = 1, bn: int = 0) -> fastdit.DBCache:
@@ -40,7 +40,7 @@ def _forced(fn: int = 1, bn: int = 0) -> fastdit.DBCache:
     )
 
 
-def test_a_last_block_with_its_own_pattern_caches_and_is_exact_at_threshold_zero(model: ToyMMDiT) -> None:
+def test_a_last_block_with_its_own_pattern_caches_and_is_exact_at_threshold_zero(model: ToyJointDiT) -> None:
     baseline = sample(model)
     fastdit.accelerate(model, adapter=RIGHT, cache=fastdit.DBCache(fn=1, bn=1, threshold=0.0, warmup_steps=0))
     try:
@@ -58,7 +58,7 @@ def test_a_last_block_with_its_own_pattern_caches_and_is_exact_at_threshold_zero
     assert torch.equal(sample(model), baseline)
 
 
-def test_without_the_override_the_first_call_names_the_block(model: ToyMMDiT) -> None:
+def test_without_the_override_the_first_call_names_the_block(model: ToyJointDiT) -> None:
     adapter = _adapter(BlockGroup(path="stages", pattern=ForwardPattern.P1, **STREAMS))
     fastdit.accelerate(model, adapter=adapter, cache=_forced())
     try:
@@ -68,7 +68,7 @@ def test_without_the_override_the_first_call_names_the_block(model: ToyMMDiT) ->
         fastdit.disable(model)
 
 
-def test_swapped_streams_of_equal_shape_are_refused_at_the_first_call(model: ToyMMDiT) -> None:
+def test_swapped_streams_of_equal_shape_are_refused_at_the_first_call(model: ToyJointDiT) -> None:
     wrong = _adapter(BlockGroup(path="stages", pattern=ForwardPattern.P0, pattern_overrides={-1: 2}, **STREAMS))
     fastdit.accelerate(model, adapter=wrong, cache=_forced())
     try:
@@ -78,7 +78,7 @@ def test_swapped_streams_of_equal_shape_are_refused_at_the_first_call(model: Toy
         fastdit.disable(model)
 
 
-def test_an_override_outside_the_list_is_refused_before_anything_is_touched(model: ToyMMDiT) -> None:
+def test_an_override_outside_the_list_is_refused_before_anything_is_touched(model: ToyJointDiT) -> None:
     wrong = _adapter(BlockGroup(path="stages", pattern=ForwardPattern.P1, pattern_overrides={7: 2}, **STREAMS))
     with pytest.raises(ValueError, match="index 7 is outside the list of 5 blocks"):
         fastdit.accelerate(model, adapter=wrong, cache=_forced())
@@ -87,12 +87,12 @@ def test_an_override_outside_the_list_is_refused_before_anything_is_touched(mode
         BlockGroup(path="stages", pattern=1, pattern_overrides={-1: 9})
 
 
-def test_a_timestep_arg_the_forward_does_not_take_is_refused(model: ToyMMDiT) -> None:
-    with pytest.raises(AdapterError, match=r"timestep_arg='t' is not a parameter of ToyMMDiT\.forward"):
+def test_a_timestep_arg_the_forward_does_not_take_is_refused(model: ToyJointDiT) -> None:
+    with pytest.raises(AdapterError, match=r"timestep_arg='t' is not a parameter of ToyJointDiT\.forward"):
         fastdit.accelerate(model, adapter=_adapter(RIGHT.block_groups[0], timestep_arg="t"), cache=_forced())
 
 
-def test_a_timestep_arg_that_does_not_follow_the_schedule_warns(model: ToyMMDiT) -> None:
+def test_a_timestep_arg_that_does_not_follow_the_schedule_warns(model: ToyJointDiT) -> None:
     # ``context`` is a tensor that never changes: every call would read as one more branch of one step.
     adapter = _adapter(RIGHT.block_groups[0], timestep_arg="context")
     fastdit.accelerate(model, adapter=adapter, cache=fastdit.DBCache(fn=1, bn=0, threshold=0.0))

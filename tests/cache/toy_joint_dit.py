@@ -45,7 +45,7 @@ class JointBlock(nn.Module):
         return txt + 0.5 * self.mlp_txt(txt), img
 
 
-class ToyMMDiT(nn.Module):
+class ToyJointDiT(nn.Module):
     """``forward(latents, context, sigma)``; blocks in ``stages``, the last of which returns only ``img``."""
 
     def __init__(self, dim: int = 16, heads: int = 2, depth: int = 5) -> None:
@@ -78,3 +78,15 @@ def sample(model: nn.Module, steps: int = 8, seed: int = 0, batch: int = 2) -> t
         for i in range(steps):
             x = x + (sigmas[i + 1] - sigmas[i]) * model(x, context, sigmas[i].expand(batch))
     return x
+
+
+def example() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """A small model and one call of it, for ``fastdit inspect --example``."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    inputs = {
+        "latents": torch.randn(1, 8, 4, generator=generator),
+        "context": torch.randn(1, 8, 6, generator=generator),
+        "sigma": torch.full((1,), 0.5),
+    }
+    return ToyJointDiT().eval(), inputs
