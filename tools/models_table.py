@@ -78,6 +78,24 @@ def tp_status(adapter) -> str:
     return "❌ not planned yet"
 
 
+NO_CFG = "No CFG parallelism:"
+
+
+def cfg_status(adapter) -> str:
+    """The CFG-parallel cell: how the family's calls are split, or the reason it opts out."""
+    notes = " ".join(adapter.notes.split())
+    if not adapter.cfg_parallel:
+        reason = notes[notes.index(NO_CFG) + len(NO_CFG) :].strip() if NO_CFG in notes else "opted out"
+        return "❌ " + reason
+    how = ["announced branches or a split batch"]
+    if adapter.cfg_pairs_by_timestep:
+        how.append("unannounced calls paired by timestep")
+    if adapter.cfg_batch_dims:
+        dims = ", ".join(f"`{k}` {'whole' if v is None else f'dim {v}'}" for k, v in adapter.cfg_batch_dims.items())
+        how.append(f"batch found in {dims}")
+    return "✅ " + "; ".join(how)
+
+
 def render() -> str:
     by_class = {name: adapter for adapter in all_adapters() for name in adapter.transformer_classes}
     rows = []
@@ -93,12 +111,14 @@ def render() -> str:
             presets = ", ".join(f"`{p.name}`" for p in adapter.presets) or "—"
             cp = cp_status(adapter).replace("|", "\\|")
             tp = tp_status(adapter).replace("|", "\\|")
+            cfg = cfg_status(adapter).replace("|", "\\|")
             rows.append(
-                f"| `{cls.__name__}` | `{adapter.family}` | ✅ cache | {cp} | {tp} | {groups} | {tiny} | {presets} |"
+                f"| `{cls.__name__}` | `{adapter.family}` | ✅ cache | {cp} | {tp} | {cfg} | {groups} | {tiny} "
+                f"| {presets} |"
             )
         else:
             reason = REASONS.get(cls.__name__, "DiT not integrated yet")
-            rows.append(f"| `{cls.__name__}` | — | ❌ {reason} | | | | | |")
+            rows.append(f"| `{cls.__name__}` | — | ❌ {reason} | | | | | | |")
     header = [
         "# Model families",
         "",
@@ -116,16 +136,19 @@ def render() -> str:
         "[parallel.md](parallel.md)) — every plan is tested on 2 and 3 gloo ranks against one process — or why there",
         "is none. The tensor-parallel column gives what the family's plan splits (see",
         "[tensor_parallel.md](tensor_parallel.md)) — every plan is tested on 2 gloo ranks against one process, alone",
-        "and under a step cache — or why there is none. Text-encoder parallelism is per encoder class, at the end.",
+        "and under a step cache — or why there is none. The CFG-parallel column says how the family's calls are",
+        "split over two ranks ([cfg_parallel.md](cfg_parallel.md)); a call without an unconditional branch",
+        "(guidance-distilled models) is refused at run time. Text-encoder and VAE parallelism are per component",
+        "class, at the end.",
         "",
         f"**{supported} transformer classes supported; {with_cp} with context parallelism; {with_tp} with tensor "
         "parallelism.**",
         "",
-        "| diffusers class | family | cache | context parallel | tensor parallel | block lists (pattern) "
-        "| tiny pipelines | CLI names |",
-        "|---|---|---|---|---|---|---|---|",
+        "| diffusers class | family | cache | context parallel | tensor parallel | CFG parallel "
+        "| block lists (pattern) | tiny pipelines | CLI names |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    return "\n".join(header + rows + text_encoder_rows()) + "\n"
+    return "\n".join(header + rows + text_encoder_rows() + vae_rows()) + "\n"
 
 
 def text_encoder_rows() -> list[str]:
@@ -147,6 +170,29 @@ def text_encoder_rows() -> list[str]:
         plan = plan_for_class(name)
         fallback = plan.fallback.name if plan.fallback is not None else "—"
         lines.append(f"| `{name.rpartition('.')[2]}` | {plan.notes} | {fallback} |")
+    return lines
+
+
+def vae_rows() -> list[str]:
+    """The VAE table: every registered VAE class and whether ``Parallel(vae=True)`` decodes it in row bands."""
+    from fastdit.components.registry import VAE, registered
+    from fastdit.components.vae_plans import VAE_PLANS
+
+    lines = [
+        "",
+        "## VAEs",
+        "",
+        "`Parallel(vae=True)` decodes (and encodes) every VAE of the pipeline in row bands over all ranks, equal to",
+        "the VAE's own untiled decode (see [vae_parallel.md](vae_parallel.md)); every covered class is tested on 2",
+        "and 3 gloo ranks against one process. A class without a plan is refused by name.",
+        "",
+        "| VAE class | row-band decode / encode |",
+        "|---|---|",
+    ]
+    for entry in registered(VAE):
+        plan = VAE_PLANS.get(entry.class_name)
+        cell = "✅ " + " ".join(plan.notes.split()) if plan is not None else "❌ not covered yet (refused by name)"
+        lines.append(f"| `{entry.class_name.rpartition('.')[2]}` | {cell.replace('|', chr(92) + '|')} |")
     return lines
 
 

@@ -31,7 +31,7 @@ def test_json_has_one_object_per_registered_model(capsys: Any) -> None:
     assert flux == {
         "name": "flux",
         "family": "flux",
-        "features": ["cache", "cp", "tp"],
+        "features": ["cache", "cp", "tp", "cfg"],
         "hub_id": "black-forest-labs/FLUX.1-dev",
         "pipeline_class": "diffusers.FluxPipeline",
         "env_var": "FLUX_DIR",
@@ -57,11 +57,12 @@ def test_families_with_their_tiny_pipelines(capsys: Any) -> None:
 
 
 def test_features_come_from_the_adapter() -> None:
-    assert features(get_preset("flux")[1]) == ["cache", "cp", "tp"]
+    assert features(get_preset("flux")[1]) == ["cache", "cp", "tp", "cfg"]
     for adapter in all_adapters():
         assert ("cp" in features(adapter)) == (adapter.cp_plan is not None), adapter.family
         assert ("tp" in features(adapter)) == (adapter.tp_plan is not None), adapter.family
-        assert features(replace(adapter, cp_plan=None, tp_plan=None)) == ["cache"]
+        assert ("cfg" in features(adapter)) == adapter.cfg_parallel, adapter.family
+        assert features(replace(adapter, cp_plan=None, tp_plan=None, cfg_parallel=False)) == ["cache"]
 
 
 def test_cache_presets(capsys: Any) -> None:

@@ -24,6 +24,8 @@ FEATURES: tuple[tuple[str, Callable[[ModelAdapter], bool]], ...] = (
     ("cp", lambda adapter: adapter.cp_plan is not None),
     # Tensor parallelism needs the family's plan of which layers split and which attributes divide.
     ("tp", lambda adapter: adapter.tp_plan is not None),
+    # CFG parallelism needs only that the family does not opt out (a call without an unconditional branch is refused).
+    ("cfg", lambda adapter: adapter.cfg_parallel),
 )
 """Feature name and the test of an adapter that says whether the family supports it, in display order."""
 

@@ -10,7 +10,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["TEXT_ENCODER", "VAE", "ComponentEntry", "component_kind", "entry_for", "register_component"]
+__all__ = [
+    "TEXT_ENCODER",
+    "VAE",
+    "ComponentEntry",
+    "component_kind",
+    "entry_for",
+    "register_component",
+    "registered",
+]
 
 TEXT_ENCODER = "text_encoder"
 VAE = "vae"
@@ -49,6 +57,11 @@ def register_component(entry: ComponentEntry) -> ComponentEntry:
 def entry_for(cls: type) -> ComponentEntry | None:
     """The entry registered for exactly ``cls`` (``None`` if none)."""
     return _REGISTRY.get(f"{cls.__module__}.{cls.__qualname__}")
+
+
+def registered(kind: str) -> list[ComponentEntry]:
+    """Every registered entry of ``kind``, in registration order."""
+    return [entry for entry in _REGISTRY.values() if entry.kind == kind]
 
 
 def component_kind(cls: type) -> str:
