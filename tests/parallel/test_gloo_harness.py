@@ -224,6 +224,20 @@ def test_exception_reports_rank_and_type_and_pool_recovers(dist2: WorkerPool) ->
     assert dist2.run(_pid) == dist2.pids
 
 
+def _refuse_everywhere(rank: int, world_size: int) -> None:
+    raise ValueError(f"rank {rank} refuses")
+
+
+def test_a_failure_every_rank_raises_alike_keeps_the_workers(dist2: WorkerPool) -> None:
+    generation, pids = dist2.generation, dist2.pids
+    with pytest.raises(DistributedTestError) as info:
+        dist2.run(_refuse_everywhere, timeout=30)
+    assert info.value.exc_types == {0: "ValueError", 1: "ValueError"}
+    # The group still pairs its collectives, so nothing is restarted: the next call runs on the same workers.
+    assert dist2.generation == generation
+    assert dist2.run(_pid) == pids
+
+
 def test_dead_worker_is_reported(dist2: WorkerPool) -> None:
     with pytest.raises(DistributedTestError) as info:
         dist2.run(_exit_on_rank_one)

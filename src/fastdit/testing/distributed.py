@@ -50,6 +50,8 @@ START_TIMEOUT_S = 120.0
 # After one rank fails, the others get this long to report before the pool is killed: a healthy rank finishing its
 # own work reports at once, a rank blocked in a collective with the failed one never does.
 FAILURE_GRACE_S = 1.0
+# How long the pool's all-reduce check after a failure every rank reported may take before the pool is restarted.
+HEALTH_TIMEOUT_S = 10.0
 # Collectives inside workers give up after this long even if the parent is gone and cannot kill them.
 COLLECTIVE_TIMEOUT_S = 300.0
 START_METHODS = ("forkserver", "spawn")
@@ -171,6 +173,13 @@ def _wait_if_async(tensor: torch.Tensor) -> torch.Tensor:
     return wait_fn() if callable(wait_fn) else tensor
 
 
+def _rank_sum(rank: int, world_size: int) -> int:
+    """1 + 2 + ... + world_size, by one all-reduce: the pool's check that the group still pairs its collectives."""
+    total = torch.tensor([rank + 1])
+    dist.all_reduce(total)
+    return int(total.item())
+
+
 def _run_task(rank: int, world_size: int, message: bytes) -> bytes:
     try:
         sys_path, payload = pickle.loads(message)
@@ -220,7 +229,8 @@ class WorkerPool:
 
     Workers start in the background when the pool is created (or replaced) and are waited for by the first
     :meth:`run`. After a failure or timeout the workers are killed and new ones started, so the next call begins
-    with a clean process group.
+    with a clean process group — unless every rank raised and an all-reduce over the group still pairs up (a
+    refusal all ranks made alike), in which case the workers, their imports and caches are kept.
 
     Workers never inherit the parent's state: with ``"forkserver"`` (the default) they are forked from a fresh
     server process that imported torch once, so a worker starts in milliseconds instead of paying the import
@@ -285,12 +295,36 @@ class WorkerPool:
             raise
         failures = {rank: value for rank, (kind, value) in replies.items() if kind == "error"}
         if failures:
-            self._restart()
+            if not self._still_in_step(failures, pending):
+                self._restart()
             raise DistributedTestError(name, failures, pending)
         if pending:
             self._restart()
             raise TimeoutError(f"{name} did not finish within {timeout:g} s on rank(s) {pending}; pool restarted")
         return [replies[rank][1] for rank in range(self.world_size)]
+
+    def _still_in_step(self, failures: dict[int, RankFailure], pending: list[int]) -> bool:
+        """Whether the workers may be kept after a failed call: every rank raised (none died, none is still busy)
+        and one all-reduce over the whole group still pairs up.
+
+        A refusal every rank raises alike (a technique rejecting a pipeline) leaves the group as it was; restarting
+        would cost every later test the workers' imports and cached pipelines. A rank left inside a collective, or a
+        collective one rank started and another skipped, fails the check (a wrong sum or a timeout), and the pool is
+        restarted as before.
+        """
+        if pending or len(failures) != self.world_size:
+            return False
+        if any(f.exc_type == "WorkerExited" for f in failures.values()):
+            return False
+        message = pickle.dumps((list(sys.path), pickle.dumps((_fn_ref(_rank_sum), (), {}))))
+        try:
+            for conn in self._conns:
+                conn.send_bytes(message)
+            replies, late = self._collect(HEALTH_TIMEOUT_S)
+        except (OSError, EOFError):
+            return False
+        expected = self.world_size * (self.world_size + 1) // 2
+        return not late and all(replies[r] == ("ok", expected) for r in range(self.world_size))
 
     def shutdown(self) -> None:
         """Stop the workers and remove the pool's temporary files. The pool cannot be used afterwards."""
