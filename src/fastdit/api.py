@@ -240,7 +240,12 @@ def summary(target: Any) -> Summary:
         info: dict[str, Any] = {"class": type(item.module).__name__}
         runtime = context.runtime
         if runtime is not None:
-            info["parallel"] = {"rank": runtime.rank, "world_size": runtime.world_size, "layout": repr(runtime)}
+            info["parallel"] = {
+                "rank": runtime.rank,
+                "world_size": runtime.world_size,
+                "layout": repr(runtime),
+                "topology": runtime.topology.to_dict(),
+            }
         info["techniques"] = [r.technique for r in context.applied(item.name)]
         engine = context.state("cache", item.name)
         if engine is not None:

@@ -335,6 +335,15 @@ def execute(plan: GeneratePlan, *, progress: bool, track_memory: bool) -> Genera
     return GenerateRun(session, load_seconds, results[-1], results[0] if plan.compare else None)
 
 
+def _layout(summary: Any) -> dict | None:
+    """The mesh the run used and which of its dims cross nodes (from rank 0's summary), if it ran in parallel."""
+    for info in summary.transformers.values() if summary is not None else ():
+        parallel = info.get("parallel")
+        if parallel is not None:
+            return {"layout": parallel["layout"].split("mesh=")[-1].rstrip(")"), "topology": parallel["topology"]}
+    return None
+
+
 def _payload(plan: GeneratePlan, done: GenerateRun) -> dict:
     from fastdit.metrics import json_safe
 
@@ -361,6 +370,9 @@ def _payload(plan: GeneratePlan, done: GenerateRun) -> dict:
         "seconds": result.median_seconds,
         "seconds_per_image": result.median_seconds / len(plan.cases),
     }
+    layout = _layout(result.summary)
+    if layout is not None:
+        payload["parallel"] = layout
     if "num_frames" in plan.kwargs:
         payload["frames"] = plan.kwargs["num_frames"]
     if result.cache is not None and "cache" in plan.acceleration:

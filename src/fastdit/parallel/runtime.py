@@ -13,6 +13,7 @@ for gloo) whatever the default group's timeout, so one stalled rank would hang t
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -21,6 +22,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fastdit.config import Parallel
+from fastdit.errors import FastditWarning
+from fastdit.parallel.topology import CHATTY_DIMS, Topology, better_layout, gather_topology
 
 __all__ = ["MESH_DIMS", "ParallelRuntime", "group_options", "sum_reducer"]
 
@@ -139,6 +142,8 @@ class ParallelRuntime:
         device: The device this rank computes on.
         mesh: Device mesh with dims :data:`MESH_DIMS`, or ``None`` without a process group.
         owns_process_group: Whether this runtime created the default process group (and :meth:`shutdown` ends it).
+        topology: Which node each rank runs on and which dims' groups span nodes
+            (:class:`~fastdit.parallel.topology.Topology`).
     """
 
     def __init__(
@@ -159,6 +164,7 @@ class ParallelRuntime:
         self.device = device
         self.mesh = mesh
         self.owns_process_group = owns_process_group
+        self.topology = Topology((0,) * world_size, ())  # one node until gather_topology says otherwise
 
     @classmethod
     def from_config(
@@ -190,14 +196,33 @@ class ParallelRuntime:
         local_rank = _local_rank(rank)
         device = _resolve_device(device, local_rank)
         shape = tuple(getattr(parallel, name) for name in MESH_DIMS)
-        return cls(
+        mesh = _mesh(device.type, shape, parallel.timeout_s)
+        runtime = cls(
             parallel,
             rank=rank,
             world_size=dist.get_world_size(),
             local_rank=local_rank,
             device=device,
-            mesh=_mesh(device.type, shape, parallel.timeout_s),
+            mesh=mesh,
             owns_process_group=owns_group,
+        )
+        # Every rank builds its runtime at the same point of accelerate: the one collective that finds the nodes.
+        runtime.topology = gather_topology(mesh.mesh, MESH_DIMS, device)
+        runtime._warn_if_chatty_dims_cross_nodes()
+        return runtime
+
+    def _warn_if_chatty_dims_cross_nodes(self) -> None:
+        crossing = [d for d in self.topology.spanning if d in CHATTY_DIMS]
+        if not crossing or not self.is_main:
+            return
+        better = better_layout(self.parallel, self.topology.ranks_per_node)
+        hint = f"; {_describe(better)} keeps them inside a node" if better is not None else ""
+        warnings.warn(
+            f"{_describe(self.parallel)} on {self.topology.num_nodes} nodes of {self.topology.ranks_per_node} ranks: "
+            f"the {' and '.join(crossing)} groups cross nodes, so their collectives (every layer or attention) "
+            f"run over the inter-node link{hint}",
+            FastditWarning,
+            stacklevel=3,
         )
 
     @classmethod
