@@ -46,6 +46,35 @@ CASES: dict[str, tuple[str, str, dict, tuple[int, ...], tuple[int, ...] | None]]
         (1, 4, 1, 7, 5),
         (1, 3, 1, 48, 24),
     ),
+    # --- LTX, LTX-2, CogVideoX, Mochi ---
+    "AutoencoderKLLTXVideo": (
+        "fastdit.testing.components.autoencoder_kl_ltx",
+        "autoencoder_kl_ltx_video",
+        {"timestep_conditioning": True, "inject_noise": True},
+        (1, 8, 2, 4, 2),
+        (1, 3, 9, 24, 16),
+    ),
+    "AutoencoderKLLTX2Video": (
+        "fastdit.testing.components.autoencoder_kl_ltx",
+        "autoencoder_kl_ltx2_video",
+        {"inject_noise": True},
+        (1, 4, 2, 5, 2),
+        (1, 3, 9, 24, 16),
+    ),
+    "AutoencoderKLCogVideoX": (
+        "fastdit.testing.components.autoencoder_kl_cogvideox",
+        "autoencoder_kl_cogvideox",
+        {"frame_batches": (1, 4)},  # two batches each way: the conv caches carry band rows between them
+        (1, 4, 2, 5, 3),
+        (1, 3, 9, 12, 8),
+    ),
+    "AutoencoderKLMochi": (
+        "fastdit.testing.components.autoencoder_kl_mochi",
+        "autoencoder_kl_mochi",
+        {},
+        (1, 4, 2, 7, 4),
+        (1, 3, 12, 48, 16),
+    ),
 }
 
 
@@ -63,8 +92,14 @@ def _inputs(name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def _calls(vae: torch.nn.Module, z: torch.Tensor, x: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    # A timestep-conditioned decoder (LTX) takes the decode timestep; decoders injecting noise draw from the global
+    # RNG, seeded alike before each call here and in the reference.
+    extra = (torch.full((z.shape[0],), 0.05),) if getattr(vae.config, "timestep_conditioning", False) else ()
     with torch.no_grad():
-        out = {"decode": vae.decode(z).sample, "decode_tuple": vae.decode(z, return_dict=False)[0]}
+        torch.manual_seed(0)
+        out = {"decode": vae.decode(z, *extra).sample}
+        torch.manual_seed(0)
+        out["decode_tuple"] = vae.decode(z, *extra, return_dict=False)[0]
         if x is not None:
             encoded = vae.encode(x)
             if hasattr(encoded, "latent_dist"):
@@ -88,15 +123,18 @@ def _banded(rank: int, world_size: int, name: str) -> dict[str, Any]:
 
     vae = _build(name)
     z, x = _inputs(name)
+    extra = (torch.full((z.shape[0],), 0.05),) if getattr(vae.config, "timestep_conditioning", False) else ()
     with torch.no_grad():
-        before = vae.decode(z).sample
+        torch.manual_seed(0)
+        before = vae.decode(z, *extra).sample
     applied = apply_vae_parallel(vae, plan_for(vae), None)
     try:
         out = _calls(vae, z, x)
     finally:
         applied.undo()
     with torch.no_grad():
-        after = vae.decode(z).sample
+        torch.manual_seed(0)
+        after = vae.decode(z, *extra).sample
     return {"out": out, "undone": torch.equal(before, after), "left": _leftovers(vae), "stats": applied.state.stats()}
 
 
