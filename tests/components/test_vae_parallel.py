@@ -231,7 +231,7 @@ def test_refusals_before_anything_is_touched() -> None:
     assert not _leftovers(pipe.vae)
 
 
-def test_a_vae_without_a_plan_is_refused_naming_its_class() -> None:
+def test_a_vae_without_a_plan_is_refused_naming_its_class(monkeypatch: pytest.MonkeyPatch) -> None:
     from fastdit.components import walk
     from fastdit.components.vae_technique import VaeParallel
     from fastdit.context import Request
@@ -239,6 +239,8 @@ def test_a_vae_without_a_plan_is_refused_naming_its_class() -> None:
     from fastdit.testing.pipelines import build_tiny
 
     pipe, _ = build_tiny("ltx")
+    cls = type(pipe.vae)
+    monkeypatch.delitem(VAE_PLANS, f"{cls.__module__}.{cls.__qualname__}")  # as a class without a plan
     request = Request(parallel=fastdit.Parallel(ulysses=2, vae=True))
     with pytest.raises(UnavailableError, match=r"vae \(diffusers\.models\..*AutoencoderKLLTXVideo\) has no VAE-par"):
         VaeParallel().check(request, walk(pipe))

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from fastdit.testing.components.encoders import build
 
 __all__ = ["autoencoder_kl_ltx2_video", "autoencoder_kl_ltx_video"]
@@ -38,6 +40,16 @@ def _layout(
     }
 
 
+def _noise_scales(vae: torch.nn.Module) -> torch.nn.Module:
+    """Give the injected noise a weight: the classes initialise its per-channel scales to zero, which would make
+    ``inject_noise`` a no-op in a random-weight VAE."""
+    with torch.no_grad():
+        for name, param in vae.named_parameters():
+            if name.rsplit(".", 1)[-1].startswith("per_channel_scale"):
+                param.fill_(0.1)
+    return vae
+
+
 def autoencoder_kl_ltx_video(
     *, latent_channels: int = 8, timestep_conditioning: bool = False, inject_noise: bool = False, seed: int = 0
 ):
@@ -56,7 +68,7 @@ def autoencoder_kl_ltx_video(
     from diffusers import AutoencoderKLLTXVideo
 
     layout = _layout(latent_channels, (True, True, True, False), timestep_conditioning, inject_noise)
-    return build(AutoencoderKLLTXVideo, seed=seed, **layout)
+    return _noise_scales(build(AutoencoderKLLTXVideo, seed=seed, **layout))
 
 
 def autoencoder_kl_ltx2_video(
@@ -75,11 +87,13 @@ def autoencoder_kl_ltx2_video(
     """
     from diffusers import AutoencoderKLLTX2Video
 
-    return build(
-        AutoencoderKLLTX2Video,
-        seed=seed,
-        **_layout(latent_channels, (True, True, True), timestep_conditioning, inject_noise),
-        down_block_types=("LTX2VideoDownBlock3D",) * 3,
-        downsample_type=("spatiotemporal",) * 3,
-        upsample_type=("spatiotemporal",) * 3,
+    return _noise_scales(
+        build(
+            AutoencoderKLLTX2Video,
+            seed=seed,
+            **_layout(latent_channels, (True, True, True), timestep_conditioning, inject_noise),
+            down_block_types=("LTX2VideoDownBlock3D",) * 3,
+            downsample_type=("spatiotemporal",) * 3,
+            upsample_type=("spatiotemporal",) * 3,
+        )
     )
