@@ -184,6 +184,40 @@ def test_tiles_spread_over_ranks_equal_the_tiled_call(world: int, name: str) -> 
             assert err <= TOLERANCE, f"{name} tiled {key} on {world} ranks: max abs error {err:.2e}"
 
 
+def _framewise_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    """Three latent frames (17 video frames): more than LTX's default frame tile of 2 latent (16 video) frames."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(1, 8, 3, 4, 2, generator=generator), torch.rand(1, 3, 17, 24, 16, generator=generator) * 2 - 1
+
+
+def _framewise_banded(rank: int, world_size: int, name: str) -> dict[str, Any]:
+    from fastdit.components.vae_parallel import apply_vae_parallel
+
+    vae = _build(name)
+    vae.use_framewise_decoding = True
+    applied = apply_vae_parallel(vae, plan_for(vae), None)
+    try:
+        return _calls(vae, *_framewise_inputs())
+    finally:
+        applied.undo()
+
+
+@pytest.mark.distributed
+def test_framewise_decoding_runs_the_same_frame_tiles_on_every_rank() -> None:
+    # LTX decodes (and encodes) overlapping frame tiles blended in time: every rank runs the VAE's own frame loop
+    # on its band, so each tile's halos and noise draws pair up and the result is the one-process framewise call.
+    name = "AutoencoderKLLTXVideo"
+    vae = _build(name)
+    whole = _calls(vae, *_framewise_inputs())
+    vae.use_framewise_decoding = True
+    expected = _calls(vae, *_framewise_inputs())
+    assert (expected["decode"] - whole["decode"]).abs().max().item() > 1e-2  # the frame tiles did run
+    for out in get_pool(2).run(_framewise_banded, name, timeout=240):
+        for key, value in expected.items():
+            err = (out[key] - value).abs().max().item()
+            assert err <= TOLERANCE, f"{name} framewise {key}: max abs error {err:.2e}"
+
+
 def test_every_plan_has_a_case() -> None:
     names = {key.rsplit(".", 1)[1] for key in VAE_PLANS}
     assert names == set(CASES)
@@ -296,3 +330,17 @@ def test_pipeline_with_context_and_vae_parallelism_equals_one_process() -> None:
         assert result["stats"]["vae"]["calls"] == {"decode": 1}
         assert result["stats"]["vae"]["ranks"] == 2
         assert not result["left"]
+
+
+def test_mochi_framewise_decoding_and_other_attention_processors_are_refused() -> None:
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    mochi = _build("AutoencoderKLMochi")
+    check_vae(mochi, plan_for(mochi))
+    mochi._enable_framewise_decoding()  # its convolutions then pad no rows: not the decode the plan covers
+    with pytest.raises(ValueError, match=r"CogVideoXCausalConv3d\): pad_mode='constant' \(framewise decoding"):
+        check_vae(mochi, plan_for(mochi))
+    mochi = _build("AutoencoderKLMochi")
+    mochi.encoder.block_out.attentions[0].set_processor(AttnProcessor2_0())  # not known to be per pixel
+    with pytest.raises(ValueError, match=r"attention processor AttnProcessor2_0, not MochiVaeAttnProcessor2_0"):
+        check_vae(mochi, plan_for(mochi))
