@@ -10,7 +10,9 @@ wrapped ``decode`` keeps rank ``r``'s contiguous band of rows (dim -2), runs the
 * every ``GroupNorm`` takes its statistics over all ranks' rows (each rank's own rows only: halos never leave the
   convolution hooks);
 * softmax attention gathers its keys and values over the ranks (local queries attend to every key) and linear
-  attention sums its token reductions over the ranks.
+  attention sums its token reductions over the ranks;
+* noise a module draws over its rows (LTX-Video's decoder injects some) is drawn for the whole image, rank 0's
+  draw kept, and cut to the band, so it is the noise one device would add.
 
 Everything else in these VAEs (1 x 1 convolutions, nearest upsampling, pixel shuffles, activations, per-pixel channel
 norms) is row-local. The result equals the untiled single-device decode up to float rounding — unlike tiled decoding,
