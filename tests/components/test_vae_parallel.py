@@ -148,6 +148,8 @@ def test_band_decode_and_encode_equal_one_process(world: int, name: str) -> None
         assert result["undone"], "the VAE decodes differently after the undo"
         assert not result["left"], f"left behind: {result['left']}"
         assert result["stats"]["halo_exchanges"] > 0 and result["stats"]["calls"]["decode"] == 2
+        if CASES[name][2].get("inject_noise"):  # the decoder's noise was drawn for the whole image
+            assert result["stats"]["noise_draws"] > 0
         for key, value in expected.items():
             err = (result["out"][key] - value).abs().max().item()
             assert err <= TOLERANCE, f"{name} {key} on {world} ranks: max abs error {err:.2e}"
