@@ -38,6 +38,7 @@ from fastdit.bench.timing import RunResult, run
 from fastdit.config import Parallel
 from fastdit.errors import ArgumentError, UnavailableError
 from fastdit.models.base import ModelAdapter
+from fastdit.parallel.cfg_parallel import CfgParallelError
 from fastdit.parallel.failures import CollectiveError, collective_failures
 from fastdit.session import Case, ModelSource, Session, default_steps
 
@@ -245,24 +246,29 @@ def ladder_names() -> list[str]:
     return [rung.name for rung in LADDER] + groups + ["all"]
 
 
-def select_rungs(names: Sequence[str] | str | None) -> list[Rung]:
+def select_rungs(names: Sequence[str | Rung] | str | None) -> list[Rung]:
     """The rungs ``names`` select, in ladder order (``None``, empty or ``"all"``: every rung).
 
     Args:
-        names: Rung or group names, or one comma-separated string of them.
+        names: Rung or group names, or one comma-separated string of them. :class:`Rung` objects may be given
+            instead of names (a model's own configurations, or a test's): they run after the named ones, in order.
 
     Raises:
         LadderError: A name selects no rung.
     """
     if isinstance(names, str):
         names = [part.strip() for part in names.split(",") if part.strip()]
+    extra = [name for name in names or () if isinstance(name, Rung)]
+    names = [name for name in names or () if not isinstance(name, Rung)]
+    if extra and not names:
+        return extra
     if not names or "all" in names:
-        return list(LADDER)
+        return list(LADDER) + extra
     unknown = [name for name in names if name not in ladder_names()]
     if unknown:
         raise LadderError(f"unknown ladder entry {unknown[0]!r}; known: {', '.join(ladder_names())}")
     wanted = set(names)
-    return [rung for rung in LADDER if rung.name in wanted or wanted & set(rung.groups)]
+    return [rung for rung in LADDER if rung.name in wanted or wanted & set(rung.groups)] + extra
 
 
 @dataclass(frozen=True)
@@ -434,9 +440,11 @@ class VerifyReport:
 
 
 def _describe(name: str, options: Options) -> str:
-    parallel = options.get("parallel")
+    parallel, cache = options.get("parallel"), options.get("cache")
     if parallel is None:
-        return f"{name} (balanced)" if "cache" in options else name
+        if cache is None:
+            return name
+        return f"{name} ({type(cache).__name__} F{cache.fn}B{cache.bn}, threshold {cache.threshold:g})"
     degrees = [
         f"{key}={getattr(parallel, key)}" for key in ("cfg", "ring", "ulysses", "tp") if getattr(parallel, key) > 1
     ]
@@ -549,6 +557,9 @@ def _run_rung(rung: Rung, options: dict[str, Any], row: VerifyRow, ladder: _Ladd
     except CollectiveError as error:
         row.status, row.reason = Status.ERROR, error.describe()
         return True
+    except CfgParallelError as error:
+        # Raised on every rank alike when the call runs no guidance branch pair: nothing for cfg=2 to split.
+        row.status, row.reason = Status.NOT_AVAILABLE, " ".join(str(error).split())
     except Exception as error:  # a failed row, reported; the next rungs still run
         row.status, row.reason = Status.ERROR, _one_line(error)
     finally:
@@ -573,7 +584,7 @@ def _call_summary(kwargs: Mapping[str, Any]) -> dict[str, Any]:
 def verify_ladder(
     pipe: Any,
     call_kwargs: Mapping[str, Any],
-    ladder: Sequence[str] | str | None = None,
+    ladder: Sequence[str | Rung] | str | None = None,
     runtime: VerifyRuntime | None = None,
 ) -> VerifyReport:
     """Run the baseline and the selected rungs on ``pipe``, each judged against the baseline.
@@ -583,7 +594,8 @@ def verify_ladder(
     Args:
         pipe: A diffusers pipeline, not accelerated (left not accelerated).
         call_kwargs: Its call arguments (prompt included or given by the cases; no generator).
-        ladder: Rung or group names (:func:`ladder_names`), or a comma-separated string; ``None``: every rung.
+        ladder: Rung or group names (:func:`ladder_names`), a comma-separated string of them, or :class:`Rung`
+            objects; ``None``: every rung.
         runtime: How to run (default :class:`VerifyRuntime`).
 
     Returns:
