@@ -544,8 +544,10 @@ def _run_rung(rung: Rung, options: dict[str, Any], row: VerifyRow, ladder: _Ladd
         row.status, row.reason = Status.ERROR, error.describe()
         return True
     except (ArgumentError, UnavailableError, ValueError, NotImplementedError) as error:
-        # Refused before anything was touched (fastdit.accelerate checks every technique first).
-        row.status, row.reason = Status.NOT_AVAILABLE, " ".join(str(error).split())
+        # Refused before anything was touched (fastdit.accelerate checks every technique first). The row already
+        # shows the layout, so an ArgumentError's reason is enough.
+        reason = error.requirement if isinstance(error, ArgumentError) else str(error)
+        row.status, row.reason = Status.NOT_AVAILABLE, " ".join(reason.split())
         return False
     try:
         with collective_failures(timeout):
