@@ -146,3 +146,17 @@ def test_injected_rungs_fail_error_or_are_unavailable(family: str) -> None:
     assert not report.passed and [r.name for r in report.failures] == ["strict", "raises"]
     assert "PSNR" in report.rows[2].reason and report.rows[2].configuration == "strict (DBCache F1B0, threshold 0.08)"
     assert fastdit.api.context_of(pipe) is None
+
+
+def test_grid_shows_every_row_that_ran(tmp_path: Any) -> None:
+    import numpy as np
+
+    from fastdit.diagnostics.verify import VerifyReport, VerifyRow, save_grid
+    from fastdit.io import load_image
+
+    outputs = {"image": np.full((32, 32, 3), 0.5), "video": np.zeros((3, 16, 16, 3)), "latent": np.ones((4, 8, 8))}
+    rows = [VerifyRow(name, name, status=Status.PASS, outputs=[output]) for name, output in outputs.items()]
+    rows.append(VerifyRow("tp", "tp", status=Status.SKIPPED, reason="needs 2 processes"))
+    report = VerifyReport("m", "P", 1, "cpu", {"num_inference_steps": 2}, Thresholds(), rows)
+    path = save_grid(report, tmp_path / "grid.png")
+    assert load_image(path).shape[1] > load_image(path).shape[0]  # one line of three tiles

@@ -111,16 +111,20 @@ class Thresholds:
         """The PSNR minimum of rows of threshold kind ``kind`` (:data:`CACHE` or :data:`PARALLEL`)."""
         return self.cache_psnr if kind == CACHE else self.parallel_psnr
 
-    def judge(self, kind: str, psnr: float, ssim: float) -> tuple[str, str]:
-        """The status of a row with worst-output ``psnr`` and ``ssim``, and why when it is not a pass."""
-        if math.isnan(psnr) or math.isnan(ssim):
+    def judge(self, kind: str, psnr: float, ssim: float | None) -> tuple[str, str]:
+        """The status of a row with worst-output ``psnr`` and ``ssim``, and why when it is not a pass.
+
+        ``ssim`` is ``None`` for outputs SSIM cannot compare (latents, images smaller than its window): PSNR alone
+        decides then.
+        """
+        if math.isnan(psnr) or (ssim is not None and math.isnan(ssim)):
             return Status.FAIL, "PSNR or SSIM is not a number"
-        if psnr > self.garbled_psnr and ssim < self.garbled_ssim:
+        if ssim is not None and psnr > self.garbled_psnr and ssim < self.garbled_ssim:
             return Status.GARBLED, f"PSNR {_db(psnr)} dB looks fine but SSIM {ssim:.3f} < {self.garbled_ssim:g}"
         reasons = []
         if not psnr > self.min_psnr(kind):
             reasons.append(f"PSNR {_db(psnr)} dB <= {self.min_psnr(kind):g}")
-        if not ssim > self.ssim:
+        if ssim is not None and not ssim > self.ssim:
             reasons.append(f"SSIM {ssim:.4f} <= {self.ssim:g}")
         return (Status.FAIL, "; ".join(reasons)) if reasons else (Status.PASS, "")
 
@@ -507,10 +511,23 @@ def _measured(row: VerifyRow, result: RunResult, ladder: _Ladder) -> VerifyRow:
     if ladder.baseline is None:
         return row
     row.speedup = ladder.baseline.median_seconds / result.median_seconds
-    quality = compare_outputs(ladder.baseline.outputs, result.outputs)
-    row.psnr, row.psnr_min, row.ssim, row.ssim_min = quality.psnr, quality.psnr_min, quality.ssim, quality.ssim_min
-    row.status, row.reason = ladder.runtime.thresholds.judge(row.kind, quality.psnr_min, quality.ssim_min)
+    try:
+        quality = compare_outputs(ladder.baseline.outputs, result.outputs)
+        row.psnr, row.psnr_min = quality.psnr, quality.psnr_min
+        row.ssim, row.ssim_min = quality.ssim, quality.ssim_min
+    except ValueError:  # not images SSIM can read (latents, tiles below its 11-pixel window)
+        row.psnr, row.psnr_min = _psnr_only(ladder.baseline.outputs, result.outputs)
+    row.status, row.reason = ladder.runtime.thresholds.judge(row.kind, row.psnr_min, row.ssim_min)
     return row
+
+
+def _psnr_only(reference: Sequence[np.ndarray], test: Sequence[np.ndarray]) -> tuple[float, float]:
+    """Mean and minimum PSNR over outputs of any shape, values in [0, 1] (what the session returns)."""
+    values = []
+    for a, b in zip(reference, test, strict=True):
+        mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+        values.append(math.inf if mse == 0 else 10 * math.log10(1.0 / mse))
+    return float(np.mean(values)), min(values)
 
 
 def _with_timeout(options: Options, timeout_s: float | None) -> dict[str, Any]:
@@ -610,8 +627,10 @@ def verify_ladder(
     runtime = runtime or VerifyRuntime()
     session = _session(pipe, runtime)
     kwargs = dict(call_kwargs)
-    if "output_type" in kwargs or "output_type" in _call_params(pipe):
-        kwargs["output_type"] = "np"
+    if "output_type" in _call_params(pipe):
+        # Arrays in [0, 1], what PSNR and SSIM compare; a caller's choice (latents of a variant whose tiny VAE
+        # cannot decode) is kept: the session clips those to [0, 1] alike for the baseline and every row.
+        kwargs.setdefault("output_type", "np")
     context = LadderContext(runtime.processes(), _adapters(pipe, runtime.adapter), default_steps(type(pipe), kwargs))
     state = _Ladder(session, kwargs, runtime, context)
     base_row = VerifyRow(BASELINE, BASELINE, status=Status.BASELINE)
@@ -727,9 +746,14 @@ def load_target(resolved: ModelSource | tuple[str, str | None], *, device: Any, 
     return VerifyTarget(_SeededSession(pipe, source, device), dict(tiny.call_kwargs))
 
 
-def _tile(output: np.ndarray) -> np.ndarray:
-    """An image of one output: itself, or the middle frame of a video."""
-    return output[len(output) // 2] if output.ndim == 4 else output
+def _tile(output: np.ndarray) -> np.ndarray | None:
+    """An image of one output: itself, the middle frame of a video, the first channel of latents; ``None``: none."""
+    tile = np.squeeze(output)
+    if tile.ndim == 4:
+        tile = tile[len(tile) // 2]
+    if tile.ndim == 3 and tile.shape[-1] not in (3, 4):
+        tile = tile[0]  # channels first (latents): show one channel in grey
+    return np.clip(tile, 0.0, 1.0) if tile.ndim in (2, 3) else None
 
 
 def save_grid(report: VerifyReport, path: Any) -> Any:
@@ -752,7 +776,9 @@ def save_grid(report: VerifyReport, path: Any) -> Any:
     for axis in axes.flat:
         axis.axis("off")
     for axis, row in zip(axes.flat, rows, strict=False):
-        axis.imshow(np.clip(_tile(row.outputs[0]), 0.0, 1.0), interpolation="nearest")
+        tile = _tile(row.outputs[0])
+        if tile is not None:
+            axis.imshow(tile, interpolation="nearest", cmap="gray", vmin=0.0, vmax=1.0)
         verdict = row.status if row.name == BASELINE else f"{row.status}, {_db(row.psnr_min)} dB"
         axis.set_title(f"{row.configuration}\n{verdict}", fontsize=7, color="tab:red" if row.failed else "black")
     figure.suptitle(report.title(), fontsize=8)
