@@ -47,16 +47,22 @@ __all__ = [
     "CACHE",
     "LADDER",
     "PARALLEL",
+    "TINY_PREFIX",
     "LadderContext",
     "LadderError",
     "Rung",
     "Skip",
     "Status",
+    "TargetError",
     "Thresholds",
     "VerifyReport",
     "VerifyRow",
     "VerifyRuntime",
+    "VerifyTarget",
     "ladder_names",
+    "load_target",
+    "resolve_target",
+    "save_grid",
     "select_rungs",
     "verify_ladder",
 ]
@@ -538,7 +544,8 @@ def _with_timeout(options: Options, timeout_s: float | None) -> dict[str, Any]:
 
 
 def _one_line(error: BaseException) -> str:
-    return " ".join(f"{type(error).__name__}: {error}".split()) if not str(error) else " ".join(str(error).split())
+    # The type too: an error of a run the configuration accepted is a bug to look for, and its type says where.
+    return " ".join(f"{type(error).__name__}: {error}".split())
 
 
 def _no_cfg_split(result: RunResult) -> bool:
@@ -622,8 +629,13 @@ def verify_ladder(
 
     Raises:
         LadderError: ``ladder`` names no rung.
+        ValueError: ``pipe`` is accelerated (its baseline would not be the plain pipeline).
     """
+    from fastdit.context import context_of
+
     rungs = select_rungs(ladder)
+    if context_of(pipe) is not None:
+        raise ValueError(f"{type(pipe).__name__} is accelerated: verify_ladder needs the plain pipeline")
     runtime = runtime or VerifyRuntime()
     session = _session(pipe, runtime)
     kwargs = dict(call_kwargs)
@@ -634,9 +646,9 @@ def verify_ladder(
     context = LadderContext(runtime.processes(), _adapters(pipe, runtime.adapter), default_steps(type(pipe), kwargs))
     state = _Ladder(session, kwargs, runtime, context)
     base_row = VerifyRow(BASELINE, BASELINE, status=Status.BASELINE)
-    state.baseline = state.measure()
-    rows = [_measured(base_row, state.baseline, state)]
-    rows[0].status, rows[0].speedup = Status.BASELINE, 1.0
+    baseline = state.measure()
+    rows = [_measured(base_row, baseline, state)]  # measured before it becomes the baseline: nothing to compare
+    rows[0].speedup, state.baseline = 1.0, baseline
     broken = False
     for rung in rungs:
         if broken:
