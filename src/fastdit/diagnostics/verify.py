@@ -751,7 +751,9 @@ def load_target(resolved: ModelSource | tuple[str, str | None], *, device: Any, 
 
     family, variant = resolved
     pipe, tiny = build_tiny(family, variant)
-    pipe.to(device, dtype)
+    pipe.to(device)
+    if dtype != torch.float32:  # built in float32; a cast warns about modules some models keep in float32
+        pipe.to(dtype=dtype)
     cls = type(pipe)
     name = f"{TINY_PREFIX}{family}:{tiny.name}"
     source = ModelSource(name, f"{cls.__module__}.{cls.__qualname__}")
@@ -784,17 +786,19 @@ def save_grid(report: VerifyReport, path: Any) -> Any:
     rows = [row for row in report.rows if row.outputs]
     columns = min(len(rows), 5)
     lines = math.ceil(len(rows) / columns)
-    figure, axes = plt.subplots(lines, columns, figsize=(2.4 * columns, 2.7 * lines), squeeze=False)
+    figure, axes = plt.subplots(lines, columns, figsize=(2.4 * columns, 3.0 * lines), squeeze=False)
     for axis in axes.flat:
         axis.axis("off")
     for axis, row in zip(axes.flat, rows, strict=False):
         tile = _tile(row.outputs[0])
         if tile is not None:
             axis.imshow(tile, interpolation="nearest", cmap="gray", vmin=0.0, vmax=1.0)
-        verdict = row.status if row.name == BASELINE else f"{row.status}, {_db(row.psnr_min)} dB"
-        axis.set_title(f"{row.configuration}\n{verdict}", fontsize=7, color="tab:red" if row.failed else "black")
+        title = (
+            row.configuration if row.name == BASELINE else f"{row.configuration}\n{row.status}, {_db(row.psnr_min)} dB"
+        )
+        axis.set_title(title, fontsize=7, color="tab:red" if row.failed else "black")
     figure.suptitle(report.title(), fontsize=8)
-    figure.tight_layout()
+    figure.tight_layout(rect=(0, 0, 1, 0.96), h_pad=2.0)
     with atomic_output(path) as temp:
         figure.savefig(temp, format="png", dpi=100)
     plt.close(figure)
