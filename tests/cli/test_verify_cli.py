@@ -73,6 +73,13 @@ def test_tiny_target(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert out.startswith("# tiny:flux:flux (FluxPipeline): 2 steps, 1 process") and "| tp | - |" in out
 
 
+@pytest.mark.usefixtures("single_process")
+def test_pipeline_directory_target(tiny_flux_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(capsys, str(tiny_flux_dir), "--ladder", "cache", "--steps", "2", "--prompt", "a cat")
+    assert code == 0, err
+    assert out.startswith(f"# {tiny_flux_dir} (FluxPipeline): 2 steps") and "| pass |" in out
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -80,6 +87,8 @@ def test_tiny_target(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
         (["no-such-model"], "unknown target 'no-such-model': not a registered model name, tiny:FAMILY"),
         (["tiny:no-such-family"], "unknown target 'tiny:no-such-family'"),
         (["tiny:flux:nope"], "unknown target 'tiny:flux:nope': family 'flux' has no tiny pipeline 'nope'"),
+        (["--min-psnr", "nan"], "argument --min-psnr nan: must be a finite number"),
+        (["--steps", "0"], "argument --steps 0: must be positive"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -89,6 +89,7 @@ def _thresholds(args: argparse.Namespace) -> Any:
     from fastdit.diagnostics.verify import Thresholds
 
     thresholds = Thresholds()
+    check_positive("--min-psnr", args.min_psnr, allow_zero=True)
     if args.min_psnr is not None:
         thresholds = replace(thresholds, cache_psnr=args.min_psnr, parallel_psnr=args.min_psnr)
     if args.min_ssim is not None:
