@@ -65,3 +65,12 @@ def test_more_families_pass_or_say_why_not(dist2: WorkerPool, family: str) -> No
         assert "parallel=Parallel(" not in unavailable["ulysses"]  # the reason, not the layout again
     else:  # SD3 batches its CFG branches: cfg=2 splits the batch
         assert _statuses(reports[0])["cfg"] == Status.PASS
+
+
+@pytest.mark.slow
+def test_three_ranks_show_what_does_not_divide(dist3: WorkerPool) -> None:
+    reports = dist3.run(_verify, "flux", "tp,cfg,usp", {}, timeout=480)
+    rows = {row["name"]: row for row in reports[0]["rows"]}
+    assert rows["tp"]["status"] == Status.NOT_AVAILABLE and "not divisible by tp=3" in rows["tp"]["reason"], rows["tp"]
+    assert rows["cfg"]["reason"] == "needs an even number of processes"
+    assert rows["usp"]["reason"] == "needs an even number of processes" and reports[0]["passed"]
