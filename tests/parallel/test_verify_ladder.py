@@ -73,4 +73,4 @@ def test_three_ranks_show_what_does_not_divide(dist3: WorkerPool) -> None:
     rows = {row["name"]: row for row in reports[0]["rows"]}
     assert rows["tp"]["status"] == Status.NOT_AVAILABLE and "not divisible by tp=3" in rows["tp"]["reason"], rows["tp"]
     assert rows["cfg"]["reason"] == "needs an even number of processes"
-    assert rows["usp"]["reason"] == "needs an even number of processes" and reports[0]["passed"]
+    assert rows["usp"]["reason"] == "needs 4 processes" and reports[0]["passed"]
