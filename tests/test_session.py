@@ -303,3 +303,12 @@ def test_components_of_other_packages_need_no_folder(tiny_flux_dir: Path, tmp_pa
     check_components(directory, read_index(directory))
     with pytest.raises(ValueError, match="missing feature_extractor/"):
         check_components(directory, {**index, "feature_extractor": ["transformers", "CLIPImageProcessor"]})
+
+
+@pytest.mark.parametrize("field", ["images", "image", "frames"])
+def test_outputs_are_read_under_each_name_pipelines_use(field: str) -> None:
+    from fastdit.session import _outputs
+
+    item = np.full((4, 4, 3), 255, dtype=np.uint8)
+    (output,) = _outputs(SimpleNamespace(**{field: [item]}))
+    assert output.dtype == np.float32 and output.max() == 1.0

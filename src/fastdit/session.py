@@ -367,8 +367,9 @@ def _to_array(item: Any) -> np.ndarray:
 
 
 def _outputs(result: Any) -> list[np.ndarray]:
-    batch = result.frames if hasattr(result, "frames") else result.images
-    return [_to_array(item) for item in batch]
+    # Videos come as .frames, images as .images, except a few pipelines' outputs that name them .image (Kandinsky 5).
+    name = next((name for name in ("frames", "images", "image") if hasattr(result, name)), "images")
+    return [_to_array(item) for item in getattr(result, name)]
 
 
 # Guidance scales are usually between 1 and 20; far above, the difference of two predictions is blown up past the

@@ -46,6 +46,35 @@ CASES: dict[str, tuple[str, str, dict, tuple[int, ...], tuple[int, ...] | None]]
         (1, 4, 1, 7, 5),
         (1, 3, 1, 48, 24),
     ),
+    # --- LTX, LTX-2, CogVideoX, Mochi ---
+    "AutoencoderKLLTXVideo": (
+        "fastdit.testing.components.autoencoder_kl_ltx",
+        "autoencoder_kl_ltx_video",
+        {"timestep_conditioning": True, "inject_noise": True},
+        (1, 8, 2, 4, 2),
+        (1, 3, 9, 24, 16),
+    ),
+    "AutoencoderKLLTX2Video": (
+        "fastdit.testing.components.autoencoder_kl_ltx",
+        "autoencoder_kl_ltx2_video",
+        {"inject_noise": True},
+        (1, 4, 2, 5, 2),
+        (1, 3, 9, 24, 16),
+    ),
+    "AutoencoderKLCogVideoX": (
+        "fastdit.testing.components.autoencoder_kl_cogvideox",
+        "autoencoder_kl_cogvideox",
+        {"frame_batches": (1, 4)},  # two batches each way: the conv caches carry band rows between them
+        (1, 4, 2, 5, 3),
+        (1, 3, 9, 12, 8),
+    ),
+    "AutoencoderKLMochi": (
+        "fastdit.testing.components.autoencoder_kl_mochi",
+        "autoencoder_kl_mochi",
+        {},
+        (1, 4, 2, 7, 4),
+        (1, 3, 12, 48, 16),
+    ),
 }
 
 
@@ -63,8 +92,14 @@ def _inputs(name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def _calls(vae: torch.nn.Module, z: torch.Tensor, x: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    # A timestep-conditioned decoder (LTX) takes the decode timestep; decoders injecting noise draw from the global
+    # RNG, seeded alike before each call here and in the reference.
+    extra = (torch.full((z.shape[0],), 0.05),) if getattr(vae.config, "timestep_conditioning", False) else ()
     with torch.no_grad():
-        out = {"decode": vae.decode(z).sample, "decode_tuple": vae.decode(z, return_dict=False)[0]}
+        torch.manual_seed(0)
+        out = {"decode": vae.decode(z, *extra).sample}
+        torch.manual_seed(0)
+        out["decode_tuple"] = vae.decode(z, *extra, return_dict=False)[0]
         if x is not None:
             encoded = vae.encode(x)
             if hasattr(encoded, "latent_dist"):
@@ -88,15 +123,18 @@ def _banded(rank: int, world_size: int, name: str) -> dict[str, Any]:
 
     vae = _build(name)
     z, x = _inputs(name)
+    extra = (torch.full((z.shape[0],), 0.05),) if getattr(vae.config, "timestep_conditioning", False) else ()
     with torch.no_grad():
-        before = vae.decode(z).sample
+        torch.manual_seed(0)
+        before = vae.decode(z, *extra).sample
     applied = apply_vae_parallel(vae, plan_for(vae), None)
     try:
         out = _calls(vae, z, x)
     finally:
         applied.undo()
     with torch.no_grad():
-        after = vae.decode(z).sample
+        torch.manual_seed(0)
+        after = vae.decode(z, *extra).sample
     return {"out": out, "undone": torch.equal(before, after), "left": _leftovers(vae), "stats": applied.state.stats()}
 
 
@@ -110,6 +148,8 @@ def test_band_decode_and_encode_equal_one_process(world: int, name: str) -> None
         assert result["undone"], "the VAE decodes differently after the undo"
         assert not result["left"], f"left behind: {result['left']}"
         assert result["stats"]["halo_exchanges"] > 0 and result["stats"]["calls"]["decode"] == 2
+        if CASES[name][2].get("inject_noise"):  # the decoder's noise was drawn for the whole image
+            assert result["stats"]["noise_draws"] > 0
         for key, value in expected.items():
             err = (result["out"][key] - value).abs().max().item()
             assert err <= TOLERANCE, f"{name} {key} on {world} ranks: max abs error {err:.2e}"
@@ -144,6 +184,40 @@ def test_tiles_spread_over_ranks_equal_the_tiled_call(world: int, name: str) -> 
         for key, value in expected.items():
             err = (result["out"][key] - value).abs().max().item()
             assert err <= TOLERANCE, f"{name} tiled {key} on {world} ranks: max abs error {err:.2e}"
+
+
+def _framewise_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    """Three latent frames (17 video frames): more than LTX's default frame tile of 2 latent (16 video) frames."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(1, 8, 3, 4, 2, generator=generator), torch.rand(1, 3, 17, 24, 16, generator=generator) * 2 - 1
+
+
+def _framewise_banded(rank: int, world_size: int, name: str) -> dict[str, Any]:
+    from fastdit.components.vae_parallel import apply_vae_parallel
+
+    vae = _build(name)
+    vae.use_framewise_decoding = True
+    applied = apply_vae_parallel(vae, plan_for(vae), None)
+    try:
+        return _calls(vae, *_framewise_inputs())
+    finally:
+        applied.undo()
+
+
+@pytest.mark.distributed
+def test_framewise_decoding_runs_the_same_frame_tiles_on_every_rank() -> None:
+    # LTX decodes (and encodes) overlapping frame tiles blended in time: every rank runs the VAE's own frame loop
+    # on its band, so each tile's halos and noise draws pair up and the result is the one-process framewise call.
+    name = "AutoencoderKLLTXVideo"
+    vae = _build(name)
+    whole = _calls(vae, *_framewise_inputs())
+    vae.use_framewise_decoding = True
+    expected = _calls(vae, *_framewise_inputs())
+    assert (expected["decode"] - whole["decode"]).abs().max().item() > 1e-2  # the frame tiles did run
+    for out in get_pool(2).run(_framewise_banded, name, timeout=240):
+        for key, value in expected.items():
+            err = (out[key] - value).abs().max().item()
+            assert err <= TOLERANCE, f"{name} framewise {key}: max abs error {err:.2e}"
 
 
 def test_every_plan_has_a_case() -> None:
@@ -193,7 +267,7 @@ def test_refusals_before_anything_is_touched() -> None:
     assert not _leftovers(pipe.vae)
 
 
-def test_a_vae_without_a_plan_is_refused_naming_its_class() -> None:
+def test_a_vae_without_a_plan_is_refused_naming_its_class(monkeypatch: pytest.MonkeyPatch) -> None:
     from fastdit.components import walk
     from fastdit.components.vae_technique import VaeParallel
     from fastdit.context import Request
@@ -201,6 +275,8 @@ def test_a_vae_without_a_plan_is_refused_naming_its_class() -> None:
     from fastdit.testing.pipelines import build_tiny
 
     pipe, _ = build_tiny("ltx")
+    cls = type(pipe.vae)
+    monkeypatch.delitem(VAE_PLANS, f"{cls.__module__}.{cls.__qualname__}")  # as a class without a plan
     request = Request(parallel=fastdit.Parallel(ulysses=2, vae=True))
     with pytest.raises(UnavailableError, match=r"vae \(diffusers\.models\..*AutoencoderKLLTXVideo\) has no VAE-par"):
         VaeParallel().check(request, walk(pipe))
@@ -256,3 +332,17 @@ def test_pipeline_with_context_and_vae_parallelism_equals_one_process() -> None:
         assert result["stats"]["vae"]["calls"] == {"decode": 1}
         assert result["stats"]["vae"]["ranks"] == 2
         assert not result["left"]
+
+
+def test_mochi_framewise_decoding_and_other_attention_processors_are_refused() -> None:
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    mochi = _build("AutoencoderKLMochi")
+    check_vae(mochi, plan_for(mochi))
+    mochi._enable_framewise_decoding()  # its convolutions then pad no rows: not the decode the plan covers
+    with pytest.raises(ValueError, match=r"CogVideoXCausalConv3d\): pad_mode='constant' \(framewise decoding"):
+        check_vae(mochi, plan_for(mochi))
+    mochi = _build("AutoencoderKLMochi")
+    mochi.encoder.block_out.attentions[0].set_processor(AttnProcessor2_0())  # not known to be per pixel
+    with pytest.raises(ValueError, match=r"attention processor AttnProcessor2_0, not MochiVaeAttnProcessor2_0"):
+        check_vae(mochi, plan_for(mochi))

@@ -95,6 +95,17 @@ class FamilySuite:
             for branch, b in info["cache"]["branches"].items():
                 assert b["cached_steps"] == list(range(1, b["steps"])), (name, branch)
 
+    @pytest.mark.slow
+    def test_verify_cache_rung(self, built: dict, variant: str) -> None:
+        """The cache rung of ``fastdit verify`` (the same check, called here): it passes and leaves the pipeline
+        un-accelerated. The parallel rungs run on gloo ranks in ``tests/parallel/test_verify_ladder.py``."""
+        from fastdit.diagnostics.verify import VerifyRuntime, verify_ladder
+
+        pipe, tiny = self._pipe(built, variant)
+        report = verify_ladder(pipe, tiny.call_kwargs, "cache", VerifyRuntime(world_size=1))
+        assert report.passed, report.table()
+        assert fastdit.api.context_of(pipe) is None
+
 
 def _instance_forwards(pipe) -> set[str]:
     return {

@@ -10,7 +10,9 @@ wrapped ``decode`` keeps rank ``r``'s contiguous band of rows (dim -2), runs the
 * every ``GroupNorm`` takes its statistics over all ranks' rows (each rank's own rows only: halos never leave the
   convolution hooks);
 * softmax attention gathers its keys and values over the ranks (local queries attend to every key) and linear
-  attention sums its token reductions over the ranks.
+  attention sums its token reductions over the ranks;
+* noise a module draws over its rows (LTX-Video's decoder injects some) is drawn for the whole image, rank 0's
+  draw kept, and cut to the band, so it is the noise one device would add.
 
 Everything else in these VAEs (1 x 1 convolutions, nearest upsampling, pixel shuffles, activations, per-pixel channel
 norms) is row-local. The result equals the untiled single-device decode up to float rounding — unlike tiled decoding,
@@ -103,15 +105,21 @@ class VaePlan:
         local_convs: Fully qualified convolution subclasses known to be plain ``Conv2d``/``Conv3d`` (no padding of
             their own): hooked like them.
         attention: Fully qualified classes of softmax-attention modules: keys and values are gathered while they run.
+        row_local: Fully qualified classes known to mix no rows (an attention over frames of each pixel): neither
+            hooked nor walked into.
         linear_attention: Fully qualified class -> the token sums of its linear attention (all-reduced).
         norms: Fully qualified classes of ``GroupNorm`` (or exact subclasses) whose statistics are reduced.
+        band_noise: Fully qualified classes that draw random noise over the rows of their input (``torch.randn``
+            whose dim -2 is the band's): the whole image's noise is drawn, the band's rows kept, and rank 0's draw
+            broadcast, so the noise is the one device's and every rank's RNG advances as that device's would.
         band_checks: Fully qualified class -> a check run before each call of such a module on a band, given the
             module, every band's row count there and its input; it returns why the band cannot be exact (raised
             on every rank alike) or ``None`` (an attention that picks its kernel by the local token count).
         tiled: Method -> (path of the submodule its tiled form calls once per tile, the output shape of that
             submodule for an input shape): with ``use_tiling=True`` the tiles are spread over the ranks instead
             (empty: tiling is refused).
-        refuse: Fully qualified class -> why a band cannot compute it exactly (raised when the VAE holds one).
+        refuse: Fully qualified class -> why a band cannot compute it exactly (raised when the VAE holds one), or a
+            function of the instance giving the reason (``None``: this instance is fine).
         notes: What was checked for this class, for the docs.
     """
 
@@ -120,12 +128,14 @@ class VaePlan:
     halo_modules: Mapping[str, HaloSpec | Callable[[torch.nn.Module], HaloSpec | None]] = field(default_factory=dict)
     local_convs: tuple[str, ...] = ()
     attention: tuple[str, ...] = ()
+    row_local: tuple[str, ...] = ()
     linear_attention: Mapping[str, tuple[TokenSum, ...]] = field(default_factory=dict)
     norms: tuple[str, ...] = (_GROUP_NORM,)
+    band_noise: tuple[str, ...] = ()
     band_checks: Mapping[str, Callable[[torch.nn.Module, list[int], torch.Tensor], str | None]] = field(
         default_factory=dict
     )
-    refuse: Mapping[str, str] = field(default_factory=dict)
+    refuse: Mapping[str, str | Callable[[torch.nn.Module], str | None]] = field(default_factory=dict)
     tiled: Mapping[str, tuple[str, Callable[[torch.nn.Module, torch.Size], tuple[int, ...]]]] = field(
         default_factory=dict
     )
@@ -142,8 +152,10 @@ class VaeParallelState:
         norms: Norms whose statistics are reduced over the ranks.
         attentions: Softmax attention modules that gather keys and values.
         linear_attentions: Linear attention modules whose token sums are reduced.
+        noise_modules: Modules whose random draws cover the whole image.
         calls: Calls of each wrapped method.
         exchanges: Halo exchanges (one per hooked module call).
+        noise_draws: Random draws made for the whole image and cut to the band.
         tiles: Tiles spread over the ranks (tiled mode).
         last_bands: Rows of each rank's band in the last call.
     """
@@ -153,8 +165,10 @@ class VaeParallelState:
     norms: int = 0
     attentions: int = 0
     linear_attentions: int = 0
+    noise_modules: int = 0
     calls: dict[str, int] = field(default_factory=dict)
     exchanges: int = 0
+    noise_draws: int = 0
     tiles: int = 0
     last_bands: tuple[int, ...] = ()
 
@@ -166,8 +180,10 @@ class VaeParallelState:
             "norms_reduced": self.norms,
             "attentions_gathered": self.attentions,
             "linear_attentions_reduced": self.linear_attentions,
+            "noise_modules": self.noise_modules,
             "calls": dict(self.calls),
             "halo_exchanges": self.exchanges,
+            "noise_draws": self.noise_draws,
             "tiles_spread": self.tiles,
             "last_bands": list(self.last_bands),
         }
@@ -329,13 +345,16 @@ def _install_halo(module: torch.nn.Module, spec: HaloSpec, path: str, all_tensor
         band.state.exchanges += 1
         return tuple(new_args), new_kwargs
 
-    def crop(mod: torch.nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor | None:
+    def crop(mod: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         band = _active()
         if band is None or spec.rows == 0:
             return None
+        # A module returning (output, cache) (CogVideoX's causal convolution): the output is the first element; a
+        # halo module's plan guarantees the rest holds no haloed rows (its cache is None in the hooked mode).
+        first = output[0] if isinstance(output, tuple) else output
         start = spec.crop if band.top else 0
-        length = output.shape[-2] - start - (spec.crop if band.bottom else 0)
-        return output.narrow(-2, start, length)
+        cropped = first.narrow(-2, start, first.shape[-2] - start - (spec.crop if band.bottom else 0))
+        return (cropped, *output[1:]) if isinstance(output, tuple) else cropped
 
     handles = [
         module.register_forward_pre_hook(pad, with_kwargs=True),
@@ -458,6 +477,50 @@ def _install_attention(module: torch.nn.Module, path: str) -> Callable[[], None]
                 f"VAE parallel: attention {path!r} made no F.scaled_dot_product_attention call; its processor no "
                 "longer matches the plan (set the default attention processor)"
             )
+
+    handles = [module.register_forward_pre_hook(enter), module.register_forward_hook(leave, always_call=True)]
+    return lambda: [h.remove() for h in handles]
+
+
+class _WholeNoiseMode(TorchFunctionMode):
+    """While a ``band_noise`` module runs on a band: a ``torch.randn`` over the band's rows draws the whole image's
+    rows instead (same shape, generator and order as the one device, so every rank's RNG advances alike), keeps
+    rank 0's draw (ranks may not share their RNG state) and returns this band's rows of it."""
+
+    def __init__(self, band: _Band, rows: int) -> None:
+        super().__init__()
+        self.band = band
+        self.rows = rows  # the module input's rows on this rank: the noise of these rows is band-shaped
+
+    def __torch_function__(self, func: Any, types_: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if func is not torch.randn:
+            return func(*args, **kwargs)
+        size = tuple(args[0]) if args and isinstance(args[0], (tuple, list, torch.Size)) else tuple(args)
+        if len(size) < 2 or size[-2] != self.rows:
+            return func(*args, **kwargs)
+        rows = self.band.rows_of_all(self.rows)
+        whole = func((*size[:-2], sum(rows), size[-1]), **kwargs).contiguous()
+        group = self.band.group
+        dist.broadcast(whole, dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        self.band.state.noise_draws += 1
+        return whole.narrow(-2, sum(rows[: self.band.rank]), self.rows)
+
+
+def _install_noise(module: torch.nn.Module) -> Callable[[], None]:
+    stack: list[_WholeNoiseMode | None] = []
+
+    def enter(mod: torch.nn.Module, args: tuple) -> None:
+        band = _active()
+        mode = None if band is None or not args else _WholeNoiseMode(band, args[0].shape[-2])
+        if mode is not None:
+            mode.__enter__()
+        stack.append(mode)
+
+    def leave(mod: torch.nn.Module, args: tuple, output: Any) -> None:
+        mode = stack.pop()
+        if mode is not None:
+            mode.__exit__(None, None, None)
 
     handles = [module.register_forward_pre_hook(enter), module.register_forward_hook(leave, always_call=True)]
     return lambda: [h.remove() for h in handles]
@@ -625,6 +688,7 @@ class _Targets:
     attention: list[tuple[str, torch.nn.Module]] = field(default_factory=list)
     linear: dict[str, tuple[TokenSum, ...]] = field(default_factory=dict)
     checks: list[tuple[str, torch.nn.Module, Callable]] = field(default_factory=list)
+    noise: list[tuple[str, torch.nn.Module]] = field(default_factory=list)
 
 
 def _classify(path: str, module: torch.nn.Module, plan: VaePlan, found: _Targets) -> bool:
@@ -634,7 +698,14 @@ def _classify(path: str, module: torch.nn.Module, plan: VaePlan, found: _Targets
     if name in plan.band_checks:
         found.checks.append((path, module, plan.band_checks[name]))
     if name in plan.refuse:
-        raise ValueError(f"VAE parallel: {where}: {plan.refuse[name]}")
+        reason = plan.refuse[name]
+        reason = reason(module) if callable(reason) else reason
+        if reason is not None:
+            raise ValueError(f"VAE parallel: {where}: {reason}")
+    if name in plan.row_local:
+        return True
+    if name in plan.band_noise:
+        found.noise.append((path, module))
     if name in plan.halo_modules:
         spec = plan.halo_modules[name]
         spec = spec(module) if callable(spec) else spec
@@ -743,14 +814,17 @@ def apply_vae_parallel(vae: torch.nn.Module, plan: VaePlan, group: dist.ProcessG
             undos.pop()()
 
     try:
+        # Checks first: pre-hooks run in registration order, and a check must see the band input, not the haloed one.
+        for path, module, check in found.checks:
+            undos.append(_install_check(module, path, check))
         for path, module, spec, all_tensors in found.halos:
             undos.append(_install_halo(module, spec, path, all_tensors))
         for _, norm in found.norms:
             undos.append(_install_norm(norm))
         for path, module in found.attention:
             undos.append(_install_attention(module, path))
-        for path, module, check in found.checks:
-            undos.append(_install_check(module, path, check))
+        for _, module in found.noise:
+            undos.append(_install_noise(module))
         if found.linear:
             undos.append(install_token_sums(vae, found.linear, group, when=lambda: _active() is not None))
         for name in plan.methods:
@@ -761,4 +835,5 @@ def apply_vae_parallel(vae: torch.nn.Module, plan: VaePlan, group: dist.ProcessG
         raise
     state.halo_modules, state.norms = len(found.halos), len(found.norms)
     state.attentions, state.linear_attentions = len(found.attention), len(found.linear)
+    state.noise_modules = len(found.noise)
     return Applied(undo_all, state)

@@ -91,6 +91,71 @@ def _wan_like(prefix: str) -> VaePlan:
     )
 
 
+# --- LTX, LTX-2, CogVideoX, Mochi ---
+
+_COG = f"{_AE}.autoencoder_kl_cogvideox"
+_MOCHI = f"{_AE}.autoencoder_kl_mochi"
+
+
+def _ltx_like(prefix: str) -> VaePlan:
+    """LTX-Video and LTX-2: the causal convolutions pad frames by repeating the first (or last) frame and leave the
+    rows to their inner ``Conv3d`` (walked: any ``padding_mode``, since interior padding lands only in cropped rows)."""
+    return VaePlan(
+        encode_unit=_compression,
+        band_noise=(f"{prefix}ResnetBlock3d",),
+        norms=(),
+        notes=(
+            "Causal 3-D convolutions pad frames only (their inner Conv3d pads rows: halo 1, stride 2 in the "
+            "downsamplers; zeros or reflect padding); pixel-(un)shuffle resamplers and patchify whole multiples of "
+            "the band unit; per-pixel RMS and LayerNorm over channels; timestep conditioning per sample; the "
+            "decoder's injected noise is drawn for the whole image and cut to the band; no GroupNorm, no attention."
+        ),
+    )
+
+
+def _mochi_conv(module: torch.nn.Module) -> HaloSpec:
+    """Mochi's causal convolutions replicate-pad rows inside ``forward`` before a ``padding=0`` convolution: the
+    halo arrives before the pad (hooked as a whole; its cache is ``None`` in this mode)."""
+    return HaloSpec(radius=module.height_pad, stride=module.conv.stride[-2])
+
+
+def _mochi_pad_mode(module: torch.nn.Module) -> str | None:
+    if module.pad_mode == "replicate":
+        return None
+    return (
+        f"pad_mode={module.pad_mode!r} (framewise decoding switches the causal convolutions to it, whose inner "
+        "convolutions then pad no rows at all); decode without framewise decoding"
+    )
+
+
+def _mochi_attention(module: torch.nn.Module) -> str | None:
+    """Mochi's VAE attention runs over the frames of each pixel (tokens are frames): row-local with its processor."""
+    from diffusers.models.attention_processor import MochiVaeAttnProcessor2_0
+
+    if isinstance(getattr(module, "processor", None), MochiVaeAttnProcessor2_0):
+        return None
+    return f"attention processor {type(module.processor).__name__}, not MochiVaeAttnProcessor2_0 (per pixel)"
+
+
+def _mochi_call_checks(module: torch.nn.Module, rows: list[int], x: torch.Tensor) -> str | None:
+    """The walk-time checks again at call time: framewise decoding or a processor set after ``accelerate``."""
+    return _mochi_pad_mode(module) if hasattr(module, "pad_mode") else _mochi_attention(module)
+
+
+_MOCHI_PLAN = VaePlan(
+    encode_unit=_compression,
+    halo_modules={f"{_COG}.CogVideoXCausalConv3d": _mochi_conv},
+    row_local=(_ATTENTION,),
+    band_checks={f"{_COG}.CogVideoXCausalConv3d": _mochi_call_checks, _ATTENTION: _mochi_call_checks},
+    refuse={f"{_COG}.CogVideoXCausalConv3d": _mochi_pad_mode, _ATTENTION: _mochi_attention},
+    notes=(
+        "Replicate-padding causal 3-D convolutions (hooked whole: halo 1; the stride-2 patch convolutions of the "
+        "encoder need none, only aligned bands); GroupNorm per frame (MochiChunkedGroupNorm3D) reduced over ranks; "
+        "attention over the frames of each pixel is row-local; linear unpatchify up-blocks."
+    ),
+)
+
+
 VAE_PLANS: dict[str, VaePlan] = {
     f"{_AE}.autoencoder_kl.AutoencoderKL": VaePlan(
         **_KL_LIKE, tiled={"decode": ("decoder", _decoder_tile), "encode": ("encoder", _encoder_tile)}
@@ -110,6 +175,24 @@ VAE_PLANS: dict[str, VaePlan] = {
     ),
     f"{_AE}.autoencoder_kl_wan.AutoencoderKLWan": _wan_like(f"{_AE}.autoencoder_kl_wan.Wan"),
     f"{_AE}.autoencoder_kl_qwenimage.AutoencoderKLQwenImage": _wan_like(f"{_AE}.autoencoder_kl_qwenimage.QwenImage"),
+    # --- LTX, LTX-2, CogVideoX, Mochi ---
+    f"{_AE}.autoencoder_kl_ltx.AutoencoderKLLTXVideo": _ltx_like(f"{_AE}.autoencoder_kl_ltx.LTXVideo"),
+    f"{_AE}.autoencoder_kl_ltx2.AutoencoderKLLTX2Video": _ltx_like(f"{_AE}.autoencoder_kl_ltx2.LTX2Video"),
+    f"{_COG}.AutoencoderKLCogVideoX": VaePlan(
+        encode_unit=_levels_factor,
+        # Plain Conv3d but for splitting very large inputs along frames: rows are untouched.
+        local_convs=(f"{_COG}.CogVideoXSafeConv3d",),
+        # Pads (0, 1, 0, 1) before a 3 x 3 stride-2 convolution with no padding of its own.
+        halo_modules={f"{_D}.downsampling.CogVideoXDownsample3D": HaloSpec(radius=1, stride=2)},
+        notes=(
+            "Causal 3-D convolutions (walked: they pad frames from their cache of earlier frames, their inner "
+            "CogVideoXSafeConv3d pads rows, so the halo covers cache and frames together); the downsampler's "
+            "(0, 1, 0, 1) pad; GroupNorm, in the decoder's spatial norms too; the spatial norm's nearest "
+            "interpolation of the latent is by powers of two (2x upsamplers), so row-local; frame batches with "
+            "conv caches run the same loop on every rank."
+        ),
+    ),
+    f"{_MOCHI}.AutoencoderKLMochi": _MOCHI_PLAN,
 }
 """Plans by fully qualified VAE class name."""
 
