@@ -19,6 +19,7 @@ from fastdit.errors import ArgumentError
 from fastdit.testing.distributed import get_pool
 
 TOLERANCE = 1e-4
+_VIDEO_VAES = "fastdit.testing.components.video_vaes"
 
 # name -> (builder module, builder, kwargs, latent shape, image shape or None)
 CASES: dict[str, tuple[str, str, dict, tuple[int, ...], tuple[int, ...] | None]] = {
@@ -46,6 +47,24 @@ CASES: dict[str, tuple[str, str, dict, tuple[int, ...], tuple[int, ...] | None]]
         (1, 4, 1, 7, 5),
         (1, 3, 1, 48, 24),
     ),
+    # --- HunyuanVideo, HunyuanVideo 1.5, Allegro, Cosmos, Magvit, Qwen-Image 2.1 ---
+    "AutoencoderKLHunyuanVideo": (
+        "fastdit.testing.components.autoencoder_kl_hunyuan_video",
+        "autoencoder_kl_hunyuan_video",
+        {},
+        (1, 4, 2, 3, 2),
+        (1, 3, 5, 24, 16),
+    ),
+    "AutoencoderKLHunyuanVideo15": (
+        _VIDEO_VAES,
+        "autoencoder_kl_hunyuanvideo15",
+        {},
+        (1, 4, 2, 6, 4),
+        (1, 3, 3, 24, 16),
+    ),
+    "AutoencoderKLCosmos": (_VIDEO_VAES, "autoencoder_kl_cosmos", {}, (1, 4, 2, 3, 2), (1, 3, 5, 24, 16)),
+    "AutoencoderKLMagvit": (_VIDEO_VAES, "autoencoder_kl_magvit", {}, (1, 4, 3, 6, 4), (1, 3, 5, 24, 16)),
+    "AutoencoderKLQwenImage21": (_VIDEO_VAES, "autoencoder_kl_qwenimage21", {}, (1, 4, 1, 3, 2), (1, 3, 1, 24, 16)),
 }
 
 
@@ -67,8 +86,10 @@ def _calls(vae: torch.nn.Module, z: torch.Tensor, x: torch.Tensor | None) -> dic
         out = {"decode": vae.decode(z).sample, "decode_tuple": vae.decode(z, return_dict=False)[0]}
         if x is not None:
             encoded = vae.encode(x)
-            if hasattr(encoded, "latent_dist"):
+            if hasattr(getattr(encoded, "latent_dist", None), "mean"):
                 out["mean"], out["logvar"] = encoded.latent_dist.mean, encoded.latent_dist.logvar
+            elif hasattr(encoded, "latent_dist"):  # an identity posterior (Cosmos)
+                out["latent"] = encoded.latent_dist.mode()
             else:  # a deterministic encoder (DC-AE)
                 out["latent"] = encoded.latent
     return out
