@@ -277,3 +277,25 @@ def test_pipeline_with_context_and_vae_parallelism_equals_one_process() -> None:
         assert result["stats"]["vae"]["calls"] == {"decode": 1}
         assert result["stats"]["vae"]["ranks"] == 2
         assert not result["left"]
+
+
+def test_frame_causal_mask_of_the_gathered_keys() -> None:
+    # HunyuanVideo's mask over the whole latent, with the key columns reordered as the gather leaves them (rank
+    # after rank, each band frame by frame): the rebuilt mask of every band's queries must be that one's rows.
+    from diffusers.models.autoencoders.autoencoder_kl_hunyuan_video import prepare_causal_attention_mask
+
+    from fastdit.components.vae_parallel import frame_causal_mask
+
+    frames, width, rows = 3, 2, (2, 1, 2)
+    index = torch.arange(frames * sum(rows) * width).reshape(frames, sum(rows), width)
+    bands = index.split(list(rows), dim=1)  # token indices of each band, in (frame, row, column) order
+    gathered = torch.cat([b.flatten() for b in bands])
+    whole = prepare_causal_attention_mask(frames, sum(rows) * width, torch.float32, "cpu", batch_size=2)
+    counts = [frames * r * width for r in rows]
+    for rank, band in enumerate(bands):
+        local = prepare_causal_attention_mask(frames, rows[rank] * width, torch.float32, "cpu", batch_size=2)
+        rebuilt = frame_causal_mask(local.unsqueeze(1), counts, rank)
+        assert torch.equal(rebuilt[:, 0], whole[:, band.flatten()][:, :, gathered])
+        assert torch.equal(frame_causal_mask(local == 0, counts, rank), rebuilt[:, 0] == 0)
+    with pytest.raises(VaeParallelError, match="not the frame-causal mask"):
+        frame_causal_mask(torch.ones(4, 4).triu().bool(), [4, 4], 0)  # anti-causal: not rebuilt as causal
