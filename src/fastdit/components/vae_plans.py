@@ -98,6 +98,18 @@ def _encoder_tile(vae: torch.nn.Module, shape: torch.Size) -> tuple[int, ...]:
     return (shape[0], vae.encoder.conv_out.out_channels, shape[2] // factor, shape[3] // factor)
 
 
+def _allegro_decoder_tile(vae: torch.nn.Module, shape: torch.Size) -> tuple[int, ...]:
+    rt, rs = vae.config.temporal_compression_ratio, vae.spatial_compression_ratio
+    channels = vae.decoder.conv_out.out_channels
+    return (shape[0], channels, shape[2] * rt, shape[3] * rs, shape[4] * rs)
+
+
+def _allegro_encoder_tile(vae: torch.nn.Module, shape: torch.Size) -> tuple[int, ...]:
+    rt, rs = vae.config.temporal_compression_ratio, vae.spatial_compression_ratio
+    channels = vae.encoder.conv_out.out_channels
+    return (shape[0], channels, shape[2] // rt, shape[3] // rs, shape[4] // rs)
+
+
 _KL_LIKE = {
     "encode_unit": _levels_factor,
     "halo_modules": _DOWNSAMPLE_2D,
@@ -184,6 +196,18 @@ VAE_PLANS: dict[str, VaePlan] = {
             "Causal convolutions pad rows as plain convolutions (their frame cache keeps the haloed rows, the same "
             "on every call); the downsampler pads (0, 1, 0, 1) before a stride-2 convolution; per-frame GroupNorm; "
             "frame-batched encode and decode run the same loop on every rank."
+        ),
+    ),
+    f"{_AE}.autoencoder_kl_allegro.AutoencoderKLAllegro": VaePlan(
+        encode_unit=_levels_factor,
+        halo_modules=_DOWNSAMPLE_2D,
+        attention=(_ATTENTION,),
+        tiled={"decode": ("decoder", _allegro_decoder_tile), "encode": ("encoder", _allegro_encoder_tile)},
+        notes=(
+            "diffusers implements only tiled decode and encode (untiled they raise NotImplementedError): with "
+            "use_tiling=True its 3-D tiles are spread over the ranks, equal to the one-device tiled call. The band "
+            "plan (2-D resnets, Downsample2D, per-frame attention, temporal convolutions one row tall) is walked "
+            "but not reached."
         ),
     ),
     f"{_AE}.autoencoder_kl_qwenimage21.AutoencoderKLQwenImage21": VaePlan(

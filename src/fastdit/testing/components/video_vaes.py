@@ -98,10 +98,14 @@ def autoencoder_kl_qwenimage21(*, seed: int = 0) -> Any:
 
 
 def autoencoder_kl_allegro(*, seed: int = 0) -> Any:
-    """A tiny ``AutoencoderKLAllegro`` (it decodes and encodes by tiles only): 2 levels of 8 channels."""
+    """A tiny ``AutoencoderKLAllegro``: 2 levels of 8 channels (spatial factor 2, temporal factor 2).
+
+    It decodes and encodes by tiles only; its tiles (``kernel``, ``stride``: frames, rows, columns of the sample) are
+    shrunk from 24 x 320 x 320 to 4 x 8 x 8 so a small video holds several of them along every dim.
+    """
     from diffusers import AutoencoderKLAllegro
 
-    return build(
+    vae = build(
         AutoencoderKLAllegro,
         seed=seed,
         block_out_channels=(8, 8),
@@ -112,5 +116,8 @@ def autoencoder_kl_allegro(*, seed: int = 0) -> Any:
         latent_channels=4,
         layers_per_block=1,
         norm_num_groups=4,
+        temporal_compression_ratio=2,
         sample_size=16,
     )
+    vae.kernel, vae.stride = (4, 8, 8), (2, 4, 4)
+    return vae
