@@ -52,8 +52,8 @@ CASES: dict[str, tuple[str, str, dict, tuple[int, ...], tuple[int, ...] | None]]
         "fastdit.testing.components.autoencoder_kl_hunyuan_video",
         "autoencoder_kl_hunyuan_video",
         {},
-        (1, 4, 2, 3, 2),
-        (1, 3, 5, 24, 16),
+        (1, 4, 5, 3, 2),  # more than 4 latent (16 image) frames: the framewise decode and encode loops run
+        (1, 3, 17, 24, 16),
     ),
     "AutoencoderKLHunyuanVideo15": (
         _VIDEO_VAES,

@@ -494,11 +494,11 @@ def frame_causal_mask(mask: torch.Tensor, key_counts: list[int], rank: int) -> t
     key_frames = torch.cat(
         [torch.arange(frames, device=mask.device).repeat_interleave(n // frames) for n in key_counts]
     )
-    gathered = (key_frames[None, :] <= local[:, None]).expand(*mask.shape[:-1], len(key_frames))
-    if mask.dtype == torch.bool:
-        return gathered
-    zero = torch.zeros((), dtype=mask.dtype, device=mask.device)
-    return torch.where(gathered, zero, torch.full((), float("-inf"), dtype=mask.dtype, device=mask.device))
+    gathered = key_frames[None, :] <= local[:, None]
+    if mask.dtype != torch.bool:
+        gathered = torch.zeros(gathered.shape, dtype=mask.dtype, device=mask.device).masked_fill_(~gathered, -math.inf)
+    # One (queries, keys) matrix, broadcast over the batch and heads like the local mask (no copy per head).
+    return gathered.expand(*mask.shape[:-1], len(key_frames))
 
 
 def _install_attention(module: torch.nn.Module, path: str, mask_builder: MaskBuilder | None) -> Callable[[], None]:
