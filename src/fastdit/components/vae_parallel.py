@@ -9,7 +9,8 @@ wrapped ``decode`` keeps rank ``r``'s contiguous band of rows (dim -2), runs the
   from them are cropped after; at the image's own edges its padding (zeros, replicate, causal) applies as usual;
 * every ``GroupNorm`` takes its statistics over all ranks' rows (each rank's own rows only: halos never leave the
   convolution hooks);
-* softmax attention gathers its keys and values over the ranks (local queries attend to every key) and linear
+* softmax attention gathers its keys and values over the ranks (local queries attend to every key; a mask is
+  rebuilt for the gathered keys by the builder the plan names, such as :func:`frame_causal_mask`) and linear
   attention sums its token reductions over the ranks.
 
 Everything else in these VAEs (1 x 1 convolutions, nearest upsampling, pixel shuffles, activations, per-pixel channel
