@@ -19,6 +19,7 @@ from fastdit.errors import ArgumentError
 from fastdit.testing.distributed import get_pool
 
 TOLERANCE = 1e-4
+_VIDEO_VAES = "fastdit.testing.components.video_vaes"
 
 # name -> (builder module, builder, kwargs, latent shape, image shape or None)
 CASES: dict[str, tuple[str, str, dict, tuple[int, ...], tuple[int, ...] | None]] = {
@@ -75,7 +76,29 @@ CASES: dict[str, tuple[str, str, dict, tuple[int, ...], tuple[int, ...] | None]]
         (1, 4, 2, 7, 4),
         (1, 3, 12, 48, 16),
     ),
+    # --- HunyuanVideo, HunyuanVideo 1.5, Allegro, Cosmos, Magvit, Qwen-Image 2.1 ---
+    "AutoencoderKLHunyuanVideo": (
+        "fastdit.testing.components.autoencoder_kl_hunyuan_video",
+        "autoencoder_kl_hunyuan_video",
+        {},
+        (1, 4, 5, 3, 2),  # more than 4 latent (16 image) frames: the framewise decode and encode loops run
+        (1, 3, 17, 24, 16),
+    ),
+    "AutoencoderKLHunyuanVideo15": (
+        _VIDEO_VAES,
+        "autoencoder_kl_hunyuanvideo15",
+        {},
+        (1, 4, 2, 6, 4),
+        (1, 3, 3, 24, 16),
+    ),
+    "AutoencoderKLCosmos": (_VIDEO_VAES, "autoencoder_kl_cosmos", {}, (1, 4, 2, 3, 2), (1, 3, 5, 24, 16)),
+    "AutoencoderKLMagvit": (_VIDEO_VAES, "autoencoder_kl_magvit", {}, (1, 4, 3, 6, 4), (1, 3, 5, 24, 16)),
+    "AutoencoderKLQwenImage21": (_VIDEO_VAES, "autoencoder_kl_qwenimage21", {}, (1, 4, 1, 3, 2), (1, 3, 1, 24, 16)),
+    "AutoencoderKLAllegro": (_VIDEO_VAES, "autoencoder_kl_allegro", {}, (1, 4, 2, 6, 6), (1, 3, 4, 12, 12)),
 }
+# Classes whose diffusers decode and encode run by tiles only (untiled they raise NotImplementedError): tested
+# tiled, against the one-process tiled call.
+TILED_ONLY = {"AutoencoderKLAllegro"}
 
 
 def _build(name: str) -> torch.nn.Module:
@@ -102,8 +125,10 @@ def _calls(vae: torch.nn.Module, z: torch.Tensor, x: torch.Tensor | None) -> dic
         out["decode_tuple"] = vae.decode(z, *extra, return_dict=False)[0]
         if x is not None:
             encoded = vae.encode(x)
-            if hasattr(encoded, "latent_dist"):
+            if hasattr(getattr(encoded, "latent_dist", None), "mean"):
                 out["mean"], out["logvar"] = encoded.latent_dist.mean, encoded.latent_dist.logvar
+            elif hasattr(encoded, "latent_dist"):  # an identity posterior (Cosmos)
+                out["latent"] = encoded.latent_dist.mode()
             else:  # a deterministic encoder (DC-AE)
                 out["latent"] = encoded.latent
     return out
@@ -140,7 +165,7 @@ def _banded(rank: int, world_size: int, name: str) -> dict[str, Any]:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [name for name in CASES if name not in TILED_ONLY])
 def test_band_decode_and_encode_equal_one_process(world: int, name: str) -> None:
     vae = _build(name)
     expected = _calls(vae, *_inputs(name))
@@ -346,3 +371,40 @@ def test_mochi_framewise_decoding_and_other_attention_processors_are_refused() -
     mochi.encoder.block_out.attentions[0].set_processor(AttnProcessor2_0())  # not known to be per pixel
     with pytest.raises(ValueError, match=r"attention processor AttnProcessor2_0, not MochiVaeAttnProcessor2_0"):
         check_vae(mochi, plan_for(mochi))
+
+
+def test_frame_causal_mask_of_the_gathered_keys() -> None:
+    # HunyuanVideo's mask over the whole latent, with the key columns reordered as the gather leaves them (rank
+    # after rank, each band frame by frame): the rebuilt mask of every band's queries must be that one's rows.
+    from diffusers.models.autoencoders.autoencoder_kl_hunyuan_video import prepare_causal_attention_mask
+
+    from fastdit.components.vae_parallel import frame_causal_mask
+
+    frames, width, rows = 3, 2, (2, 1, 2)
+    index = torch.arange(frames * sum(rows) * width).reshape(frames, sum(rows), width)
+    bands = index.split(list(rows), dim=1)  # token indices of each band, in (frame, row, column) order
+    gathered = torch.cat([b.flatten() for b in bands])
+    whole = prepare_causal_attention_mask(frames, sum(rows) * width, torch.float32, "cpu", batch_size=2)
+    counts = [frames * r * width for r in rows]
+    for rank, band in enumerate(bands):
+        local = prepare_causal_attention_mask(frames, rows[rank] * width, torch.float32, "cpu", batch_size=2)
+        rebuilt = frame_causal_mask(local.unsqueeze(1), counts, rank)
+        assert torch.equal(rebuilt[:, 0], whole[:, band.flatten()][:, :, gathered])
+        assert torch.equal(frame_causal_mask(local == 0, counts, rank), rebuilt[:, 0] == 0)
+    with pytest.raises(VaeParallelError, match="not the frame-causal mask"):
+        frame_causal_mask(torch.ones(4, 4).triu().bool(), [4, 4], 0)  # anti-causal: not rebuilt as causal
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("name", sorted(TILED_ONLY))
+def test_tiled_only_vaes_spread_their_tiles_equal_to_one_process(world: int, name: str) -> None:
+    vae = _build(name)
+    vae.enable_tiling()
+    expected = _calls(vae, *_inputs(name))
+    for result in get_pool(world).run(_tiled, name, timeout=240):
+        assert not result["left"], f"left behind: {result['left']}"
+        assert result["stats"]["tiles_spread"] > 2 * world
+        for key, value in expected.items():
+            err = (result["out"][key] - value).abs().max().item()
+            assert err <= TOLERANCE, f"{name} tiled {key} on {world} ranks: max abs error {err:.2e}"

@@ -9,7 +9,8 @@ wrapped ``decode`` keeps rank ``r``'s contiguous band of rows (dim -2), runs the
   from them are cropped after; at the image's own edges its padding (zeros, replicate, causal) applies as usual;
 * every ``GroupNorm`` takes its statistics over all ranks' rows (each rank's own rows only: halos never leave the
   convolution hooks);
-* softmax attention gathers its keys and values over the ranks (local queries attend to every key) and linear
+* softmax attention gathers its keys and values over the ranks (local queries attend to every key; a mask is
+  rebuilt for the gathered keys by the builder the plan names, such as :func:`frame_causal_mask`) and linear
   attention sums its token reductions over the ranks;
 * noise a module draws over its rows (LTX-Video's decoder injects some) is drawn for the whole image, rank 0's
   draw kept, and cut to the band, so it is the noise one device would add.
@@ -54,6 +55,7 @@ __all__ = [
     "apply_vae_parallel",
     "band_sizes",
     "check_vae",
+    "frame_causal_mask",
 ]
 
 _GROUP_NORM = "torch.nn.modules.normalization.GroupNorm"
@@ -105,8 +107,13 @@ class VaePlan:
         local_convs: Fully qualified convolution subclasses known to be plain ``Conv2d``/``Conv3d`` (no padding of
             their own): hooked like them.
         attention: Fully qualified classes of softmax-attention modules: keys and values are gathered while they run.
-        row_local: Fully qualified classes known to mix no rows (an attention over frames of each pixel): neither
-            hooked nor walked into.
+        attention_masks: Fully qualified class (of ``attention``) -> builder of its mask over the gathered keys.
+            Given the mask the module passes to ``F.scaled_dot_product_attention`` (over its local keys), every
+            rank's key count and this rank, it returns the mask over every rank's keys in gathered order (rank-major,
+            each band's own order within), or raises :class:`VaeParallelError` for a local mask it cannot rebuild.
+            A masked attention without a builder raises.
+        row_local: Fully qualified class -> whether an instance mixes no rows itself (an attention over the frames
+            of each pixel): such an instance is not hooked, and its children are walked.
         linear_attention: Fully qualified class -> the token sums of its linear attention (all-reduced).
         norms: Fully qualified classes of ``GroupNorm`` (or exact subclasses) whose statistics are reduced.
         band_noise: Fully qualified classes that draw random noise over the rows of their input (``torch.randn``
@@ -128,7 +135,8 @@ class VaePlan:
     halo_modules: Mapping[str, HaloSpec | Callable[[torch.nn.Module], HaloSpec | None]] = field(default_factory=dict)
     local_convs: tuple[str, ...] = ()
     attention: tuple[str, ...] = ()
-    row_local: tuple[str, ...] = ()
+    attention_masks: Mapping[str, Callable[[torch.Tensor, list[int], int], torch.Tensor]] = field(default_factory=dict)
+    row_local: Mapping[str, Callable[[torch.nn.Module], bool]] = field(default_factory=dict)
     linear_attention: Mapping[str, tuple[TokenSum, ...]] = field(default_factory=dict)
     norms: tuple[str, ...] = (_GROUP_NORM,)
     band_noise: tuple[str, ...] = ()
@@ -427,25 +435,41 @@ def _install_norm(norm: torch.nn.GroupNorm) -> Callable[[], None]:
 # ------------------------------------------------------------------------------------------------------- attention
 
 
-class _GatherKeysMode(TorchFunctionMode):
-    """While a softmax attention module runs on a band: its keys and values are all-gathered over the ranks."""
+MaskBuilder = Callable[[torch.Tensor, list[int], int], torch.Tensor]
+"""``(local mask, every rank's key count, this rank) -> mask over the gathered keys`` (see ``VaePlan``)."""
 
-    def __init__(self, band: _Band, path: str) -> None:
+
+class _GatherKeysMode(TorchFunctionMode):
+    """While a softmax attention module runs on a band: its keys and values are all-gathered over the ranks, and
+    its mask (if the plan names a builder for it) is rebuilt for the gathered keys."""
+
+    def __init__(self, band: _Band, path: str, mask_builder: MaskBuilder | None = None) -> None:
         super().__init__()
         self.band = band
         self.path = path
+        self.mask_builder = mask_builder
         self.gathered = 0
 
     def __torch_function__(self, func: Any, types_: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = dict(kwargs or {})
         if func is F.scaled_dot_product_attention:
             args = list(args)
+            if kwargs.get("is_causal") or (len(args) > 5 and args[5]):
+                # is_causal orders keys by token index, which the gathered keys no longer follow.
+                raise VaeParallelError(f"VAE parallel: attention {self.path!r} uses is_causal over band tokens")
             mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
-            if mask is not None or kwargs.get("is_causal") or (len(args) > 5 and args[5]):
-                raise VaeParallelError(
-                    f"VAE parallel: attention {self.path!r} is masked; its plan does not say how to build the mask "
-                    "of the gathered keys"
-                )
+            key = args[1] if len(args) > 1 else kwargs["key"]
+            if mask is not None:
+                if self.mask_builder is None:
+                    raise VaeParallelError(
+                        f"VAE parallel: attention {self.path!r} is masked; its plan does not say how to build the "
+                        "mask of the gathered keys"
+                    )
+                mask = self.mask_builder(mask, self.band.rows_of_all(key.shape[-2]), self.band.rank)
+                if len(args) > 3:
+                    args[3] = mask
+                else:
+                    kwargs["attn_mask"] = mask
             # The mode is off inside this handler: the gathers and the attention run as usual. Keys come in rank
             # order, which is the image's row order (the order would not matter for unmasked attention anyway).
             for i, name in ((1, "key"), (2, "value")):
@@ -457,12 +481,49 @@ class _GatherKeysMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _install_attention(module: torch.nn.Module, path: str) -> Callable[[], None]:
+def frame_causal_mask(mask: torch.Tensor, key_counts: list[int], rank: int) -> torch.Tensor:
+    """The frame-causal mask (a token of frame ``t`` attends the keys of frames ``<= t``) over the gathered keys.
+
+    Tokens are in (frame, row, column) order within each band and every band holds the same frames, so a key's
+    frame follows from its index within its rank's block. The local mask (additive ``0``/``-inf`` or boolean) is
+    checked to be exactly the frame-causal one of the local tokens before it is rebuilt, so a mask of another
+    shape raises instead of being replaced.
+
+    Raises:
+        VaeParallelError: The local mask is not the frame-causal mask of the local tokens.
+    """
+    allowed = mask if mask.dtype == torch.bool else mask == 0
+    queries, keys = mask.shape[-2:]
+    # The first query (frame 0) sees exactly frame 0's keys: that count is the band's tokens per frame.
+    per_frame = int(allowed.reshape(-1, queries, keys)[0, 0].sum())
+    frames = keys // per_frame if per_frame else 0
+    counts_ok = frames > 0 and queries == keys and keys % per_frame == 0
+    counts_ok = counts_ok and all(n % frames == 0 for n in key_counts)
+    exact = mask.dtype == torch.bool or bool((torch.isneginf(mask) | (mask == 0)).all())
+    if counts_ok:
+        local = torch.arange(frames, device=mask.device).repeat_interleave(per_frame)
+        exact = exact and torch.equal(allowed, (local[None, :] <= local[:, None]).expand_as(allowed))
+    if not (counts_ok and exact):
+        raise VaeParallelError(
+            f"VAE parallel: a mask of shape {tuple(mask.shape)} on rank {rank} is not the frame-causal mask of its "
+            "band's tokens; the gathered keys' mask cannot be built from it"
+        )
+    key_frames = torch.cat(
+        [torch.arange(frames, device=mask.device).repeat_interleave(n // frames) for n in key_counts]
+    )
+    gathered = key_frames[None, :] <= local[:, None]
+    if mask.dtype != torch.bool:
+        gathered = torch.zeros(gathered.shape, dtype=mask.dtype, device=mask.device).masked_fill_(~gathered, -math.inf)
+    # One (queries, keys) matrix, broadcast over the batch and heads like the local mask (no copy per head).
+    return gathered.expand(*mask.shape[:-1], len(key_frames))
+
+
+def _install_attention(module: torch.nn.Module, path: str, mask_builder: MaskBuilder | None) -> Callable[[], None]:
     stack: list[_GatherKeysMode | None] = []
 
     def enter(mod: torch.nn.Module, args: tuple) -> None:
         band = _active()
-        mode = None if band is None else _GatherKeysMode(band, path)
+        mode = None if band is None else _GatherKeysMode(band, path, mask_builder)
         if mode is not None:
             mode.__enter__()
         stack.append(mode)
@@ -685,7 +746,7 @@ def _tiled_call(
 class _Targets:
     halos: list[tuple[str, torch.nn.Module, HaloSpec, bool]] = field(default_factory=list)
     norms: list[tuple[str, torch.nn.Module]] = field(default_factory=list)
-    attention: list[tuple[str, torch.nn.Module]] = field(default_factory=list)
+    attention: list[tuple[str, torch.nn.Module, MaskBuilder | None]] = field(default_factory=list)
     linear: dict[str, tuple[TokenSum, ...]] = field(default_factory=dict)
     checks: list[tuple[str, torch.nn.Module, Callable]] = field(default_factory=list)
     noise: list[tuple[str, torch.nn.Module]] = field(default_factory=list)
@@ -702,8 +763,8 @@ def _classify(path: str, module: torch.nn.Module, plan: VaePlan, found: _Targets
         reason = reason(module) if callable(reason) else reason
         if reason is not None:
             raise ValueError(f"VAE parallel: {where}: {reason}")
-    if name in plan.row_local:
-        return True
+    if name in plan.row_local and plan.row_local[name](module):
+        return False
     if name in plan.band_noise:
         found.noise.append((path, module))
     if name in plan.halo_modules:
@@ -728,7 +789,7 @@ def _classify(path: str, module: torch.nn.Module, plan: VaePlan, found: _Targets
     if isinstance(module, (torch.nn.GroupNorm, torch.nn.modules.instancenorm._InstanceNorm)):
         raise ValueError(f"VAE parallel: {where}: a norm over the spatial dims the VAE's plan does not reduce")
     if name in plan.attention:
-        found.attention.append((path, module))
+        found.attention.append((path, module, plan.attention_masks.get(name)))
         return False
     if name in plan.linear_attention:
         found.linear[path] = plan.linear_attention[name]
@@ -821,8 +882,8 @@ def apply_vae_parallel(vae: torch.nn.Module, plan: VaePlan, group: dist.ProcessG
             undos.append(_install_halo(module, spec, path, all_tensors))
         for _, norm in found.norms:
             undos.append(_install_norm(norm))
-        for path, module in found.attention:
-            undos.append(_install_attention(module, path))
+        for path, module, mask_builder in found.attention:
+            undos.append(_install_attention(module, path, mask_builder))
         for _, module in found.noise:
             undos.append(_install_noise(module))
         if found.linear:

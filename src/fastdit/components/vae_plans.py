@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from fastdit.components.vae_parallel import HaloSpec, VaePlan
+from fastdit.components.vae_parallel import HaloSpec, VaePlan, frame_causal_mask
 from fastdit.parallel.plan import TokenSum
 
 __all__ = ["VAE_PLANS", "plan_for"]
@@ -48,6 +48,34 @@ def _resample(module: torch.nn.Module) -> HaloSpec | None:
     return HaloSpec(radius=1, stride=2) if module.mode.startswith("downsample") else None
 
 
+def _padded_conv(module: torch.nn.Module, pad_rows: int, conv: torch.nn.Module) -> HaloSpec:
+    """A convolution whose wrapper pads ``pad_rows`` rows on either side before it (on top of its own padding)."""
+    pad = pad_rows + conv.padding[-2]
+    reach = conv.dilation[-2] * (conv.kernel_size[-2] - 1)
+    return HaloSpec(radius=max(pad, reach - pad), stride=conv.stride[-2])
+
+
+def _hunyuan_causal_conv(module: torch.nn.Module) -> HaloSpec:
+    """HunyuanVideo's causal convolution pads ``time_causal_padding`` (w, w, h, h, t, 0), replicate, in forward."""
+    return _padded_conv(module, module.time_causal_padding[2], module.conv)
+
+
+def _cosmos_causal_conv(module: torch.nn.Module) -> HaloSpec:
+    """Cosmos' causal convolution (a ``Conv3d`` subclass) pads ``spatial_pad`` rows itself in forward."""
+    return _padded_conv(module, module.spatial_pad[2], module)
+
+
+def _cosmos_downsample(module: torch.nn.Module) -> HaloSpec | None:
+    """Cosmos' downsampler pads (0, 1, 0, 1) before a 3 x 3 stride-2 convolution and a 2 x 2 average pool: one row
+    below, stride 2. A temporal-only one mixes no rows (its children are walked)."""
+    return HaloSpec(radius=1, stride=2) if module.spatial_downsample else None
+
+
+def _cosmos_temporal(module: torch.nn.Module) -> bool:
+    """Cosmos' temporal attention attends along frames within each pixel (pixels folded into the batch)."""
+    return type(module.processor).__name__ == "CosmosTemporalAttentionProcessor2_0"
+
+
 def _linear_kernel(module: torch.nn.Module, rows: list[int], x: torch.Tensor) -> str | None:
     """The multiscale attention runs linear attention only above ``attention_head_dim`` tokens, counted on the
     band: every band must be above it, or a band would run the quadratic kernel the full image does not."""
@@ -68,6 +96,18 @@ def _decoder_tile(vae: torch.nn.Module, shape: torch.Size) -> tuple[int, ...]:
 def _encoder_tile(vae: torch.nn.Module, shape: torch.Size) -> tuple[int, ...]:
     factor = _levels_factor(vae)  # each stride-2 level floors: rows // 2 ** levels
     return (shape[0], vae.encoder.conv_out.out_channels, shape[2] // factor, shape[3] // factor)
+
+
+def _allegro_decoder_tile(vae: torch.nn.Module, shape: torch.Size) -> tuple[int, ...]:
+    rt, rs = vae.config.temporal_compression_ratio, vae.spatial_compression_ratio
+    channels = vae.decoder.conv_out.out_channels
+    return (shape[0], channels, shape[2] * rt, shape[3] * rs, shape[4] * rs)
+
+
+def _allegro_encoder_tile(vae: torch.nn.Module, shape: torch.Size) -> tuple[int, ...]:
+    rt, rs = vae.config.temporal_compression_ratio, vae.spatial_compression_ratio
+    channels = vae.encoder.conv_out.out_channels
+    return (shape[0], channels, shape[2] // rt, shape[3] // rs, shape[4] // rs)
 
 
 _KL_LIKE = {
@@ -142,10 +182,15 @@ def _mochi_call_checks(module: torch.nn.Module, rows: list[int], x: torch.Tensor
     return _mochi_pad_mode(module) if hasattr(module, "pad_mode") else _mochi_attention(module)
 
 
+def _per_pixel(module: torch.nn.Module) -> bool:
+    """Mochi's VAE attention runs over the frames of each pixel (checked at every call by its band check)."""
+    return True
+
+
 _MOCHI_PLAN = VaePlan(
     encode_unit=_compression,
     halo_modules={f"{_COG}.CogVideoXCausalConv3d": _mochi_conv},
-    row_local=(_ATTENTION,),
+    row_local={_ATTENTION: _per_pixel},
     band_checks={f"{_COG}.CogVideoXCausalConv3d": _mochi_call_checks, _ATTENTION: _mochi_call_checks},
     refuse={f"{_COG}.CogVideoXCausalConv3d": _mochi_pad_mode, _ATTENTION: _mochi_attention},
     notes=(
@@ -193,6 +238,79 @@ VAE_PLANS: dict[str, VaePlan] = {
         ),
     ),
     f"{_MOCHI}.AutoencoderKLMochi": _MOCHI_PLAN,
+    # --- HunyuanVideo, HunyuanVideo 1.5, Allegro, Cosmos, Magvit, Qwen-Image 2.1 ---
+    f"{_AE}.autoencoder_kl_hunyuan_video.AutoencoderKLHunyuanVideo": VaePlan(
+        encode_unit=_compression,
+        halo_modules={f"{_AE}.autoencoder_kl_hunyuan_video.HunyuanVideoCausalConv3d": _hunyuan_causal_conv},
+        attention=(_ATTENTION,),
+        attention_masks={_ATTENTION: frame_causal_mask},
+        notes=(
+            "Causal 3-D convolutions replicate-pad inside forward (halo before the pad); GroupNorm; the mid-block "
+            "attention's frame-causal mask is rebuilt for the gathered keys; framewise decoding runs the same "
+            "frame loop on every rank."
+        ),
+    ),
+    f"{_AE}.autoencoder_kl_hunyuanvideo15.AutoencoderKLHunyuanVideo15": VaePlan(
+        encode_unit=_compression,
+        halo_modules={f"{_AE}.autoencoder_kl_hunyuanvideo15.HunyuanVideo15CausalConv3d": _hunyuan_causal_conv},
+        attention=(f"{_AE}.autoencoder_kl_hunyuanvideo15.HunyuanVideo15AttnBlock",),
+        attention_masks={f"{_AE}.autoencoder_kl_hunyuanvideo15.HunyuanVideo15AttnBlock": frame_causal_mask},
+        norms=(),
+        notes=(
+            "Causal 3-D convolutions as HunyuanVideo; pixel-(un)shuffle resamplers and RMS norms over channels are "
+            "local; the mid-block attention's frame-causal mask is rebuilt for the gathered keys; no GroupNorm."
+        ),
+    ),
+    f"{_AE}.autoencoder_kl_cosmos.AutoencoderKLCosmos": VaePlan(
+        encode_unit=_config_compression,
+        halo_modules={
+            f"{_AE}.autoencoder_kl_cosmos.CosmosCausalConv3d": _cosmos_causal_conv,
+            f"{_AE}.autoencoder_kl_cosmos.CosmosDownsample3d": _cosmos_downsample,
+        },
+        attention=(f"{_AE}.autoencoder_kl_cosmos.CosmosCausalAttention",),
+        row_local={f"{_AE}.autoencoder_kl_cosmos.CosmosCausalAttention": _cosmos_temporal},
+        notes=(
+            "Causal 3-D convolutions pad inside forward; the downsampler pads (0, 1, 0, 1) before a stride-2 "
+            "convolution and pool (halo 2, stride 2); per-frame GroupNorm reduced per frame; spatial attention "
+            "gathers keys, temporal attention (along frames, per pixel) is local; the Haar patcher's stride-2 "
+            "filters stay inside bands that are whole patches (encoder bands are multiples of the compression)."
+        ),
+    ),
+    f"{_AE}.autoencoder_kl_magvit.AutoencoderKLMagvit": VaePlan(
+        encode_unit=_compression,
+        halo_modules={f"{_AE}.autoencoder_kl_magvit.EasyAnimateDownsampler3D": HaloSpec(radius=1, stride=2)},
+        local_convs=(f"{_AE}.autoencoder_kl_magvit.EasyAnimateCausalConv3d",),
+        notes=(
+            "Causal convolutions pad rows as plain convolutions (their frame cache keeps the haloed rows, the same "
+            "on every call); the downsampler pads (0, 1, 0, 1) before a stride-2 convolution; per-frame GroupNorm; "
+            "frame-batched encode and decode run the same loop on every rank."
+        ),
+    ),
+    f"{_AE}.autoencoder_kl_allegro.AutoencoderKLAllegro": VaePlan(
+        encode_unit=_levels_factor,
+        halo_modules=_DOWNSAMPLE_2D,
+        attention=(_ATTENTION,),
+        tiled={"decode": ("decoder", _allegro_decoder_tile), "encode": ("encoder", _allegro_encoder_tile)},
+        notes=(
+            "diffusers implements only tiled decode and encode (untiled they raise NotImplementedError): with "
+            "use_tiling=True its 3-D tiles are spread over the ranks, equal to the one-device tiled call. The band "
+            "plan (2-D resnets, Downsample2D, per-frame attention, temporal convolutions one row tall) is walked "
+            "but not reached."
+        ),
+    ),
+    f"{_AE}.autoencoder_kl_qwenimage21.AutoencoderKLQwenImage21": VaePlan(
+        encode_unit=_compression,
+        halo_modules={
+            f"{_AE}.autoencoder_kl_qwenimage21.QwenImage21CausalConv3d": _causal_conv,
+            f"{_AE}.autoencoder_kl_qwenimage21.QwenImage21Resample": _resample,
+        },
+        attention=(f"{_AE}.autoencoder_kl_qwenimage21.QwenImage21AttentionBlock",),
+        norms=(),
+        notes=(
+            "As Qwen-Image, but its causal convolution is 2-D (one frame, no cache; zero padding inside forward); "
+            "residual blocks' average-pool and duplicate shortcuts and the patchify are local in whole-unit bands."
+        ),
+    ),
 }
 """Plans by fully qualified VAE class name."""
 
