@@ -7,6 +7,9 @@ depends on the block index. The text and image streams have the same shape, so o
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import torch
 import torch.nn.functional
 from torch import nn
@@ -90,3 +93,63 @@ def example() -> tuple[nn.Module, dict[str, torch.Tensor]]:
         "sigma": torch.full((1,), 0.5),
     }
     return ToyJointDiT().eval(), inputs
+
+
+class ToyJointPipeline:
+    """The sampler as a pipeline-like object ``fastdit.accelerate`` and ``fastdit verify`` take: its modules in
+    ``components`` and a call returning 16 x 16 RGB images in [0, 1] (the first three latent channels)."""
+
+    def __init__(self, model: ToyJointDiT) -> None:
+        self.transformer = model
+        self.components = {"transformer": model}
+
+    def __call__(
+        self,
+        prompt: str | list[str] | None = None,
+        num_inference_steps: int = 8,
+        generator: torch.Generator | None = None,
+        output_type: str = "np",
+    ) -> Any:
+        generator = generator or torch.Generator().manual_seed(0)
+        x = torch.randn(1, 256, 4, generator=generator)
+        context = torch.randn(1, 8, 6, generator=generator)
+        sigmas = torch.linspace(1.0, 0.0, num_inference_steps + 1)
+        with torch.no_grad():
+            for i in range(num_inference_steps):
+                x = x + (sigmas[i + 1] - sigmas[i]) * self.transformer(x, context, sigmas[i].expand(1))
+        images = torch.sigmoid(x[..., :3]).reshape(1, 16, 16, 3)
+        return SimpleNamespace(images=images.numpy())
+
+
+def adapter() -> Any:
+    """The adapter ``fastdit inspect`` proposes for :class:`ToyJointDiT`, with the context-parallel plan its report
+    points to (split both streams at the root, gather after the output projection, route the inline SDPA)."""
+    from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter
+    from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
+
+    plan = ContextParallelPlan(
+        # Joint attention without a mask or positions: any order of the gathered tokens gives the same result.
+        inputs={"": {"latents": SplitInput(dim=1), "context": SplitInput(dim=1)}},
+        gather={"proj": GatherOutput(dim=1)},
+        attention=AttentionRouting(sdpa_calls=("stages.*",)),
+    )
+    group = BlockGroup(
+        path="stages",
+        pattern=ForwardPattern.P1,
+        hidden_arg="img",
+        encoder_arg="txt",
+        pattern_overrides={-1: ForwardPattern.P2},
+    )
+    return ModelAdapter(
+        family="toyjointdit",
+        transformer_classes=(f"{ToyJointDiT.__module__}.ToyJointDiT",),
+        block_groups=(group,),
+        timestep_arg="sigma",
+        cp_plan=plan,
+    )
+
+
+def pipeline() -> tuple[ToyJointPipeline, dict[str, Any], Any]:
+    """For ``fastdit verify tests.cache.toy_joint_dit:pipeline``: the pipeline, its call arguments, its adapter."""
+    torch.manual_seed(0)
+    return ToyJointPipeline(ToyJointDiT().eval()), {"num_inference_steps": 8}, adapter()

@@ -89,6 +89,11 @@ def test_pipeline_directory_target(tiny_flux_dir: Path, capsys: pytest.CaptureFi
         (["tiny:flux:nope"], "unknown target 'tiny:flux:nope': family 'flux' has no tiny pipeline 'nope'"),
         (["--min-psnr", "nan"], "argument --min-psnr nan: must be a finite number"),
         (["--steps", "0"], "argument --steps 0: must be positive"),
+        (["tests.cache.toy_joint_dit:nothing"], "target 'tests.cache.toy_joint_dit:nothing': cannot import 'nothing'"),
+        (
+            ["tests.cache.toy_joint_dit:example"],
+            "target 'tests.cache.toy_joint_dit:example': ToyJointDiT is not a pipeline",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -120,3 +125,34 @@ def test_torchrun_reference_ladder(tmp_path: Path) -> None:
     )
     assert statuses["usp"] == "skipped" and statuses["cfg"] == "not available"  # no CFG in the default call
     assert grid.is_file()
+
+
+THIRD_PARTY = "tests.cache.toy_joint_dit:pipeline"
+
+
+@pytest.mark.usefixtures("single_process")
+def test_a_third_party_pipeline_function_with_its_adapter(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(capsys, THIRD_PARTY, "--ladder", "cache", "--warmup", "0")
+    assert code == 0, err
+    assert out.startswith(f"# {THIRD_PARTY} (ToyJointPipeline): 8 steps, 1 process, cpu")
+    assert "| cache (DBCache F1B1, threshold 0.3) |" in out and out.rstrip().endswith("| pass |")
+
+
+@pytest.mark.slow
+def test_torchrun_third_party_ladder(tmp_path: Path) -> None:
+    """The integration proof: a model fastdit does not know, its adapter as inspect proposes it (plus the CP plan
+    its report points to), verified over 2 processes: cache, Ulysses and ring pass, TP and VAE rows say why not."""
+    report = tmp_path / "verify.json"
+    done = _torchrun_verify(
+        [THIRD_PARTY, "--warmup", "0", "--ladder", "cache,ulysses,ring,tp,vaep", "--json", str(report)]
+    )
+    assert done.returncode == 0, done.stderr
+    statuses = {row["name"]: row["status"] for row in json.loads(report.read_text())["rows"]}
+    assert statuses == {
+        "baseline": "baseline",
+        "cache": "pass",
+        "ulysses": "pass",
+        "ring": "pass",
+        "tp": "not available",
+        "vaep": "not available",
+    }

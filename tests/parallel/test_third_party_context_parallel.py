@@ -7,34 +7,14 @@ import pytest
 import torch
 
 import fastdit
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter
-from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, validate_plan
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, validate_plan
 from fastdit.testing.distributed import WorkerPool
-from tests.cache.toy_joint_dit import ToyJointDiT, sample
+from tests.cache.toy_joint_dit import ToyJointDiT, adapter, sample
 
 pytestmark = pytest.mark.distributed
 
-PLAN = ContextParallelPlan(
-    # Joint attention without a mask or positions: any order of the gathered tokens gives the same result per token.
-    inputs={"": {"latents": SplitInput(dim=1), "context": SplitInput(dim=1)}},
-    gather={"proj": GatherOutput(dim=1)},
-    attention=AttentionRouting(sdpa_calls=("stages.*",)),
-)
-ADAPTER = ModelAdapter(
-    family="toy_joint_dit",
-    transformer_classes=(f"{ToyJointDiT.__module__}.ToyJointDiT",),
-    block_groups=(
-        BlockGroup(
-            path="stages",
-            pattern=ForwardPattern.P1,
-            hidden_arg="img",
-            encoder_arg="txt",
-            pattern_overrides={-1: ForwardPattern.P2},
-        ),
-    ),
-    timestep_arg="sigma",
-    cp_plan=PLAN,
-)
+ADAPTER = adapter()
+PLAN = ADAPTER.cp_plan
 
 
 def _model() -> ToyJointDiT:

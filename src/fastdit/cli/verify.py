@@ -52,7 +52,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("target", nargs="?", metavar="TARGET", help="tiny:FAMILY[:VARIANT], model name or directory")
+    parser.add_argument(
+        "target",
+        nargs="?",
+        metavar="TARGET",
+        help="tiny:FAMILY[:VARIANT], model name, directory, or module.path:function returning (pipeline, call "
+        "kwargs[, adapter]) for a third-party model",
+    )
     parser.add_argument("--model-path", metavar="DIR", help="weights directory of a registered model")
     parser.add_argument("--ladder", metavar="LIST", help="comma-separated rungs or groups (cp, hybrid); default all")
     parser.add_argument("--prompt", metavar="TEXT", help="prompt (default: the target's own or a built-in one)")
@@ -167,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     Raises:
         CLIError: On bad input (before anything is loaded or written).
     """
-    from fastdit.diagnostics.verify import VerifyRuntime, load_target, verify_ladder
+    from fastdit.diagnostics.verify import TargetError, VerifyRuntime, load_target, verify_ladder
     from fastdit.process import is_main_process, process_group_scope
 
     _check(args)
@@ -178,7 +184,10 @@ def run(args: argparse.Namespace) -> int:
     reference = getattr(resolved, "reference", False)
     # Tiny pipelines' kernels are as small as the reference pipeline's: one thread runs them fastest.
     configure_threads(args.threads, reference=reference or isinstance(resolved, tuple), device=device)
-    target = load_target(resolved, device=device, dtype=resolve_dtype(args.dtype, device))
+    try:
+        target = load_target(resolved, device=device, dtype=resolve_dtype(args.dtype, device))
+    except TargetError as error:  # a module:function target that cannot be imported or returns something else
+        raise CLIError(str(error)) from None
     kwargs, case = _call(args, target)
     runtime = VerifyRuntime(
         cases=(case,),
@@ -186,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
         repeat=args.repeat,
         thresholds=thresholds,
         timeout_s=args.dist_timeout,
+        adapter=target.adapter,
         name=target.session.source.name,
     )
     try:

@@ -50,6 +50,7 @@ __all__ = [
     "TINY_PREFIX",
     "LadderContext",
     "LadderError",
+    "PipelineFunction",
     "Rung",
     "Skip",
     "Status",
@@ -692,6 +693,17 @@ class VerifyTarget:
 
     session: Session
     defaults: dict[str, Any]
+    adapter: ModelAdapter | None = None
+
+
+@dataclass(frozen=True)
+class PipelineFunction:
+    """A target given as ``module.path:function``: the function returns ``(pipeline, call_kwargs)`` or
+    ``(pipeline, call_kwargs, adapter)`` — a third-party model's sampler as a pipeline-like object (callable with
+    ``prompt``/``generator``/``num_inference_steps``, returning ``.images``; its modules in ``components``) and the
+    adapter of its transformer."""
+
+    spec: str
 
 
 def _tiny(text: str) -> tuple[str, str | None]:
@@ -720,6 +732,8 @@ def resolve_target(target: str | None, model_path: str | None = None) -> ModelSo
     from fastdit.errors import FieldError
     from fastdit.session import resolve_model
 
+    if target is not None and _is_function_spec(target):
+        return PipelineFunction(target)
     if target is not None and target.startswith(TINY_PREFIX):
         family, variant = _tiny(target)
         from fastdit.models.registry import get_family
@@ -742,8 +756,47 @@ def resolve_target(target: str | None, model_path: str | None = None) -> ModelSo
         ) from None
 
 
-def load_target(resolved: ModelSource | tuple[str, str | None], *, device: Any, dtype: torch.dtype) -> VerifyTarget:
-    """Load what :func:`resolve_target` found onto ``device`` (tiny pipelines are built in float32, then moved)."""
+def _is_function_spec(target: str) -> bool:
+    import re
+    from pathlib import Path
+
+    return re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", target) is not None and not Path(target).exists()
+
+
+def _load_function(spec: str, device: Any) -> VerifyTarget:
+    import importlib
+
+    module, _, name = spec.partition(":")
+    try:
+        function = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise TargetError(f"target {spec!r}: cannot import {name!r} from {module!r}: {exc}") from None
+    result = function()
+    if not isinstance(result, tuple) or len(result) not in (2, 3) or not isinstance(result[1], Mapping):
+        raise TargetError(
+            f"target {spec!r}: expected (pipeline, call_kwargs) or (pipeline, call_kwargs, adapter), got "
+            f"{type(result).__name__}"
+        )
+    pipe, kwargs, adapter = (*result, None) if len(result) == 2 else result
+    if not callable(pipe) or not isinstance(getattr(pipe, "components", None), dict):
+        raise TargetError(
+            f"target {spec!r}: {type(pipe).__name__} is not a pipeline (a callable with a components dict of its "
+            "modules)"
+        )
+    if adapter is not None and not isinstance(adapter, ModelAdapter):
+        raise TargetError(f"target {spec!r}: its third value is a {type(adapter).__name__}, not a ModelAdapter")
+    cls = type(pipe)
+    source = ModelSource(spec, f"{cls.__module__}.{cls.__qualname__}")
+    return VerifyTarget(_SeededSession(pipe, source, torch.device(device)), dict(kwargs), adapter)
+
+
+def load_target(
+    resolved: ModelSource | tuple[str, str | None] | PipelineFunction, *, device: Any, dtype: torch.dtype
+) -> VerifyTarget:
+    """Load what :func:`resolve_target` found onto ``device`` (tiny pipelines are built in float32, then moved; a
+    :class:`PipelineFunction` builds its own pipeline where it chooses)."""
+    if isinstance(resolved, PipelineFunction):
+        return _load_function(resolved.spec, device)
     if isinstance(resolved, ModelSource):
         session = _SeededSession.load(resolved, device=device, dtype=dtype)
         return VerifyTarget(session, dict(resolved.defaults))
