@@ -299,6 +299,12 @@ def _exchange(tensors: list[torch.Tensor], rows: int, band: _Band) -> list[torch
     peer_above = dist.get_global_rank(group, band.rank - 1) if band.top and group is not None else band.rank - 1
     peer_below = dist.get_global_rank(group, band.rank + 1) if band.bottom and group is not None else band.rank + 1
     ops, received = [], []
+    # gloo moves host tensors only point to point: a GPU band on a gloo group (several ranks sharing one GPU) goes
+    # through host copies, a NCCL group sends device tensors as they are.
+    staged = any(x.is_cuda for x in tensors) and dist.get_backend(group) == "gloo"
+    originals = tensors
+    if staged:
+        tensors = [x.cpu() for x in tensors]
     for i, x in enumerate(tensors):
         above = below = None
         # Distinct tags per tensor: messages between one pair of ranks are then matched by tensor, not by order.
@@ -315,8 +321,8 @@ def _exchange(tensors: list[torch.Tensor], rows: int, band: _Band) -> list[torch
         for work in dist.batch_isend_irecv(ops):
             work.wait()
     out = []
-    for x, (above, below) in zip(tensors, received, strict=True):
-        pieces = [p for p in (above, x, below) if p is not None]
+    for x, (above, below) in zip(originals, received, strict=True):
+        pieces = [p.to(x.device) if p is not None and staged else p for p in (above, x, below) if p is not None]
         out.append(torch.cat(pieces, dim=-2) if len(pieces) > 1 else x)
     return out
 
