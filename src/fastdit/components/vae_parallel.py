@@ -389,30 +389,51 @@ def _is_band(value: Any, x: torch.Tensor) -> bool:
 # ------------------------------------------------------------------------------------------------------ group norm
 
 
+# Elements of the float32 working copy one step of the band GroupNorm holds: the statistics and the normalisation run
+# over slices of groups, so a band's norm needs a few slices of temporaries, not several copies of the activation.
+_NORM_CHUNK = 1 << 24
+
+
 def _band_group_norm(norm: torch.nn.GroupNorm, x: torch.Tensor, band: _Band) -> torch.Tensor:
     """``GroupNorm`` of the whole image from this rank's rows: per-group mean and variance reduced over the ranks.
 
     Two passes (the mean, then the centred squares) rather than one of sums and sums of squares: the one-pass
     variance cancels catastrophically for activations far from zero, the two-pass one matches ``F.group_norm``.
-    Sums and counts travel as float64 so the counts of large videos stay exact.
+    Sums and counts travel as float64 so the counts of large videos stay exact. Both the centred squares and the
+    output are computed a slice of groups at a time into one preallocated output, so the peak memory stays near
+    ``F.group_norm``'s (the output) instead of several float32 copies of the band.
     """
     batch, channels = x.shape[:2]
-    groups = x.reshape(batch, norm.num_groups, -1)
-    work = groups if groups.dtype in (torch.float32, torch.float64) else groups.float()
-    count = torch.full((batch, norm.num_groups, 1), float(work.shape[-1]), dtype=torch.float64, device=x.device)
-    first = torch.cat([work.sum(-1, keepdim=True, dtype=torch.float64), count], dim=-1)
+    num_groups = norm.num_groups
+    groups = x.reshape(batch, num_groups, -1)
+    per_group = groups.shape[-1]
+    compute = groups.dtype if groups.dtype in (torch.float32, torch.float64) else torch.float32
+    step = max(1, _NORM_CHUNK // max(1, batch * per_group))
+    slices = [slice(s, s + step) for s in range(0, num_groups, step)]
+    count = torch.full((batch, num_groups, 1), float(per_group), dtype=torch.float64, device=x.device)
+    first = torch.cat([groups.sum(-1, keepdim=True, dtype=torch.float64), count], dim=-1)
     dist.all_reduce(first, group=band.group)
     total = first[..., 1:]
-    mean = (first[..., :1] / total).to(work.dtype)
-    centred = work - mean
-    second = centred.square().sum(-1, keepdim=True, dtype=torch.float64)
+    mean = (first[..., :1] / total).to(compute)
+    second = torch.empty((batch, num_groups, 1), dtype=torch.float64, device=x.device)
+    for part in slices:
+        centred = groups[:, part].to(compute) - mean[:, part]
+        second[:, part] = centred.square().sum(-1, keepdim=True, dtype=torch.float64)
     dist.all_reduce(second, group=band.group)
-    rstd = torch.rsqrt(second / total + norm.eps).to(work.dtype)
-    out = (centred * rstd).reshape(x.shape).to(x.dtype)
-    if norm.affine:
-        shape = (1, channels) + (1,) * (x.ndim - 2)
-        out = out * norm.weight.reshape(shape) + norm.bias.reshape(shape)
-    return out
+    rstd = torch.rsqrt(second / total + norm.eps).to(compute)
+    out = torch.empty_like(groups)
+    per_channel = channels // num_groups
+    for part in slices:
+        y = (groups[:, part].to(compute) - mean[:, part]) * rstd[:, part]
+        if norm.affine:
+            channel = slice(part.start * per_channel, min(part.stop, num_groups) * per_channel)
+            width = y.shape[1]
+            y = y.reshape(batch, width, per_channel, -1)
+            y = y * norm.weight[channel].reshape(1, width, per_channel, 1).to(compute)
+            y = y + norm.bias[channel].reshape(1, width, per_channel, 1).to(compute)
+            y = y.reshape(batch, width, -1)
+        out[:, part] = y
+    return out.reshape(x.shape)
 
 
 def _install_norm(norm: torch.nn.GroupNorm) -> Callable[[], None]:
