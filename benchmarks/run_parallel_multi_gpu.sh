@@ -20,6 +20,12 @@ torchrun --nproc-per-node 2 benchmarks/cp_flux.py --true-cfg \
   | grep -v Warning | tail -10 | tee "$OUT/cfg_flux_x2.log"
 torchrun --nproc-per-node 2 benchmarks/cfg_batched.py --out "$OUT/cfg_batched_x2.json" 2>&1 | grep -v Warning \
   | tail -8 | tee "$OUT/cfg_batched_x2.log"
+# VAE parallelism: decode time and per-GPU peak memory of the FLUX.1 VAE, 1 GPU vs 2 (vs 4), NCCL.
+RANKS=2; [ "$GPUS" -ge 4 ] && RANKS="2 4"
+for SIZE in 1024 2048; do
+  python3 benchmarks/vae_parallel.py --size "$SIZE" --ranks $RANKS --out "$OUT/vae_parallel_$SIZE.json" 2>&1 \
+    | grep -v Warning | tail -6 | tee "$OUT/vae_parallel_$SIZE.log"
+done
 if [ "$GPUS" -ge 4 ]; then
   torchrun --nproc-per-node 4 benchmarks/cp_flux.py --modes single,tp,tp_ulysses,tp_ulysses+compile,ulysses \
     --out "$OUT/tp_flux_x4.json" 2>&1 | grep -v Warning | tail -12 | tee "$OUT/tp_flux_x4.log"
