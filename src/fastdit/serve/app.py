@@ -42,6 +42,9 @@ from fastdit.serve.worker import Job, JobResult, JobTimeoutError
 
 __all__ = ["Engine", "ServerState", "create_app"]
 
+# A module global: FastAPI resolves the handlers' (postponed) annotations here. ``require`` names a missing package.
+Request = require("fastapi").Request
+
 logger = logging.getLogger("fastdit.serve")
 
 
@@ -282,8 +285,6 @@ async def _generate(state: ServerState, body: ImageRequest) -> ImageResponse:
 
 
 def _auth(api_key: str | None) -> Callable[..., None]:
-    from fastapi import Request
-
     def check(request: Request) -> None:
         if api_key is None:
             return
@@ -300,7 +301,6 @@ def _auth(api_key: str | None) -> Callable[..., None]:
 
 
 def _install_handlers(app: Any) -> None:
-    from fastapi import Request
     from fastapi.exceptions import RequestValidationError
 
     @app.exception_handler(RequestError)
@@ -322,8 +322,6 @@ def _install_handlers(app: Any) -> None:
 
 
 def _install_metrics_middleware(app: Any, state: ServerState) -> None:
-    from fastapi import Request
-
     known = {"/v1/images/generations", "/v1/models", "/health", "/metrics"}
 
     @app.middleware("http")
