@@ -1,0 +1,130 @@
+"""``fastdit serve``: flags checked before loading, the exposure warning, and a 2-rank torchrun server."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from fastdit.cli import main
+from tests.serve.conftest import API_KEY, LiveServer, free_port
+
+
+@pytest.fixture(autouse=True)
+def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--max-n", "0"], "argument --max-n 0: max_n=0: must be positive"),
+        (["--timeout-s", "nan"], "argument --timeout-s nan"),
+        (["--queue-size", "-1"], "argument --queue-size -1"),
+        (["--parallel", "ulysses=2"], "needs 2 processes"),
+        (["--steps", "0"], "argument --steps 0: must be positive"),
+        (["--cache", "bogus"], "argument --cache bogus"),
+    ],
+)
+def test_bad_flags_end_before_loading(argv: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
+    assert main(["serve", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_binding_beyond_loopback_without_a_key_warns(capsys: pytest.CaptureFixture) -> None:
+    from fastdit.cli.serve import _warn_exposed
+
+    _warn_exposed("127.0.0.1", None)
+    _warn_exposed("0.0.0.0", "key")
+    assert capsys.readouterr().err == ""
+    _warn_exposed("0.0.0.0", None)
+    assert "without an API key" in capsys.readouterr().err
+
+
+def test_serve_is_registered() -> None:
+    from fastdit.cli import COMMANDS, build_parser
+
+    assert "serve" in COMMANDS
+    args = build_parser().parse_args(["serve"])
+    assert (args.host, args.port, args.api_key, args.max_n) == ("127.0.0.1", 8000, None, 4)
+
+
+def _rank(launcher: int, rank: int) -> int:
+    """The pid of ``rank`` among the processes torchrun (``launcher``) started."""
+    for entry in Path("/proc").iterdir():
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == launcher and f"RANK={rank}".encode() in environ:
+            return int(entry.name)
+    raise LookupError(rank)
+
+
+def _start_torchrun(port: int) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FASTDIT_API_KEY": API_KEY}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(name, None)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "fastdit", "serve"]
+    command += ["--cache", "--parallel", "ulysses=2", "--port", str(port), "--dist-timeout", "60"]
+    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_healthy(url: str, launcher: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 240
+    while True:
+        assert launcher.poll() is None, launcher.stderr.read() if launcher.stderr else ""
+        assert time.monotonic() < deadline, "the torchrun server did not start"
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+
+
+def _images(url: str) -> tuple[list[np.ndarray], list[dict]]:
+    images, reports = [], []
+    for cache in ("none", "balanced"):
+        body = {"prompt": "a handwritten digit 5", "seed": 2, "num_inference_steps": 12, "cache": cache}
+        response = httpx.post(
+            f"{url}/v1/images/generations", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120
+        )
+        assert response.status_code == 200, response.text
+        payload = response.json()
+        images.append(np.asarray(Image.open(io.BytesIO(base64.b64decode(payload["data"][0]["b64_json"])))))
+        reports.append(payload["fastdit"]["cache"])
+    return images, reports
+
+
+@pytest.mark.slow
+def test_a_torchrun_server_answers_like_one_process_and_ends_when_a_rank_dies(live_server: LiveServer) -> None:
+    port = free_port()
+    launcher = _start_torchrun(port)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, launcher)
+        split, split_reports = _images(url)
+        whole, whole_reports = _images(live_server.url)
+        for a, b in zip(split, whole, strict=True):
+            # Exact up to the order of float sums across the split, then uint8 rounding: at most one level.
+            assert np.abs(a.astype(int) - b.astype(int)).max() <= 1
+        assert split_reports == whole_reports and split_reports[1]["cached_steps"] > 0
+        os.kill(_rank(launcher.pid, 1), signal.SIGKILL)
+        assert launcher.wait(timeout=90) != 0  # the whole job ends; nothing waits forever
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
