@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -56,9 +57,9 @@ def reference_runner() -> Any:
     return Runner(session, {"cache": cache_config("balanced")}, "balanced")
 
 
-@pytest.fixture(scope="package")
-def live_server(reference_runner: Any) -> Iterator[LiveServer]:
-    """``create_app`` over the reference pipeline, served by uvicorn in a thread; requires :data:`API_KEY`."""
+@contextlib.contextmanager
+def serving(runner: Any, **limits: Any) -> Iterator[LiveServer]:
+    """``create_app`` over ``runner`` with ``limits``, served by uvicorn in a thread; requires :data:`API_KEY`."""
     import uvicorn
 
     from fastdit.serve.app import create_app
@@ -66,8 +67,8 @@ def live_server(reference_runner: Any) -> Iterator[LiveServer]:
     from fastdit.serve.limits import Limits
     from fastdit.serve.worker import Driver
 
-    spec = ModelSpec.of(reference_runner.session, reference_runner.default_cache)
-    app = create_app(Driver(reference_runner), spec, limits=Limits(max_steps=50), api_key=API_KEY)
+    spec = ModelSpec.of(runner.session, runner.default_cache)
+    app = create_app(Driver(runner), spec, limits=Limits(**limits), api_key=API_KEY)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -77,6 +78,15 @@ def live_server(reference_runner: Any) -> Iterator[LiveServer]:
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("the test server did not start")
         time.sleep(0.05)
-    yield LiveServer(f"http://127.0.0.1:{port}", reference_runner)
-    server.should_exit = True
-    thread.join(timeout=30)
+    try:
+        yield LiveServer(f"http://127.0.0.1:{port}", runner)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="package")
+def live_server(reference_runner: Any) -> Iterator[LiveServer]:
+    """The reference pipeline behind a live server (at most 50 steps a request)."""
+    with serving(reference_runner, max_steps=50) as server:
+        yield server

@@ -49,21 +49,14 @@ def test_openai_client_generates_images_with_their_own_seeds(live_server: LiveSe
 
 def test_the_image_equals_a_direct_session_call(live_server: LiveServer) -> None:
     """What the server sends is the PNG of what :meth:`Session.call` returns for the same prompt and seed."""
-    from fastdit.io import image_bytes
     from fastdit.session import Case, call_arguments
 
     served = _image(_generate(live_server, seed=3, num_inference_steps=4, cache="none").data[0].b64_json)
-    session = live_server.runner.session
-    kwargs = call_arguments(session.pipeline_class, session.source.defaults, {"num_inference_steps": 4})
-    with session.variant(None):  # the server is idle between requests; call the plain pipeline like it does
-        expected = _image(base64.b64encode(image_bytes(_plain_call(live_server, Case(PROMPT, 3), kwargs))).decode())
-    assert np.array_equal(served, expected)
-
-
-def _plain_call(server: LiveServer, case: Any, kwargs: dict[str, Any]) -> np.ndarray:
-    runner = server.runner
-    runner._install("none")  # what a request with cache="none" runs
-    return runner.session.call(case, kwargs)
+    runner = live_server.runner  # idle between requests: call its pipeline as a request with cache="none" does
+    kwargs = call_arguments(runner.session.pipeline_class, runner.session.source.defaults, {"num_inference_steps": 4})
+    runner._install("none")
+    expected = runner.session.call(Case(PROMPT, 3), kwargs)
+    assert np.array_equal(served, np.round(expected * 255).astype(np.uint8))
 
 
 def test_each_request_runs_its_own_schedule(live_server: LiveServer) -> None:
@@ -107,3 +100,44 @@ def test_bad_input_names_the_field_through_the_client(live_server: LiveServer) -
     with pytest.raises(openai.UnprocessableEntityError) as caught:
         _client(live_server).images.generate(prompt=PROMPT, size="30x32", extra_body={"num_inference_steps": 2})
     assert caught.value.body["param"] == "size" and "multiples of 4" in caught.value.body["message"]
+
+
+def test_compatible_requests_without_a_cache_are_batched(live_server: LiveServer, reference_runner: Any) -> None:
+    """Queued requests of one size and step count share a call, each image keeping its seed: as made one by one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.serve.conftest import serving
+
+    with serving(reference_runner, max_batch=4) as server:
+        # One request of four images is one call of four.
+        four = _generate(server, n=4, seed=20, num_inference_steps=6, cache="none")
+        assert four.model_extra["fastdit"]["batched_with"] == 4
+        # Three requests queued behind a long one join one call.
+        with ThreadPoolExecutor(4) as pool:
+            blocker = pool.submit(_generate, server, seed=0, num_inference_steps=40, cache="none")
+            _wait_queue(server, 1)
+            queued = [pool.submit(_generate, server, seed=s, num_inference_steps=6, cache="none") for s in (21, 22, 23)]
+            _wait_queue(server, 4)
+            blocker.result()
+            batched = [f.result() for f in queued]
+        assert [r.model_extra["fastdit"]["batched_with"] for r in batched] == [3, 3, 3]
+        cached = _generate(server, n=2, seed=1, num_inference_steps=6)  # the server's cache: one image per call
+        assert cached.model_extra["fastdit"]["batched_with"] == 1
+    alone = [_generate(live_server, seed=s, num_inference_steps=6, cache="none") for s in range(20, 24)]
+    made_alone = [_image(r.data[0].b64_json).astype(int) for r in alone]
+    made_batched = [_image(item.b64_json).astype(int) for item in four.data]
+    made_batched_too = [_image(r.data[0].b64_json).astype(int) for r in batched]
+    for a, b in zip(made_alone, made_batched, strict=True):
+        assert np.abs(a - b).max() <= 1  # the same up to the order of float sums, then uint8 rounding
+    for a, b in zip(made_alone[1:], made_batched_too, strict=True):
+        assert np.abs(a - b).max() <= 1
+
+
+def _wait_queue(server: LiveServer, depth: int) -> None:
+    """Wait until ``depth`` requests are queued or running."""
+    import time
+
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{server.url}/health").json()["queue"] != depth:
+        assert time.monotonic() < deadline, f"the queue never held {depth}"
+        time.sleep(0.01)

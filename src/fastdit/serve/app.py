@@ -20,11 +20,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from fastdit.serve import require
-from fastdit.serve.jobs import ModelSpec, RequestError, build_job, invalid, request_field
+from fastdit.serve.jobs import ModelSpec, RequestError, build_job, compatible, invalid, merge, request_field
 from fastdit.serve.limits import Limits
 from fastdit.serve.metrics import Metrics
 from fastdit.serve.schemas import (
@@ -70,6 +70,29 @@ class _Pending:
     started: float | None = None
 
 
+class _JobQueue(asyncio.Queue):
+    """A FIFO queue from which the consumer can also take later items that fit a batch, leaving the rest in order."""
+
+    def take(self, predicate: Callable[[_Pending], bool]) -> list[_Pending]:
+        """Remove and return the queued items ``predicate`` accepts (asked once each, in queue order)."""
+        taken = [item for item in self._queue if predicate(item)]  # the deque asyncio.Queue subclasses keep items in
+        for item in taken:
+            self._queue.remove(item)
+        return taken
+
+
+def _split(result: JobResult, batch: list[_Pending]) -> list[JobResult]:
+    """Each request's share of a batched result: its own images; the call's time and cache counts."""
+    if len(batch) == 1:
+        return [result]
+    parts, start = [], 0
+    for pending in batch:
+        end = start + len(pending.job.cases)
+        parts.append(replace(result, outputs=result.outputs[start:end]))
+        start = end
+    return parts
+
+
 def _fatal_errors() -> tuple[type[BaseException], ...]:
     from fastdit.parallel.failures import CollectiveError
 
@@ -92,7 +115,7 @@ class ServerState:
         self.engine, self.spec, self.limits, self.on_fatal = engine, spec, limits, on_fatal
         self.metrics = Metrics()
         self.created = int(time.time())
-        self.queue: asyncio.Queue[_Pending] = asyncio.Queue()
+        self.queue = _JobQueue()
         self.outstanding = 0  # queued + running: what the limit counts
         self.failure: BaseException | None = None
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="fastdit-pipeline")
@@ -126,19 +149,33 @@ class ServerState:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                pending = await asyncio.wait_for(self.queue.get(), timeout=self.engine.heartbeat_s)
+                first = await asyncio.wait_for(self.queue.get(), timeout=self.engine.heartbeat_s)
             except asyncio.TimeoutError:
                 if not await self._guarded(loop, self.engine.heartbeat):
                     return
                 continue
+            batch = [first, *self._companions(first)]
             try:
-                if pending.future.done():  # timed out while waiting: never run
-                    continue
-                pending.started = time.perf_counter()
-                if not await self._run(loop, pending):
+                live = [pending for pending in batch if not pending.future.done()]  # timed out while waiting: skip
+                if live and not await self._run(loop, live):
                     return
             finally:
-                self.outstanding -= 1
+                self.outstanding -= len(batch)
+
+    def _companions(self, first: _Pending) -> list[_Pending]:
+        """Queued jobs that can share ``first``'s pipeline calls, within :attr:`Limits.max_batch` images."""
+        room = self.limits.max_batch - len(first.job.cases)
+        if room <= 0 or first.job.batch <= 1:
+            return []
+
+        def fits(other: _Pending) -> bool:
+            nonlocal room
+            if other.future.done() or len(other.job.cases) > room or not compatible(first.job, other.job):
+                return False
+            room -= len(other.job.cases)
+            return True
+
+        return self.queue.take(fits)
 
     async def _guarded(self, loop: asyncio.AbstractEventLoop, call: Callable[[], Any]) -> bool:
         try:
@@ -148,21 +185,29 @@ class ServerState:
             return False
         return True
 
-    async def _run(self, loop: asyncio.AbstractEventLoop, pending: _Pending) -> bool:
+    async def _run(self, loop: asyncio.AbstractEventLoop, batch: list[_Pending]) -> bool:
+        started = time.perf_counter()
+        for pending in batch:
+            pending.started = started
+        job = merge([pending.job for pending in batch])
+
+        def should_stop() -> bool:  # a shared call stops only once every request in it timed out
+            return all(pending.cancelled.is_set() for pending in batch)
+
         try:
-            result = await loop.run_in_executor(self.executor, self.engine.run, pending.job, pending.cancelled.is_set)
-        except _fatal_errors() as error:
-            self._fail(error)
-            if not pending.future.done():
-                pending.future.set_exception(error)
-            return False
+            result = await loop.run_in_executor(self.executor, self.engine.run, job, should_stop)
         except Exception as error:
-            if not pending.future.done():
-                pending.future.set_exception(error)
+            for pending in batch:
+                if not pending.future.done():
+                    pending.future.set_exception(error)
+            if isinstance(error, _fatal_errors()):
+                self._fail(error)
+                return False
             return True
         self._record(result)
-        if not pending.future.done():
-            pending.future.set_result(result)
+        for pending, part in zip(batch, _split(result, batch), strict=True):
+            if not pending.future.done():
+                pending.future.set_result(part)
         return True
 
     def _record(self, result: JobResult) -> None:
@@ -256,6 +301,7 @@ def _response(
         width=kwargs.get("width"),
         height=kwargs.get("height"),
         num_inference_steps=kwargs.get("num_inference_steps"),
+        batched_with=result.images_per_call,
         timings=timings,
         cache=_cache_report(result),
     )
@@ -389,7 +435,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Any) -> AsyncIterator[None]:
-        state.queue = asyncio.Queue()  # bound to the loop that serves
+        state.queue = _JobQueue()  # bound to the loop that serves
         consumer = asyncio.create_task(state.consume())
         try:
             yield

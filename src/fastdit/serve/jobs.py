@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastdit.cache.policy import check_run_length
@@ -20,7 +20,7 @@ from fastdit.serve.schemas import ImageRequest
 from fastdit.serve.worker import DEFAULT_CACHE, Job
 from fastdit.session import MAX_SEED, Case, Session, call_arguments, default_steps, size_multiple
 
-__all__ = ["ModelSpec", "RequestError", "build_job", "request_field"]
+__all__ = ["ModelSpec", "RequestError", "batchable", "build_job", "compatible", "merge", "request_field"]
 
 
 class RequestError(Exception):
@@ -188,4 +188,29 @@ def build_job(request: ImageRequest, spec: ModelSpec, limits: Limits, job_id: st
         raise invalid("num_inference_steps", f"the model's default of {steps} exceeds the server's limit")
     cache = _cache_key(request, spec, steps)
     cases = tuple(Case(request.prompt, seed) for seed in _seeds(request))
-    return Job(id=job_id, cases=cases, kwargs=kwargs, cache=cache)
+    job = Job(id=job_id, cases=cases, kwargs=kwargs, cache=cache)
+    return replace(job, batch=limits.max_batch) if batchable(job, spec) else job
+
+
+def batchable(job: Job, spec: ModelSpec) -> bool:
+    """Whether ``job``'s images may share pipeline calls with each other and with other jobs.
+
+    Only without a step cache: a cache decides to compute or skip a step for every image of a call at once, so an
+    image made in a batch could differ from the same image made alone. Without one, each image depends on its own
+    prompt and seed only (up to the order of float sums).
+    """
+    return job.cache == NO_CACHE or (job.cache == DEFAULT_CACHE and spec.default_cache is None)
+
+
+def compatible(first: Job, other: Job) -> bool:
+    """Whether ``other`` can join ``first``'s pipeline call: the same call arguments (size, steps, guidance,
+    negative prompt) and cache, both batchable (:attr:`Job.batch` above 1)."""
+    return first.batch > 1 and other.batch > 1 and first.cache == other.cache and first.kwargs == other.kwargs
+
+
+def merge(jobs: list[Job]) -> Job:
+    """One job running the cases of ``jobs`` in order (results are split back by each job's case count)."""
+    if len(jobs) == 1:
+        return jobs[0]
+    cases = tuple(case for job in jobs for case in job.cases)
+    return replace(jobs[0], id="+".join(job.id for job in jobs), cases=cases)

@@ -27,6 +27,11 @@ class Limits:
     max_prompt_chars: int = _doc("Longest prompt (and negative prompt) in characters.", 4000)
     queue_size: int = _doc("Requests that may wait for the pipeline; one more is answered 429.", 16)
     timeout_s: float = _doc("Seconds a request may wait and run before it is answered 504.", 300.0)
+    max_batch: int = _doc(
+        "Most images of compatible queued requests (same size, steps, guidance, negative prompt) run as one "
+        "pipeline call; only requests without a step cache are batched; 1: none.",
+        1,
+    )
 
     def __post_init__(self) -> None:
         for f in fields(self):

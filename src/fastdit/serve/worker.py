@@ -64,12 +64,14 @@ class Job:
         cases: Prompt and seed of each image, in order.
         kwargs: Call arguments (:func:`fastdit.session.call_arguments`), without prompt and generator.
         cache: :data:`DEFAULT_CACHE`, :data:`~fastdit.cache.presets.NO_CACHE` or a preset name.
+        batch: Most cases per pipeline call (1: one call per image, each deciding its own cache steps).
     """
 
     id: str
     cases: tuple[Case, ...]
     kwargs: Mapping[str, Any]
     cache: str = DEFAULT_CACHE
+    batch: int = 1
 
 
 @dataclass
@@ -81,12 +83,14 @@ class JobResult:
         run_s: Seconds in the pipeline (cache switches included).
         cache: :func:`cache_counts` summed over the job's calls.
         cache_name: The cache the job ran with: :data:`~fastdit.cache.presets.NO_CACHE`, a preset, or ``custom``.
+        images_per_call: The most images one pipeline call of the job made.
     """
 
     outputs: list[np.ndarray]
     run_s: float
     cache: dict[str, int] = field(default_factory=dict)
     cache_name: str = NO_CACHE
+    images_per_call: int = 1
 
 
 def cache_counts(summary: fastdit.Summary | None) -> dict[str, int]:
@@ -174,7 +178,7 @@ class Runner:
         self._installed = key
 
     def run(self, job: Job, should_stop: Callable[[], bool] | None = None) -> JobResult:
-        """Run every case of ``job``, one pipeline call each, from a clean cache.
+        """Run the cases of ``job``, :attr:`Job.batch` per pipeline call, each call from a clean cache.
 
         Args:
             job: What to run.
@@ -191,12 +195,15 @@ class Runner:
         kwargs = dict(job.kwargs)
         if should_stop is not None:
             kwargs["callback_on_step_end"] = _stopper(should_stop)
-        outputs, counts = [], {}
-        for case in job.cases:
+        outputs: list[np.ndarray] = []
+        counts: dict[str, int] = {}
+        chunks = [job.cases[i : i + job.batch] for i in range(0, len(job.cases), max(job.batch, 1))]
+        for chunk in chunks:
             fastdit.reset(self.session.pipe)  # nothing of the last request carries over, even after a failed call
-            outputs.append(self.session.call(case, kwargs))
+            outputs.extend(self.session.call_batch(chunk, kwargs))
             _add(counts, cache_counts(self.session.summary()))
-        return JobResult(outputs, time.perf_counter() - start, counts, self.cache_name(job.cache))
+        largest = max(len(chunk) for chunk in chunks)
+        return JobResult(outputs, time.perf_counter() - start, counts, self.cache_name(job.cache), largest)
 
 
 def _stopper(should_stop: Callable[[], bool]) -> Callable[..., dict[str, Any]]:
