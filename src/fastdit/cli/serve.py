@@ -64,6 +64,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--steps", type=int, metavar="N", help="steps of a request that gives no num_inference_steps (default: model's)"
     )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=0,
+        metavar="N",
+        help="runs at the default size before serving (first-call compilation, CUDA graphs, allocator); default 0",
+    )
     add_cache_arguments(parser)
     add_acceleration_arguments(parser)
     _add_server_arguments(parser)
@@ -108,6 +115,7 @@ def _cache_name(args: argparse.Namespace, options: dict[str, Any]) -> str:
 def _plan(args: argparse.Namespace) -> dict[str, Any]:
     """Everything that can be checked before loading: model, defaults, acceleration, limits, key."""
     check_positive("--steps", args.steps)
+    check_positive("--warmup", args.warmup, allow_zero=True)
     check_positive("--port", args.port, allow_zero=True)
     source, pipeline_class = resolve_source(args)
     overrides = {} if args.steps is None else {"num_inference_steps": args.steps}
@@ -140,13 +148,19 @@ def _warn_exposed(host: str, api_key: str | None) -> None:
         )
 
 
-def _load(plan: dict[str, Any]) -> Any:
-    from fastdit.serve.worker import Runner
+def _load(plan: dict[str, Any], warmup: int) -> Any:
+    from fastdit.serve.worker import DEFAULT_CACHE, Job, Runner
+    from fastdit.session import Case
 
     session = Session.load(plan["source"], device=plan["device"], dtype=plan["dtype"])
     check_size(session.pipe, plan["source"].defaults)
     check_cache_fits(session.pipe, plan["options"].get("cache"))
-    return Runner(session, plan["options"], plan["cache_name"])
+    runner = Runner(session, plan["options"], plan["cache_name"])
+    # Every rank runs the same warm-up job before rank 0 serves, so they stay in lockstep without a broadcast.
+    job = Job("warmup", (Case("warm-up", 0),), plan["source"].defaults, DEFAULT_CACHE)
+    for _ in range(warmup):
+        runner.run(job)
+    return runner
 
 
 def _serve(args: argparse.Namespace, plan: dict[str, Any], runner: Any, timeout_s: float) -> int:
@@ -206,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
         # acceleration, which must find the group rather than end it.
         with process_group_scope(), collective_failures(timeout_s):
             join_process_group(plan["device"], timeout_s)
-            runner = _load(plan)
+            runner = _load(plan, args.warmup)
             if not is_main_process():
                 from fastdit.serve.worker import worker_loop
 
