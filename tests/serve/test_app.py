@@ -61,14 +61,32 @@ def test_the_image_equals_a_direct_session_call(live_server: LiveServer) -> None
 
 def test_each_request_runs_its_own_schedule(live_server: LiveServer) -> None:
     """Different step counts in turn: each request reports the cache counts it gets when run on its own."""
+    alone = {steps: _alone(live_server, steps) for steps in (10, 16)}
     runs = [_generate(live_server, seed=1, num_inference_steps=steps) for steps in (10, 16, 10, 16)]
     reports = [r.model_extra["fastdit"]["cache"] for r in runs]
     assert [r["steps"] for r in reports] == [10, 16, 10, 16]
-    assert reports[0] == reports[2] and reports[1] == reports[3]
-    assert all(r["preset"] == "balanced" and r["cached_steps"] > 0 for r in reports)
+    for steps, report in zip((10, 16, 10, 16), reports, strict=True):
+        assert (report["cached_steps"], report["blocks_computed_fraction"]) == alone[steps]
+    assert all(r["preset"] == "balanced" and 0 < r["cached_steps"] < r["steps"] for r in reports)
     assert all(r["cached_steps"] + r["computed_steps"] == r["steps"] for r in reports)
     images = [_image(r.data[0].b64_json) for r in runs]
     assert np.array_equal(images[0], images[2]) and np.array_equal(images[1], images[3])
+
+
+def _alone(server: LiveServer, steps: int) -> tuple[int, float]:
+    """Cached steps and blocks computed of one run with a freshly installed cache (the server is idle)."""
+    from fastdit.serve.worker import DEFAULT_CACHE, cache_counts
+    from fastdit.session import Case, call_arguments
+
+    runner = server.runner
+    runner._install("none")
+    runner._install(DEFAULT_CACHE)  # new hooks: no state from any earlier run
+    kwargs = call_arguments(
+        runner.session.pipeline_class, runner.session.source.defaults, {"num_inference_steps": steps}
+    )
+    runner.session.call(Case(PROMPT, 1), kwargs)
+    counts = cache_counts(runner.session.summary())
+    return counts["cached_steps"], counts["blocks_computed"] / counts["blocks_total"]
 
 
 def test_models_health_and_metrics(live_server: LiveServer) -> None:
