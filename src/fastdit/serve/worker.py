@@ -30,7 +30,7 @@ import fastdit
 from fastdit.cache.presets import NO_CACHE, cache_config
 from fastdit.config import DBCache, DBPrune
 from fastdit.errors import FieldError, NonFiniteOutputError
-from fastdit.session import Case, Session
+from fastdit.session import Case, Session, call_parameters
 
 __all__ = [
     "DEFAULT_CACHE",
@@ -182,8 +182,9 @@ class Runner:
 
         Args:
             job: What to run.
-            should_stop: Checked after each denoising step; ``True`` stops the job with :class:`JobTimeoutError`. Only
-                for a single process: ranks that stop at different steps would leave the others waiting.
+            should_stop: Checked after each denoising step (pipelines that take ``callback_on_step_end``); ``True``
+                stops the job with :class:`JobTimeoutError`. Only for a single process: ranks that stop at different
+                steps would leave the others waiting.
 
         Raises:
             FieldError: A cache the model cannot take, or call arguments it refuses.
@@ -193,7 +194,7 @@ class Runner:
         start = time.perf_counter()
         self._install(job.cache)
         kwargs = dict(job.kwargs)
-        if should_stop is not None:
+        if should_stop is not None and "callback_on_step_end" in call_parameters(self.session.pipeline_class):
             kwargs["callback_on_step_end"] = _stopper(should_stop)
         outputs: list[np.ndarray] = []
         counts: dict[str, int] = {}
