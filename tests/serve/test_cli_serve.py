@@ -73,12 +73,12 @@ def _rank(launcher: int, rank: int) -> int:
     raise LookupError(rank)
 
 
-def _start_torchrun(port: int) -> subprocess.Popen:
+def _start_torchrun(port: int, timeout_s: float = 60) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FASTDIT_API_KEY": API_KEY}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(name, None)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "fastdit", "serve"]
-    command += ["--cache", "--parallel", "ulysses=2", "--port", str(port), "--dist-timeout", "60"]
+    command += ["--cache", "--parallel", "ulysses=2", "--port", str(port), "--dist-timeout", f"{timeout_s:g}"]
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -128,3 +128,41 @@ def test_a_torchrun_server_answers_like_one_process_and_ends_when_a_rank_dies(li
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_ends_an_idle_torchrun_server_within_its_timeout() -> None:
+    """The idle server's pings find a rank that stopped answering (torchrun does not notice a stopped process)."""
+    port = free_port()
+    launcher = _start_torchrun(port, timeout_s=20)
+    stalled = None
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}", launcher)
+        stalled = _rank(launcher.pid, 1)
+        os.kill(stalled, signal.SIGSTOP)
+        start = time.monotonic()
+        rank0 = _rank(launcher.pid, 0)
+        while _alive(rank0):
+            assert time.monotonic() - start < 60, "the server did not notice the stalled rank"
+            time.sleep(0.5)
+        assert time.monotonic() - start < 20 * 4 / 3 + 10  # at most one ping interval plus the timeout, and slack
+    finally:
+        if stalled is not None:
+            os.kill(stalled, signal.SIGCONT)  # let it take torchrun's SIGTERM
+        if launcher.poll() is None:
+            try:
+                launcher.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                launcher.kill()
+                launcher.wait()
+    assert launcher.returncode != 0
+    stderr = launcher.stderr.read() if launcher.stderr else ""
+    assert "fastdit: error: rank 0 of 2: a collective timed out after 20 s: rank 1 stopped answering" in stderr
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
