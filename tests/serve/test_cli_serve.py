@@ -166,3 +166,31 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+@pytest.mark.slow
+def test_fastdit_serve_in_one_process_serves_until_interrupted() -> None:
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FASTDIT_API_KEY": API_KEY}
+    command = [sys.executable, "-m", "fastdit", "serve", "--cache", "fast", "--port", str(port), "--steps", "6"]
+    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, server)
+        assert httpx.get(f"{url}/v1/models").status_code == 401  # the key came from the environment
+        response = httpx.post(
+            f"{url}/v1/images/generations",
+            json={"prompt": "a handwritten digit 0", "seed": 4},
+            headers={"Authorization": f"Bearer {API_KEY}"},
+            timeout=120,
+        )
+        report = response.json()["fastdit"]
+        assert report["num_inference_steps"] == 6 and report["cache"]["preset"] == "fast"
+        server.send_signal(signal.SIGINT)
+        assert server.wait(timeout=60) == 130
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    stderr = server.stderr.read() if server.stderr else ""
+    assert stderr.strip().splitlines()[-1] == "fastdit: interrupted" and "Traceback" not in stderr
