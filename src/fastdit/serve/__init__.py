@@ -7,8 +7,11 @@ Layers, each importable without the ones above it:
 - :mod:`fastdit.serve.worker`: :class:`Job` (one request, ready to run on every rank), :class:`Runner` (runs jobs on
   a session), :class:`Driver` (rank 0: sends each job to every rank, then runs it) and :func:`worker_loop` (the other
   ranks of a ``torchrun`` job);
-- :mod:`fastdit.serve.app`: :func:`create_app`, the FastAPI application: validation, auth, the bounded queue, the one
-  consumer that runs jobs one at a time, and the Prometheus metrics.
+- :mod:`fastdit.serve.jobs`: :func:`~fastdit.serve.jobs.build_job`, the checks that need the model (size unit,
+  limits, parameters the pipeline takes), and which jobs may share a batched call;
+- :mod:`fastdit.serve.metrics`: the Prometheus metrics of one server;
+- :mod:`fastdit.serve.app`: :func:`create_app`, the FastAPI application: auth, the bounded queue, the one consumer
+  that runs jobs one at a time (or batched), errors as OpenAI's error object.
 
 The HTTP packages are an optional extra (``pip install fastdit[serve]``); :func:`require` names the one missing.
 """
