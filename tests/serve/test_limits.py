@@ -183,3 +183,16 @@ def _wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached")
         time.sleep(0.01)
+
+
+def test_a_directory_is_served_under_its_own_name_not_its_path(tmp_path: Any) -> None:
+    from types import SimpleNamespace
+
+    from diffusers import FluxPipeline
+
+    from fastdit.session import ModelSource
+
+    source = ModelSource(str(tmp_path), "diffusers.FluxPipeline", path=tmp_path)
+    session = SimpleNamespace(source=source, pipeline_class=FluxPipeline, pipe=SimpleNamespace())
+    assert ModelSpec.of(session).name == tmp_path.name
+    assert ModelSpec.of(session, name="flux-dev").name == "flux-dev"

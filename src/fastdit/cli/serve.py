@@ -35,7 +35,7 @@ from fastdit.errors import FieldError
 from fastdit.parallel.failures import CollectiveError, collective_failures
 from fastdit.process import is_main_process, join_process_group, process_count, process_group_scope
 from fastdit.serve.limits import Limits, limit_fields
-from fastdit.session import Session, call_arguments
+from fastdit.session import Session, call_arguments, is_video_pipeline
 
 __all__ = ["API_KEY_ENV", "add_parser", "run"]
 
@@ -82,6 +82,11 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     group.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     group.add_argument(
+        "--model-name",
+        metavar="NAME",
+        help="the model id clients pass and /v1/models lists (default: MODEL, 'reference', or the directory's name)",
+    )
+    group.add_argument(
         "--api-key", metavar="KEY", help=f"require Authorization: Bearer KEY on /v1/* (default: ${API_KEY_ENV})"
     )
     group.add_argument(
@@ -118,6 +123,8 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
     check_positive("--warmup", args.warmup, allow_zero=True)
     check_positive("--port", args.port, allow_zero=True)
     source, pipeline_class = resolve_source(args)
+    if is_video_pipeline(pipeline_class):
+        raise CLIError(f"MODEL {source.name}: {pipeline_class.__name__} makes videos; the server serves images only")
     overrides = {} if args.steps is None else {"num_inference_steps": args.steps}
     try:
         defaults = call_arguments(pipeline_class, source.defaults, overrides)
@@ -177,7 +184,7 @@ def _serve(args: argparse.Namespace, plan: dict[str, Any], runner: Any, timeout_
         server.should_exit = True
 
     driver = Driver(runner, process_count(), timeout_s)
-    spec = ModelSpec.of(runner.session, plan["options"].get("cache"))
+    spec = ModelSpec.of(runner.session, plan["options"].get("cache"), name=args.model_name)
     app = create_app(driver, spec, limits=plan["limits"], api_key=plan["api_key"], on_fatal=on_fatal)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
     _warn_exposed(args.host, plan["api_key"])

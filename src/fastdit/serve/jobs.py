@@ -80,12 +80,18 @@ class ModelSpec:
     video: bool = False
 
     @classmethod
-    def of(cls, session: Session, default_cache: DBCache | DBPrune | None = None) -> ModelSpec:
-        """The spec of a loaded session."""
+    def of(
+        cls, session: Session, default_cache: DBCache | DBPrune | None = None, *, name: str | None = None
+    ) -> ModelSpec:
+        """The spec of a loaded session, named ``name`` (default: its model name; a directory's own name, since
+        clients should not see the server's paths)."""
         from fastdit.session import is_video_pipeline
 
+        source = session.source
+        if name is None:
+            name = source.path.name if source.path is not None and source.name == str(source.path) else source.name
         return cls(
-            name=session.source.name,
+            name=name,
             pipeline_class=session.pipeline_class,
             defaults=dict(session.source.defaults),
             unit=size_multiple(session.pipe),
