@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import json
 import os
 import re
@@ -42,6 +43,7 @@ __all__ = [
     "check_writable",
     "encode_image",
     "encode_video",
+    "image_bytes",
     "load_image",
     "load_video",
     "save_image",
@@ -365,6 +367,17 @@ def encode_image(file: str | os.PathLike[str], image: Any, *, suffix: str, **sav
     image_format = _image_format(suffix)
     pil = image if isinstance(image, Image.Image) else Image.fromarray(_to_uint8_frame(image))
     pil.save(file, format=image_format, **save_kwargs)
+
+
+def image_bytes(image: Any, *, suffix: str = ".png", **save_kwargs: Any) -> bytes:
+    """One image encoded in memory in the format of ``suffix`` (what a server sends), as :func:`encode_image` writes.
+
+    Raises:
+        ValueError: On a suffix Pillow does not write, or an image that is not uint8 or float.
+    """
+    buffer = io.BytesIO()
+    encode_image(buffer, image, suffix=suffix, **save_kwargs)  # Pillow writes to file objects as to paths
+    return buffer.getvalue()
 
 
 def save_image(path: str | os.PathLike[str], image: Any, **save_kwargs: Any) -> Path:

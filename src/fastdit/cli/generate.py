@@ -59,7 +59,16 @@ from fastdit.session import (
     save_outputs,
 )
 
-__all__ = ["GeneratePlan", "GenerateRun", "add_parser", "execute", "plan_from_args", "run"]
+__all__ = [
+    "GeneratePlan",
+    "GenerateRun",
+    "acceleration_options",
+    "add_acceleration_arguments",
+    "add_parser",
+    "execute",
+    "plan_from_args",
+    "run",
+]
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -84,12 +93,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="noise seed, the same for every prompt (default 0)")
     add_call_arguments(parser)
     add_cache_arguments(parser)
-    _add_acceleration_arguments(parser)
+    add_acceleration_arguments(parser)
     _add_run_arguments(parser)
     return parser
 
 
-def _add_acceleration_arguments(parser: argparse.ArgumentParser) -> None:
+def add_acceleration_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--parallel``, ``--dist-timeout``, ``--compile``, ``--cuda-graph`` and ``--attention`` (shared with
+    ``serve``)."""
     group = parser.add_argument_group("parallelism and compilation")
     group.add_argument(
         "--parallel",
@@ -193,7 +204,12 @@ def _cases(args: argparse.Namespace, source: ModelSource, pipeline_class: type) 
     return [Case(prompt, args.seed) for prompt in prompts]
 
 
-def _acceleration(args: argparse.Namespace, num_steps: int | None) -> dict[str, Any]:
+def acceleration_options(args: argparse.Namespace, num_steps: int | None) -> dict[str, Any]:
+    """The ``fastdit.accelerate`` keyword arguments the cache and acceleration flags ask for (empty: none).
+
+    Raises:
+        CLIError: On a bad value, naming the flag.
+    """
     options: dict[str, Any] = {}
     cache = cache_from_args(args, num_steps)
     if cache is not None:
@@ -268,7 +284,7 @@ def plan_from_args(args: argparse.Namespace) -> GeneratePlan:
         raise cli_error(error) from None
     num_steps = default_steps(pipeline_class, kwargs)
     cases = _cases(args, source, pipeline_class)
-    acceleration = _acceleration(args, num_steps)
+    acceleration = acceleration_options(args, num_steps)
     _check_step_mask(acceleration.get("cache"), num_steps)
     compare = args.compare if args.compare is not None else source.reference and bool(acceleration)
     if compare and not acceleration:

@@ -1,0 +1,459 @@
+"""The FastAPI application: OpenAI's image endpoint in front of one pipeline that runs one job at a time.
+
+Requests are checked (:func:`fastdit.serve.jobs.build_job`), then wait in a bounded queue; one consumer task takes
+them in order and runs each on a single worker thread (the one thread that ever calls the pipeline and, under
+``torchrun``, the collectives). A full queue answers 429 with ``Retry-After``; a request not answered within
+:attr:`Limits.timeout_s` answers 504 (a single process also stops its run at the next step). Errors are OpenAI's
+error object; an unexpected one is a generic 500 whose details go to the server log only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import math
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from fastdit.serve import require
+from fastdit.serve.jobs import ModelSpec, RequestError, build_job, compatible, invalid, merge, request_field
+from fastdit.serve.limits import Limits
+from fastdit.serve.metrics import Metrics
+from fastdit.serve.schemas import (
+    CacheReport,
+    ErrorResponse,
+    ImageData,
+    ImageRequest,
+    ImageResponse,
+    ModelCard,
+    ModelList,
+    RunReport,
+    Timings,
+)
+from fastdit.serve.worker import Job, JobResult, JobTimeoutError
+
+__all__ = ["Engine", "ServerState", "create_app"]
+
+# A module global: FastAPI resolves the handlers' (postponed) annotations here. ``require`` names a missing package.
+Request = require("fastapi").Request
+
+logger = logging.getLogger("fastdit.serve")
+
+
+class Engine(Protocol):
+    """What the app drives: :class:`fastdit.serve.worker.Driver`, or a stand-in in tests."""
+
+    @property
+    def heartbeat_s(self) -> float | None: ...
+
+    def run(self, job: Job, should_stop: Callable[[], bool] | None = None) -> JobResult: ...
+
+    def heartbeat(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+@dataclass
+class _Pending:
+    job: Job
+    future: asyncio.Future
+    enqueued: float = field(default_factory=time.perf_counter)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    started: float | None = None
+
+
+class _JobQueue(asyncio.Queue):
+    """A FIFO queue from which the consumer can also take later items that fit a batch, leaving the rest in order."""
+
+    def take(self, predicate: Callable[[_Pending], bool]) -> list[_Pending]:
+        """Remove and return the queued items ``predicate`` accepts (asked once each, in queue order)."""
+        taken = [item for item in self._queue if predicate(item)]  # the deque asyncio.Queue subclasses keep items in
+        for item in taken:
+            self._queue.remove(item)
+        return taken
+
+
+def _split(result: JobResult, batch: list[_Pending]) -> list[JobResult]:
+    """Each request's share of a batched result: its own images; the call's time and cache counts."""
+    if len(batch) == 1:
+        return [result]
+    parts, start = [], 0
+    for pending in batch:
+        end = start + len(pending.job.cases)
+        parts.append(replace(result, outputs=result.outputs[start:end]))
+        start = end
+    return parts
+
+
+def _fatal_errors() -> tuple[type[BaseException], ...]:
+    from fastdit.parallel.failures import CollectiveError
+
+    return (CollectiveError,)
+
+
+class ServerState:
+    """The queue, its one consumer and what they measured; :func:`create_app` keeps it as ``app.state.server``.
+
+    Args:
+        engine: Runs jobs.
+        spec: The served model.
+        limits: Request and queue limits.
+        on_fatal: Called once, from the event loop, with an error after which no job can run (a lost rank).
+    """
+
+    def __init__(
+        self, engine: Engine, spec: ModelSpec, limits: Limits, on_fatal: Callable[[BaseException], None] | None = None
+    ) -> None:
+        self.engine, self.spec, self.limits, self.on_fatal = engine, spec, limits, on_fatal
+        self.metrics = Metrics()
+        self.created = int(time.time())
+        self.queue = _JobQueue()
+        self.outstanding = 0  # queued + running: what the limit counts
+        self.failure: BaseException | None = None
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="fastdit-pipeline")
+        self.run_s_average: float | None = None
+        self.metrics.queue_depth.set_function(lambda: self.outstanding)
+
+    def retry_after(self) -> int:
+        """Seconds a refused client should wait: the queue ahead of it at the average run time (at least 1)."""
+        per_job = self.run_s_average or 1.0
+        return max(1, math.ceil(per_job * max(self.outstanding, 1)))
+
+    def submit(self, job: Job) -> _Pending:
+        """Queue ``job``, or refuse it (429 when the queue is full, 503 once the server failed)."""
+        if self.failure is not None:
+            raise RequestError(503, "the server is shutting down after a failure", type="server_error")
+        if self.outstanding >= self.limits.queue_size + 1:  # queue_size may wait while one runs
+            raise RequestError(
+                429,
+                f"the queue is full ({self.limits.queue_size} waiting); retry later",
+                type="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": str(self.retry_after())},
+            )
+        pending = _Pending(job, asyncio.get_running_loop().create_future())
+        self.outstanding += 1
+        self.queue.put_nowait(pending)
+        return pending
+
+    async def consume(self) -> None:
+        """Run queued jobs one at a time until cancelled or until a fatal error; ping workers when idle."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                first = await asyncio.wait_for(self.queue.get(), timeout=self.engine.heartbeat_s)
+            except asyncio.TimeoutError:
+                if not await self._guarded(loop, self.engine.heartbeat):
+                    return
+                continue
+            batch = [first, *self._companions(first)]
+            try:
+                live = [pending for pending in batch if not pending.future.done()]  # timed out while waiting: skip
+                if live and not await self._run(loop, live):
+                    return
+            finally:
+                self.outstanding -= len(batch)
+
+    def _companions(self, first: _Pending) -> list[_Pending]:
+        """Queued jobs that can share ``first``'s pipeline calls, within :attr:`Limits.max_batch` images."""
+        room = self.limits.max_batch - len(first.job.cases)
+        if room <= 0 or first.job.batch <= 1:
+            return []
+
+        def fits(other: _Pending) -> bool:
+            nonlocal room
+            if other.future.done() or len(other.job.cases) > room or not compatible(first.job, other.job):
+                return False
+            room -= len(other.job.cases)
+            return True
+
+        return self.queue.take(fits)
+
+    async def _guarded(self, loop: asyncio.AbstractEventLoop, call: Callable[[], Any]) -> bool:
+        try:
+            await loop.run_in_executor(self.executor, call)
+        except _fatal_errors() as error:
+            self._fail(error)
+            return False
+        return True
+
+    async def _run(self, loop: asyncio.AbstractEventLoop, batch: list[_Pending]) -> bool:
+        started = time.perf_counter()
+        for pending in batch:
+            pending.started = started
+        job = merge([pending.job for pending in batch])
+
+        def should_stop() -> bool:  # a shared call stops only once every request in it timed out
+            return all(pending.cancelled.is_set() for pending in batch)
+
+        try:
+            result = await loop.run_in_executor(self.executor, self.engine.run, job, should_stop)
+        except Exception as error:
+            for pending in batch:
+                if not pending.future.done():
+                    pending.future.set_exception(error)
+            if isinstance(error, _fatal_errors()):
+                self._fail(error)
+                return False
+            return True
+        self._record(result)
+        for pending, part in zip(batch, _split(result, batch), strict=True):
+            if not pending.future.done():
+                pending.future.set_result(part)
+        return True
+
+    def _record(self, result: JobResult) -> None:
+        self.run_s_average = (
+            result.run_s if self.run_s_average is None else 0.8 * self.run_s_average + 0.2 * result.run_s
+        )
+        self.metrics.record_run(result)
+
+    def _fail(self, error: BaseException) -> None:
+        logger.error("stopping: %s", error)
+        self.failure = error
+        while not self.queue.empty():
+            waiting = self.queue.get_nowait()
+            self.outstanding -= 1
+            if not waiting.future.done():
+                waiting.future.set_exception(RequestError(503, "the server stopped", type="server_error"))
+        if self.on_fatal is not None:
+            self.on_fatal(error)
+
+    def close(self) -> None:
+        """Stop the workers (after the running job) and the worker thread."""
+        if self.failure is None:
+            with contextlib.suppress(Exception):  # a worker that is already gone: nothing left to stop
+                self.executor.submit(self.engine.stop).result(timeout=60)
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _error_response(error: RequestError) -> Any:
+    from fastapi.responses import JSONResponse
+
+    body = ErrorResponse.of(error.message, error.type, error.param, error.code)
+    return JSONResponse(body, status_code=error.status, headers=error.headers)
+
+
+def _job_error(error: BaseException) -> RequestError:
+    """What a failed job answers: the field for bad values, a generic 500 for everything else (logged)."""
+    from fastdit.errors import FieldError, NonFiniteOutputError
+
+    if isinstance(error, RequestError):
+        return error
+    if isinstance(error, FieldError):
+        param = request_field(error)
+        if param is not None:
+            return invalid(param, error.requirement)
+    if isinstance(error, NonFiniteOutputError):
+        suspects = ", ".join(sorted(error.arguments)) or None
+        return RequestError(
+            422 if suspects else 500,
+            "the pipeline produced an image with NaN or infinite values" + (f" (check {suspects})" if suspects else ""),
+            param=suspects,
+            type="invalid_request_error" if suspects else "server_error",
+        )
+    logger.error("request failed", exc_info=error)
+    return RequestError(500, "internal server error", type="server_error")
+
+
+def _encode(result: JobResult) -> tuple[list[str], float]:
+    from fastdit.io import image_bytes
+
+    start = time.perf_counter()
+    images = [base64.b64encode(image_bytes(output)).decode("ascii") for output in result.outputs]
+    return images, time.perf_counter() - start
+
+
+def _cache_report(result: JobResult) -> CacheReport:
+    counts = result.cache
+    steps, cached = counts.get("steps", 0), counts.get("cached_steps", 0)
+    total = counts.get("blocks_total", 0)
+    return CacheReport(
+        preset=result.cache_name,
+        steps=steps,
+        cached_steps=cached,
+        computed_steps=steps - cached,
+        hit_ratio=cached / steps if steps else 0.0,
+        blocks_computed_fraction=counts.get("blocks_computed", 0) / total if total else 1.0,
+    )
+
+
+def _response(
+    state: ServerState, body: ImageRequest, pending: _Pending, result: JobResult, images: list[str], encode_s: float
+) -> ImageResponse:
+    now = time.perf_counter()
+    started = pending.started or pending.enqueued
+    kwargs = pending.job.kwargs
+    timings = Timings(
+        queue_s=started - pending.enqueued, run_s=result.run_s, encode_s=encode_s, total_s=now - pending.enqueued
+    )
+    report = RunReport(
+        model=state.spec.name,
+        seeds=[case.seed for case in pending.job.cases],
+        width=kwargs.get("width"),
+        height=kwargs.get("height"),
+        num_inference_steps=kwargs.get("num_inference_steps"),
+        batched_with=result.images_per_call,
+        timings=timings,
+        cache=_cache_report(result),
+    )
+    if body.response_format == "url":  # no file store: the image itself, as a data URL
+        data = [ImageData(url=f"data:image/png;base64,{image}") for image in images]
+    else:
+        data = [ImageData(b64_json=image) for image in images]
+    return ImageResponse(created=int(time.time()), data=data, fastdit=report)
+
+
+async def _generate(state: ServerState, body: ImageRequest) -> ImageResponse:
+    job = build_job(body, state.spec, state.limits, uuid.uuid4().hex)
+    pending = state.submit(job)
+    try:
+        result = await asyncio.wait_for(pending.future, timeout=state.limits.timeout_s)
+    except asyncio.TimeoutError:
+        pending.cancelled.set()  # a running job stops at its next step (single process)
+        raise RequestError(
+            504, f"the request took longer than {state.limits.timeout_s:g} s", type="server_error", code="timeout"
+        ) from None
+    except JobTimeoutError:
+        raise RequestError(504, "the request timed out", type="server_error", code="timeout") from None
+    except Exception as error:
+        raise _job_error(error) from None
+    images, encode_s = await asyncio.to_thread(_encode, result)
+    return _response(state, body, pending, result, images, encode_s)
+
+
+def _auth(api_key: str | None) -> Callable[..., None]:
+    def check(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise RequestError(
+                401,
+                "missing or wrong API key: send Authorization: Bearer <key>",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    return check
+
+
+def _install_handlers(app: Any) -> None:
+    from fastapi.exceptions import RequestValidationError
+
+    @app.exception_handler(RequestError)
+    async def request_error(_request: Request, error: RequestError) -> Any:
+        return _error_response(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request: Request, error: RequestValidationError) -> Any:
+        first = error.errors()[0] if error.errors() else {}
+        location = [str(part) for part in first.get("loc", ()) if part != "body"]
+        param = ".".join(location) or None
+        message = first.get("msg", "invalid request").removeprefix("Value error, ")
+        return _error_response(invalid(param, message) if param else RequestError(422, message))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_request: Request, error: Exception) -> Any:
+        logger.error("unhandled error", exc_info=error)
+        return _error_response(RequestError(500, "internal server error", type="server_error"))
+
+
+def _install_metrics_middleware(app: Any, state: ServerState) -> None:
+    known = {"/v1/images/generations", "/v1/models", "/health", "/metrics"}
+
+    @app.middleware("http")
+    async def count(request: Request, call_next: Callable[[Request], Any]) -> Any:
+        start = time.perf_counter()
+        endpoint = request.url.path if request.url.path in known else "other"  # bounded label values
+        status = 500
+        try:
+            response = await call_next(request)
+            status = response.status_code
+            return response
+        finally:
+            state.metrics.observe(endpoint, status, time.perf_counter() - start)
+
+
+def _install_routes(app: Any, state: ServerState, api_key: str | None) -> None:
+    from fastapi import Depends
+    from fastapi.responses import JSONResponse, Response
+
+    authorized = [Depends(_auth(api_key))]
+
+    @app.post("/v1/images/generations", response_model=ImageResponse, dependencies=authorized)
+    async def generations(body: ImageRequest) -> ImageResponse:
+        return await _generate(state, body)
+
+    @app.get("/v1/models", response_model=ModelList, dependencies=authorized)
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=state.spec.name, created=state.created)])
+
+    @app.get("/health")
+    async def health() -> Any:
+        ok = state.failure is None
+        body = {"status": "ok" if ok else "failed", "model": state.spec.name, "queue": state.outstanding}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        text, content_type = state.metrics.render()
+        return Response(text, media_type=content_type)
+
+
+def create_app(
+    engine: Engine,
+    spec: ModelSpec,
+    *,
+    limits: Limits | None = None,
+    api_key: str | None = None,
+    on_fatal: Callable[[BaseException], None] | None = None,
+) -> Any:
+    """Build the FastAPI application.
+
+    Args:
+        engine: Runs jobs (:class:`fastdit.serve.worker.Driver`).
+        spec: The served model (:meth:`ModelSpec.of`).
+        limits: Request and queue limits (default :class:`Limits`).
+        api_key: When set, ``/v1/*`` needs ``Authorization: Bearer <api_key>`` (401 otherwise).
+        on_fatal: Called with the error after which the server cannot run jobs (a lost rank): stop serving.
+
+    Returns:
+        The application; its :class:`ServerState` is ``app.state.server``.
+    """
+    fastapi = require("fastapi")
+    require("prometheus_client")
+    state = ServerState(engine, spec, limits or Limits(), on_fatal)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Any) -> AsyncIterator[None]:
+        state.queue = _JobQueue()  # bound to the loop that serves
+        consumer = asyncio.create_task(state.consume())
+        try:
+            yield
+        finally:
+            consumer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await consumer
+            await asyncio.to_thread(state.close)
+
+    app = fastapi.FastAPI(title="fastdit", version=_version(), lifespan=lifespan)
+    app.state.server = state
+    _install_handlers(app)
+    _install_metrics_middleware(app, state)
+    _install_routes(app, state, api_key)
+    return app
+
+
+def _version() -> str:
+    from fastdit import __version__
+
+    return __version__

@@ -1,0 +1,315 @@
+"""Running requests on the pipeline: one :class:`Job` at a time, on every rank of the job alike.
+
+Under ``torchrun`` every rank holds a part of the accelerated pipeline and all of them must call it together. Rank 0
+serves HTTP; its :class:`Driver` broadcasts each job (``torch.distributed.broadcast_object_list`` over the default
+group) before running it, and every other rank waits in :func:`worker_loop` for the next message. Three messages:
+
+- ``run``: a :class:`Job`; every rank runs it in lockstep, only rank 0 keeps the outputs;
+- ``ping``: sent by an idle server at a fraction of the group timeout, answered by an all-reduce: it keeps idle
+  workers from timing out in their wait, and finds a rank that died or hangs within one timeout;
+- ``stop``: the server is shutting down; the workers return.
+
+A collective that lost a rank raises :class:`~fastdit.parallel.failures.CollectiveError` on the ranks still
+running (the group's timeout bounds every wait), and the server exits with an error instead of hanging.
+
+Each job starts from a clean cache (:func:`fastdit.reset`), and its step count is its own: the cache's run tracking
+starts a new run when the scheduler sets the job's timesteps, so a job never reuses another's schedule.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+import fastdit
+from fastdit.cache.presets import NO_CACHE, cache_config
+from fastdit.config import DBCache, DBPrune
+from fastdit.errors import FieldError, NonFiniteOutputError
+from fastdit.session import Case, Session, call_parameters
+
+__all__ = [
+    "DEFAULT_CACHE",
+    "Driver",
+    "Job",
+    "JobResult",
+    "JobTimeoutError",
+    "Runner",
+    "cache_counts",
+    "worker_loop",
+]
+
+logger = logging.getLogger("fastdit.serve")
+
+DEFAULT_CACHE = "default"
+"""The :attr:`Job.cache` key of the cache the server was started with (``--cache`` and its field flags)."""
+
+_RUN, _PING, _STOP = "run", "ping", "stop"
+
+
+class JobTimeoutError(Exception):
+    """A job stopped between two steps because its request timed out (single process only)."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """One request, ready to run: plain values only, so that it pickles to every rank.
+
+    Attributes:
+        id: The request's id (for logs).
+        cases: Prompt and seed of each image, in order.
+        kwargs: Call arguments (:func:`fastdit.session.call_arguments`), without prompt and generator.
+        cache: :data:`DEFAULT_CACHE`, :data:`~fastdit.cache.presets.NO_CACHE` or a preset name.
+        batch: Most cases per pipeline call (1: one call per image, each deciding its own cache steps).
+    """
+
+    id: str
+    cases: tuple[Case, ...]
+    kwargs: Mapping[str, Any]
+    cache: str = DEFAULT_CACHE
+    batch: int = 1
+
+
+@dataclass
+class JobResult:
+    """What running a :class:`Job` gave (on rank 0; the other ranks discard theirs).
+
+    Attributes:
+        outputs: One float32 ``(H, W, C)`` array in [0, 1] per case.
+        run_s: Seconds in the pipeline (cache switches included).
+        cache: :func:`cache_counts` summed over the job's calls.
+        cache_name: The cache the job ran with: :data:`~fastdit.cache.presets.NO_CACHE`, a preset, or ``custom``.
+        images_per_call: The most images one pipeline call of the job made.
+    """
+
+    outputs: list[np.ndarray]
+    run_s: float
+    cache: dict[str, int] = field(default_factory=dict)
+    cache_name: str = NO_CACHE
+    images_per_call: int = 1
+
+
+def cache_counts(summary: fastdit.Summary | None) -> dict[str, int]:
+    """Steps, cached steps and blocks of one call's :func:`fastdit.summary`, over transformers and CFG branches."""
+    counts = {"steps": 0, "cached_steps": 0, "blocks_computed": 0, "blocks_total": 0}
+    if summary is None:
+        return counts
+    for info in summary.transformers.values():
+        stats = info.get("cache")
+        if not stats:
+            continue
+        counts["steps"] += sum(branch.get("steps", 0) for branch in stats["branches"].values())
+        counts["cached_steps"] += stats["num_cached_steps"]
+        counts["blocks_computed"] += stats["blocks_computed"]
+        counts["blocks_total"] += stats["blocks_total"]
+    return counts
+
+
+def _add(total: dict[str, int], counts: Mapping[str, int]) -> None:
+    for key, value in counts.items():
+        total[key] = total.get(key, 0) + value
+
+
+class Runner:
+    """Runs jobs on a loaded session, switching its cache when a job asks for another one.
+
+    The session is accelerated with ``options`` at construction. A job whose cache differs from the installed one
+    re-applies the acceleration with that cache (a pipeline holds one acceleration at a time): cheap for hooks,
+    a recompilation under ``--compile``, so clients that stay on the server's cache pay nothing.
+
+    Args:
+        session: The loaded pipeline.
+        options: ``fastdit.accelerate`` keyword arguments; ``options["cache"]`` is :data:`DEFAULT_CACHE`'s config.
+        cache_name: What reports call the default cache (its preset name, or ``custom`` for field flags).
+    """
+
+    def __init__(self, session: Session, options: Mapping[str, Any], cache_name: str = NO_CACHE) -> None:
+        self.session = session
+        self.base = {k: v for k, v in options.items() if k != "cache"}
+        self.default_cache: DBCache | DBPrune | None = options.get("cache")
+        self.default_name = cache_name if self.default_cache is not None else NO_CACHE
+        self._installed: str | None = None
+        self._install(DEFAULT_CACHE)
+
+    @property
+    def installed(self) -> str | None:
+        """The cache key in effect (``None`` before the first install)."""
+        return self._installed
+
+    def cache_name(self, key: str) -> str:
+        """The report name of a job's cache key."""
+        return self.default_name if key == DEFAULT_CACHE else key
+
+    def cache_of(self, key: str) -> DBCache | DBPrune | None:
+        """The cache config of a key (:data:`DEFAULT_CACHE`, ``none`` or a preset name).
+
+        Raises:
+            FieldError: Owner ``"request"``, field ``"cache"``: not a preset name.
+        """
+        if key == DEFAULT_CACHE:
+            return self.default_cache
+        try:
+            return cache_config(key)
+        except LookupError as error:
+            raise FieldError("request", "cache", key, str(error).strip("'\"")) from None
+
+    def _install(self, key: str) -> None:
+        if key == self._installed:
+            return
+        cache = self.cache_of(key)
+        if self._installed is not None and cache == self.cache_of(self._installed):
+            self._installed = key  # the same config under another name (the server's own preset asked by name)
+            return
+        options = {**self.base, **({"cache": cache} if cache is not None else {})}
+        self.session.disable()
+        self._installed = None
+        try:
+            if options:
+                self.session.accelerate(**options)
+        except (ValueError, NotImplementedError) as error:
+            if key == DEFAULT_CACHE:
+                raise
+            self._install(DEFAULT_CACHE)  # leave the server as it was for the next request
+            raise FieldError("request", "cache", key, f"cannot be applied to this model: {error}") from error
+        self._installed = key
+
+    def run(self, job: Job, should_stop: Callable[[], bool] | None = None) -> JobResult:
+        """Run the cases of ``job``, :attr:`Job.batch` per pipeline call, each call from a clean cache.
+
+        Args:
+            job: What to run.
+            should_stop: Checked after each denoising step (pipelines that take ``callback_on_step_end``); ``True``
+                stops the job with :class:`JobTimeoutError`. Only for a single process: ranks that stop at different
+                steps would leave the others waiting.
+
+        Raises:
+            FieldError: A cache the model cannot take, or call arguments it refuses.
+            NonFiniteOutputError: An output holds NaN or infinite values.
+            JobTimeoutError: ``should_stop`` said so.
+        """
+        start = time.perf_counter()
+        self._install(job.cache)
+        kwargs = dict(job.kwargs)
+        if should_stop is not None and "callback_on_step_end" in call_parameters(self.session.pipeline_class):
+            kwargs["callback_on_step_end"] = _stopper(should_stop)
+        outputs: list[np.ndarray] = []
+        counts: dict[str, int] = {}
+        chunks = [job.cases[i : i + job.batch] for i in range(0, len(job.cases), max(job.batch, 1))]
+        for chunk in chunks:
+            fastdit.reset(self.session.pipe)  # nothing of the last request carries over, even after a failed call
+            outputs.extend(self.session.call_batch(chunk, kwargs))
+            _add(counts, cache_counts(self.session.summary()))
+        largest = max(len(chunk) for chunk in chunks)
+        return JobResult(outputs, time.perf_counter() - start, counts, self.cache_name(job.cache), largest)
+
+
+def _stopper(should_stop: Callable[[], bool]) -> Callable[..., dict[str, Any]]:
+    def callback(_pipe: Any, _step: int, _timestep: Any, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
+        if should_stop():
+            raise JobTimeoutError
+        return callback_kwargs
+
+    return callback
+
+
+def _collectives() -> Any:
+    import torch.distributed as dist
+
+    return dist
+
+
+class Driver:
+    """Rank 0's side of the job: sends each message to every rank, then acts on it here.
+
+    Args:
+        runner: The session's runner on rank 0.
+        world_size: Processes of the job (1: nothing is sent).
+        timeout_s: The process group's timeout; :attr:`heartbeat_s` is a third of it.
+    """
+
+    def __init__(self, runner: Runner, world_size: int = 1, timeout_s: float = 300.0) -> None:
+        self.runner = runner
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+
+    @property
+    def heartbeat_s(self) -> float | None:
+        """How long the server may stay idle before it pings the workers (``None``: one process, never)."""
+        return None if self.world_size == 1 else max(self.timeout_s / 3, 0.1)
+
+    def _send(self, kind: str, job: Job | None = None) -> None:
+        if self.world_size == 1:
+            return
+        from fastdit.parallel.failures import collective_failures
+
+        with collective_failures(self.timeout_s):
+            _collectives().broadcast_object_list([(kind, job)], src=0, device=self._device())
+
+    def _device(self) -> Any:
+        device = self.runner.session.device
+        return device if device.type == "cuda" else None
+
+    def run(self, job: Job, should_stop: Callable[[], bool] | None = None) -> JobResult:
+        """Run ``job`` on every rank; ``should_stop`` applies on a single process only (see :meth:`Runner.run`)."""
+        self._send(_RUN, job)
+        if self.world_size > 1:
+            from fastdit.parallel.failures import collective_failures
+
+            with collective_failures(self.timeout_s):
+                return self.runner.run(job)
+        return self.runner.run(job, should_stop)
+
+    def heartbeat(self) -> None:
+        """Ping every rank and wait for all of them (raises CollectiveError when one is gone)."""
+        if self.world_size == 1:
+            return
+        self._send(_PING)
+        _answer_ping(self.runner, self.timeout_s)
+
+    def stop(self) -> None:
+        """Tell the workers to return from :func:`worker_loop`."""
+        self._send(_STOP)
+
+
+def _answer_ping(runner: Runner, timeout_s: float) -> None:
+    from fastdit.parallel.failures import collective_failures
+    from fastdit.process import max_across_processes
+
+    with collective_failures(timeout_s):
+        max_across_processes(0.0, runner.session.device)
+
+
+# Errors a job raises alike on every rank (they depend on the job's values, not on the rank): a worker logs them
+# and waits for the next job, as rank 0 answers the request with them. Anything else (a lost peer, out of memory)
+# ends the worker, and with it the job.
+_JOB_ERRORS: Sequence[type[BaseException]] = (FieldError, NonFiniteOutputError)
+
+
+def worker_loop(runner: Runner, timeout_s: float) -> None:
+    """Ranks other than 0: run every job rank 0 sends, until it sends ``stop``.
+
+    Raises:
+        CollectiveError: Rank 0 (or another rank) stopped answering within ``timeout_s``, or left.
+    """
+    from fastdit.parallel.failures import collective_failures
+
+    device = runner.session.device if runner.session.device.type == "cuda" else None
+    while True:
+        message: list[Any] = [None]
+        with collective_failures(timeout_s):
+            _collectives().broadcast_object_list(message, src=0, device=device)
+        kind, job = message[0]
+        if kind == _STOP:
+            return
+        if kind == _PING:
+            _answer_ping(runner, timeout_s)
+            continue
+        try:
+            with collective_failures(timeout_s):
+                runner.run(job)
+        except _JOB_ERRORS as error:
+            logger.info("job %s failed on this rank as on rank 0: %s", job.id, error)
