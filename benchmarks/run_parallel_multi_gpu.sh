@@ -26,6 +26,8 @@ for SIZE in 1024 2048; do
   python3 benchmarks/vae_parallel.py --size "$SIZE" --ranks $RANKS --out "$OUT/vae_parallel_$SIZE.json" 2>&1 \
     | grep -v Warning | tail -6 | tee "$OUT/vae_parallel_$SIZE.log"
 done
+python3 benchmarks/vae_parallel.py --vae wan --size 480 --frames 81 --ranks $RANKS --out "$OUT/vae_parallel_wan.json" \
+  2>&1 | grep -v Warning | tail -6 | tee "$OUT/vae_parallel_wan.log"
 if [ "$GPUS" -ge 4 ]; then
   torchrun --nproc-per-node 4 benchmarks/cp_flux.py --modes single,tp,tp_ulysses,tp_ulysses+compile,ulysses \
     --out "$OUT/tp_flux_x4.json" 2>&1 | grep -v Warning | tail -12 | tee "$OUT/tp_flux_x4.log"

@@ -1,11 +1,13 @@
-"""VAE parallelism: decode time and per-rank peak activation memory, 1 rank vs N, for the FLUX.1 VAE shape.
+"""VAE parallelism: decode time and per-rank peak activation memory, 1 rank vs N, for the FLUX.1 VAE shape (``--vae
+flux``, an image) or the Wan 2.1 VAE (``--vae wan``, a video of ``--frames`` frames).
 
-The VAE has the published FLUX.1 ``AutoencoderKL`` config with random weights (the cost does not depend on the
-values). Each layout runs in its own processes (``mp.spawn``: gloo on CPU, NCCL on GPU): one untimed decode, then
-``--repeats`` timed ones. Peak activation memory is measured during one decode: on CUDA
-``torch.cuda.max_memory_allocated`` above the memory held before it; on the CPU the peak resident set size (sampled
-every millisecond by a thread) above the resident size before it, which counts the allocator's whole footprint and
-is a coarser measure. The parallel output is checked against the one-rank output.
+The VAE has the published FLUX.1 ``AutoencoderKL`` config (or diffusers' default ``AutoencoderKLWan``, the Wan 2.1
+VAE) with random weights (the cost does not depend on the values). Each layout runs in its own processes
+(``mp.spawn``: gloo on CPU, NCCL on GPU): one untimed decode, then ``--repeats`` timed ones. Peak activation memory
+is measured during one decode: on CUDA ``torch.cuda.max_memory_allocated`` above the memory held before it; on the
+CPU the peak resident set size (sampled every millisecond by a thread) above the resident size before it, which
+counts the allocator's whole footprint and is a coarser measure. The parallel output is checked against the one-
+rank output.
 
     python benchmarks/vae_parallel.py --size 256 --ranks 2 --out benchmarks/results/2026-12-01_cpu_vae_parallel.json
 """
@@ -23,10 +25,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from skimage.metrics import peak_signal_noise_ratio as psnr
 
 from fastdit.bench import json_ready, markdown_table
 from fastdit.io import write_json
-from fastdit.metrics import psnr
 
 DATE = "2026-12-01"
 FLUX_VAE: dict[str, Any] = {
@@ -82,9 +84,22 @@ def _decode_peak(vae: torch.nn.Module, z: torch.Tensor, device: torch.device) ->
     return out, peak.peak - peak.start
 
 
-def _rank(rank: int, world: int, args: argparse.Namespace, store: str, results: Any) -> None:
+def _build(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The VAE (random weights, seeded) and its latent for ``--size`` (and ``--frames`` for a video VAE)."""
+    generator = torch.Generator().manual_seed(1)
+    torch.manual_seed(0)
+    if args.vae == "wan":
+        from diffusers import AutoencoderKLWan
+
+        vae = AutoencoderKLWan()  # diffusers' default config is the Wan 2.1 VAE
+        frames = (args.frames - 1) // 4 + 1
+        return vae, torch.randn(1, 16, frames, args.size // 8, args.size // 8, generator=generator)
     from diffusers import AutoencoderKL
 
+    return AutoencoderKL(**FLUX_VAE), torch.randn(1, 16, args.size // 8, args.size // 8, generator=generator)
+
+
+def _rank(rank: int, world: int, args: argparse.Namespace, store: str, results: Any) -> None:
     from fastdit.components.vae_parallel import apply_vae_parallel
     from fastdit.components.vae_plans import plan_for
 
@@ -98,9 +113,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace, store: str, results: 
     backend = "nccl" if cuda and not args.share_gpu else "gloo"
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
     dtype = torch.bfloat16 if cuda else torch.float32
-    torch.manual_seed(0)
-    vae = AutoencoderKL(**FLUX_VAE).to(device, dtype).eval()
-    z = torch.randn(1, 16, args.size // 8, args.size // 8, generator=torch.Generator().manual_seed(1))
+    vae, z = _build(args)
+    vae = vae.to(device, dtype).eval()
     z = z.to(device, dtype)
     if world > 1:
         apply_vae_parallel(vae, plan_for(vae), None)
@@ -129,7 +143,9 @@ def _run(world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vae", choices=("flux", "wan"), default="flux", help="FLUX.1 image VAE or Wan 2.1 video VAE")
     parser.add_argument("--size", type=int, default=512, help="image height and width (pixels)")
+    parser.add_argument("--frames", type=int, default=17, help="video frames (--vae wan; 4k + 1)")
     parser.add_argument("--ranks", type=int, nargs="+", default=[2], help="parallel layouts to compare with 1 rank")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
@@ -152,7 +168,8 @@ def main() -> None:
             reference = ranks[0]["out"]
         err = (ranks[0]["out"] - reference).abs().max().item()
         image, expected = ((t.clamp(-1, 1) + 1) / 2 for t in (ranks[0]["out"], reference))
-        quality = float("inf") if torch.equal(image, expected) else psnr(expected.numpy(), image.numpy())
+        # Any shape (an image or a video): scikit-image's PSNR over every value, data range 1.
+        quality = float("inf") if torch.equal(image, expected) else psnr(expected.numpy(), image.numpy(), data_range=1)
         rows.append(
             {
                 "ranks": world,
@@ -162,12 +179,16 @@ def main() -> None:
                 "psnr_db_vs_1_rank": quality,
             }
         )
-    print(f"FLUX.1 VAE decode, {args.size}x{args.size}, {device}")
+    what = "FLUX.1 VAE" if args.vae == "flux" else f"Wan 2.1 VAE, {args.frames} frames"
+    print(f"{what} decode, {args.size}x{args.size}, {device}")
     header = list(rows[0])
     cells = [[f"{v:.3g}" if isinstance(v, float) else v for v in row.values()] for row in rows]
     print(markdown_table(header, cells, numeric=[True] * len(header)), end="")
     if args.out is not None:
-        payload = {"date": DATE, "device": device, "size": args.size, "config": FLUX_VAE, "rows": rows}
+        config = (
+            FLUX_VAE if args.vae == "flux" else {"class": "AutoencoderKLWan (default config)", "frames": args.frames}
+        )
+        payload = {"date": DATE, "device": device, "vae": args.vae, "size": args.size, "config": config, "rows": rows}
         payload["dtype"] = "bfloat16" if cuda else "float32"
         write_json(args.out, json_ready(payload))
 
