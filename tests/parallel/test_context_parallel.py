@@ -638,7 +638,6 @@ def _compiled(rank: int, world_size: int) -> tuple[np.ndarray, int]:
     return images, sum(len(entries(f.__code__)) for f in functions)
 
 
-@pytest.mark.slow
 @pytest.mark.distributed
 def test_compiled_blocks_under_context_parallel(dist2: WorkerPool) -> None:
     """Dynamo compiles the blocks around the routed attention, never the exchanges inside it; results stay exact."""

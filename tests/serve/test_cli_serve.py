@@ -109,7 +109,6 @@ def _images(url: str) -> tuple[list[np.ndarray], list[dict]]:
     return images, reports
 
 
-@pytest.mark.slow
 def test_a_torchrun_server_answers_like_one_process_and_ends_when_a_rank_dies(live_server: LiveServer) -> None:
     port = free_port()
     launcher = _start_torchrun(port)
