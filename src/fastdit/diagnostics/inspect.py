@@ -27,8 +27,8 @@ from fastdit.diagnostics.patterns import (
 )
 from fastdit.diagnostics.sequence import SequenceFacts, sequence_facts
 from fastdit.diagnostics.structure import HEAD_COUNTS, AttentionFacts, LinearFacts, attention_facts, modulation_linears
-from fastdit.diagnostics.synth import TIME_ARGS
-from fastdit.diagnostics.target import ForwardSetup, Target, build_meta, example_setup, forward_setup, resolve_target
+from fastdit.diagnostics.synth import TIME_ARGS, forward_setup
+from fastdit.diagnostics.target import ForwardSetup, Target, build_meta, example_setup, resolve_target
 from fastdit.diagnostics.trace import Trace, block_list_paths, trace_forward
 from fastdit.models.base import ForwardPattern, ModelAdapter, qualified_name, resolve_attr
 

@@ -3,7 +3,8 @@
 Arguments are recognised by the names diffusers-style transformers give them (hidden states, text states, timestep,
 pooled projections); their sizes come from the config (input channels, text width, patch size). A few layouts of the
 hidden states are tried (tokens ``(B, S, C)``, images ``(B, C, H, W)``, videos ``(B, C, F, H, W)``) and the first
-one the forward accepts is used. Arguments with defaults keep them.
+one the forward accepts is used. Arguments with defaults keep them. :func:`forward_setup` picks the call a report
+traces: a user's example, a registered family's tiny pipeline, or inputs made here.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from typing import Any
 
 import torch
 
-from fastdit.diagnostics.target import ForwardSetup, scaled_config
+from fastdit.diagnostics.target import ForwardSetup, Target, capture_tiny, example_setup, scaled_config
 
-__all__ = ["TIME_ARGS", "synthesize"]
+__all__ = ["TIME_ARGS", "forward_setup", "synthesize"]
 
 _HIDDEN = ("hidden_states", "x", "sample", "latents", "img", "latent")
 _TEXT = ("encoder_hidden_states", "context", "cond", "txt", "text", "y", "encoder_hidden")
@@ -132,3 +133,13 @@ def synthesize(cls: type, config: dict[str, Any]) -> ForwardSetup:
             return ForwardSetup(model, (), kwargs, f"inputs made from the signature on {label} ({shapes})", {})
         problems.append(f"{label}: {found}")
     raise RuntimeError("; ".join(problems))
+
+
+def forward_setup(target: Target, example: str | None = None) -> ForwardSetup:
+    """The model and call the traced forward uses (see the module docstring); ``example`` names a function that
+    gives them (:func:`example_setup`)."""
+    if example is not None:
+        return example_setup(example, target)
+    if target.adapter is not None and target.adapter.tiny_pipelines:
+        return capture_tiny(target.adapter)
+    return synthesize(target.cls, target.config)

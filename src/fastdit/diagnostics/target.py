@@ -28,8 +28,8 @@ __all__ = [
     "Target",
     "TargetError",
     "build_meta",
+    "capture_tiny",
     "example_setup",
-    "forward_setup",
     "resolve_target",
 ]
 
@@ -196,7 +196,7 @@ class _CapturedError(Exception):
     """Stops a tiny pipeline at its first transformer call."""
 
 
-def _capture_tiny(adapter: ModelAdapter) -> ForwardSetup:
+def capture_tiny(adapter: ModelAdapter) -> ForwardSetup:
     tiny = adapter.tiny()
     pipe = tiny.build()
     pipe.set_progress_bar_config(disable=True)
@@ -253,18 +253,6 @@ def example_setup(spec: str, target: Target) -> ForwardSetup:
     if not issubclass(type(model), target.cls):
         raise TargetError(f"--example {spec!r}: gives a {type(model).__name__}, not a {target.cls.__name__}")
     return ForwardSetup(model.eval(), tuple(args), dict(kwargs), f"the call {spec} gives", {})
-
-
-def forward_setup(target: Target, example: str | None = None) -> ForwardSetup:
-    """The model and call the traced forward uses (see the module docstring); ``example`` names a function that
-    gives them (:func:`example_setup`)."""
-    if example is not None:
-        return example_setup(example, target)
-    if target.adapter is not None and target.adapter.tiny_pipelines:
-        return _capture_tiny(target.adapter)
-    from fastdit.diagnostics.synth import synthesize
-
-    return synthesize(target.cls, target.config)
 
 
 def scaled_config(config: dict[str, Any]) -> dict[str, Any]:
