@@ -732,7 +732,7 @@ def resolve_target(target: str | None, model_path: str | None = None) -> ModelSo
     from fastdit.errors import FieldError
     from fastdit.session import resolve_model
 
-    if target is not None and _is_function_spec(target):
+    if target is not None and _is_function_spec(target) and not target.startswith(TINY_PREFIX):
         return PipelineFunction(target)
     if target is not None and target.startswith(TINY_PREFIX):
         family, variant = _tiny(target)
