@@ -24,6 +24,7 @@ from fastdit.config import DBCache, DBPrune, StepMask, TaylorSeer, config_fields
 from fastdit.io import load_image, load_video
 from fastdit.session import Session
 from fastdit.testing.pipelines import save_tiny
+from fastdit.testing.signals import default_sigint
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -457,7 +458,7 @@ def test_ctrl_c_is_one_line_and_exit_130(tiny_flux_dir: Path, tmp_path: Path) ->
     argv = ["--model-path", str(tiny_flux_dir), "--prompt", "a", "--height", "32", "--width", "32"]
     env = {**os.environ, "FASTDIT_TEST_THREADS": "1", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "fastdit", "generate", *argv, "--steps", "10000", "--out", str(out)]
-    child = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+    child = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=default_sigint)
     assert child.stderr is not None
     seen = ""
     while seen.count("/10000") < 2:  # the progress bar moved: the denoising loop is running

@@ -21,6 +21,7 @@ from fastdit.cli.distributed import EXIT_FAILED, EXIT_INTERRUPTED, report_stop
 from fastdit.cli.generate import plan_from_args
 from fastdit.config import DEFAULT_TIMEOUT_S
 from fastdit.parallel.failures import CollectiveError
+from fastdit.testing.signals import default_sigint
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -163,7 +164,9 @@ def _torchrun_until(
         *("--model-path", str(tiny_flux_dir), "--prompt", "a cat", "--height", "32", "--width", "32"),
         *("--steps", "5000", "--parallel", "ulysses=2", *flags),
     ]
-    launcher = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    launcher = subprocess.Popen(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=default_sigint
+    )
     try:
         deadline = time.monotonic() + 180
         while not any("/5000 [" in line for line in _rank_lines(logs).get(0, [])):  # rank 0's progress bar

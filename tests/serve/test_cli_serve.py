@@ -17,6 +17,7 @@ import pytest
 from PIL import Image
 
 from fastdit.cli import main
+from fastdit.testing.signals import default_sigint
 from tests.serve.conftest import API_KEY, LiveServer, free_port
 
 
@@ -172,7 +173,9 @@ def test_fastdit_serve_in_one_process_serves_until_interrupted() -> None:
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FASTDIT_API_KEY": API_KEY}
     command = [sys.executable, "-m", "fastdit", "serve", "--cache", "fast", "--port", str(port), "--steps", "6"]
-    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_healthy(url, server)
