@@ -336,13 +336,21 @@ def test_a_band_too_small_for_its_attention_raises_on_every_rank() -> None:
     assert all("quadratic instead of linear attention" in m for m in messages), messages
 
 
-def _pipeline(rank: int, world_size: int, layout: dict | None) -> dict[str, Any]:
+def _pipeline(
+    rank: int, world_size: int, layout: dict | None, family: str = "flux", combined: bool = False
+) -> dict[str, Any]:
     from fastdit.testing.pipelines import build_tiny, run_tiny
 
-    pipe, tiny = build_tiny("flux")
-    fastdit.accelerate(pipe, parallel=None if layout is None else fastdit.Parallel(**layout))
+    pipe, tiny = build_tiny(family)
+    # combined: a step cache serving steps 1-2 from the cache and compiled blocks beside the parallel layout.
+    mask = fastdit.StepMask(compute_steps=(0,), policy="static")
+    cache = fastdit.DBCache(fn=1, bn=0, warmup_steps=0, step_mask=mask) if combined else None
+    compile_ = fastdit.Compile(backend="eager") if combined else None
+    fastdit.accelerate(
+        pipe, parallel=None if layout is None else fastdit.Parallel(**layout), cache=cache, compile=compile_
+    )
     try:
-        out = run_tiny(pipe, tiny)
+        out = run_tiny(pipe, tiny, num_inference_steps=3) if combined else run_tiny(pipe, tiny)
         stats = fastdit.summary(pipe).vaes
     finally:
         fastdit.disable(pipe)
@@ -356,6 +364,23 @@ def test_pipeline_with_context_and_vae_parallelism_equals_one_process() -> None:
         assert abs(result["out"] - expected).max() <= TOLERANCE
         assert result["stats"]["vae"]["calls"] == {"decode": 1}
         assert result["stats"]["vae"]["ranks"] == 2
+        assert not result["left"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("family", "layout"),
+    [
+        ("flux", {"tp": 2, "text_encoder": True, "vae": True}),
+        ("sd3", {"cfg": 2, "vae": True}),  # batched CFG: the VAE still decodes over both CFG ranks
+    ],
+    ids=["flux-tp2-tep-vae", "sd3-cfg2-vae"],
+)
+def test_vae_parallelism_with_the_other_techniques_equals_one_process(family: str, layout: dict) -> None:
+    expected = _pipeline(0, 1, None, family, combined=True)["out"]
+    for result in get_pool(2).run(_pipeline, layout, family, True, timeout=240):
+        assert abs(result["out"] - expected).max() <= TOLERANCE
+        assert result["stats"]["vae"]["calls"] == {"decode": 1} and result["stats"]["vae"]["ranks"] == 2
         assert not result["left"]
 
 
