@@ -28,6 +28,7 @@ __all__ = [
     "Target",
     "TargetError",
     "build_meta",
+    "call_function",
     "capture_tiny",
     "example_setup",
     "resolve_target",
@@ -230,6 +231,23 @@ def capture_tiny(adapter: ModelAdapter) -> ForwardSetup:
     )
 
 
+def call_function(spec: str, what: str) -> Any:
+    """Import ``module.path:function`` and call it with no arguments (a user's example or pipeline builder).
+
+    Raises:
+        TargetError: naming ``what``: the function cannot be imported, or calling it raised.
+    """
+    module, _, name = spec.partition(":")
+    try:
+        function = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise TargetError(f"{what}: cannot import {name!r} from {module!r}: {exc}") from None
+    try:
+        return function()
+    except Exception as exc:  # the user's function: its failure is reported as the target's
+        raise TargetError(f"{what}: calling it raised {type(exc).__name__}: {exc}") from None
+
+
 def example_setup(spec: str, target: Target) -> ForwardSetup:
     """The model and call an example function ``module.path:function`` gives: ``(model, kwargs)`` or
     ``(model, args, kwargs)``, a small instance of the target's class and one call of it (for models whose inputs
@@ -238,15 +256,7 @@ def example_setup(spec: str, target: Target) -> ForwardSetup:
     Raises:
         TargetError: the function cannot be imported, returns something else, or a model of another class.
     """
-    module, _, name = spec.partition(":")
-    try:
-        function = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise TargetError(f"--example {spec!r}: cannot import {name!r} from {module!r}: {exc}") from None
-    try:
-        result = function()
-    except Exception as exc:  # the user's function: its failure is the example's, named as such
-        raise TargetError(f"--example {spec!r}: calling it raised {type(exc).__name__}: {exc}") from None
+    result = call_function(spec, f"--example {spec!r}")
     if not isinstance(result, tuple) or len(result) not in (2, 3) or not isinstance(result[0], torch.nn.Module):
         raise TargetError(f"--example {spec!r}: expected (model, kwargs) or (model, args, kwargs), got {result!r:.80}")
     model, args, kwargs = (result[0], (), result[1]) if len(result) == 2 else result

@@ -36,6 +36,7 @@ from fastdit.bench.plain import plain_options
 from fastdit.bench.report import markdown_table
 from fastdit.bench.timing import RunResult, run
 from fastdit.config import Parallel
+from fastdit.diagnostics.target import TargetError, call_function
 from fastdit.errors import ArgumentError, UnavailableError
 from fastdit.models.base import ModelAdapter
 from fastdit.parallel.cfg_parallel import CfgParallelError
@@ -678,10 +679,6 @@ TINY_PREFIX = "tiny:"
 """Targets ``tiny:FAMILY`` and ``tiny:FAMILY:VARIANT`` name a family's random-weight tiny pipeline."""
 
 
-class TargetError(ValueError):
-    """A verify target that names nothing loadable (the message says what was tried)."""
-
-
 @dataclass
 class VerifyTarget:
     """A pipeline to verify, loaded, and the call arguments it runs with by default.
@@ -764,14 +761,7 @@ def _is_function_spec(target: str) -> bool:
 
 
 def _load_function(spec: str, device: Any) -> VerifyTarget:
-    import importlib
-
-    module, _, name = spec.partition(":")
-    try:
-        function = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise TargetError(f"target {spec!r}: cannot import {name!r} from {module!r}: {exc}") from None
-    result = function()
+    result = call_function(spec, f"target {spec!r}")
     if not isinstance(result, tuple) or len(result) not in (2, 3) or not isinstance(result[1], Mapping):
         raise TargetError(
             f"target {spec!r}: expected (pipeline, call_kwargs) or (pipeline, call_kwargs, adapter), got "
