@@ -19,6 +19,7 @@ def test_one_documented_order() -> None:
         "input_check",
         "cfg_parallel",
         "cache",
+        "offload",
         "compile",
         "cuda_graph",
         "text_encoder_parallel",

@@ -27,6 +27,7 @@ _EXPORTS = {
     "DBCache": "fastdit.config",
     "DBPrune": "fastdit.config",
     "FBCache": "fastdit.config",
+    "Offload": "fastdit.config",
     "Parallel": "fastdit.config",
     "StepMask": "fastdit.config",
     "TaylorSeer": "fastdit.config",
@@ -46,6 +47,7 @@ __all__ = [
     "FBCache",
     "ForwardPattern",
     "ModelAdapter",
+    "Offload",
     "Parallel",
     "StepMask",
     "Summary",
@@ -60,7 +62,18 @@ __all__ = [
 
 if TYPE_CHECKING:
     from fastdit.api import Summary, accelerate, disable, reset, summary
-    from fastdit.config import Attention, Compile, CudaGraph, DBCache, DBPrune, FBCache, Parallel, StepMask, TaylorSeer
+    from fastdit.config import (
+        Attention,
+        Compile,
+        CudaGraph,
+        DBCache,
+        DBPrune,
+        FBCache,
+        Offload,
+        Parallel,
+        StepMask,
+        TaylorSeer,
+    )
     from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter
     from fastdit.models.registry import register
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
@@ -23,6 +24,7 @@ __all__ = [
     "DBCache",
     "DBPrune",
     "FBCache",
+    "Offload",
     "Parallel",
     "StepMask",
     "TaylorSeer",
@@ -368,6 +370,41 @@ class Compile:
                 f"a mode among {_GRAPHING_MODES} captures CUDA graphs itself, so does cuda_graph=True; "
                 "use one of them (e.g. mode='max-autotune-no-cudagraphs')",
             )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Offload:
+    """Transformer blocks kept in host memory and brought onto the device for their own call.
+
+    For a transformer larger than the device's memory: the blocks beyond :attr:`resident_blocks` wait in (pinned)
+    host memory and are copied in on a side stream while earlier blocks compute. Offload sits beneath a step cache:
+    a block that a cached step passes through is never transferred, and the blocks every step runs (a cache's front
+    and back blocks) are the first to stay resident.
+    """
+
+    resident_blocks: int = _doc(
+        "Blocks that stay on the device: those every step runs first (a cache's front and back blocks), then evenly "
+        "spaced among the rest. 0: every block is streamed.",
+        0,
+    )
+    prefetch: int = _doc("Streamed blocks copied ahead of the one computing (more overlap, more memory).", 2)
+    device: str | None = _doc(
+        "Where the pipeline computes ('cuda', 'cuda:1'; None: the current CUDA device, else where it is now). Every "
+        "other weight of the pipeline is moved there.",
+        None,
+    )
+    pin_memory: bool = _doc("Pin the host copies (faster, asynchronous copies; CUDA only).", True)
+
+    def __post_init__(self) -> None:
+        _check_fields(
+            self,
+            resident_blocks=_integer(0),
+            prefetch=_integer(0),
+            device=_optional(_TEXT),
+            pin_memory=_BOOL,
+        )
+        if self.device is not None and not re.fullmatch(r"[a-z]+(:\d+)?", self.device):
+            raise FieldError("Offload", "device", self.device, "must be a device name such as 'cuda' or 'cuda:1'")
 
 
 ATTENTION_BACKENDS = ("sdpa", "flash", "cudnn", "efficient", "math", "flash-attn", "sage")

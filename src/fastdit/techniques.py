@@ -5,7 +5,7 @@ module is touched) and its ``apply`` (which records an undo, and any state it ke
 :func:`fastdit.accelerate` walks the tuple in order; :func:`fastdit.disable` undoes the records in reverse.
 
 The order is the *application* order: tensor parallel → context parallel → the input check of the ranks that share
-a sample → CFG parallel → cache → compile → CUDA graphs, then the text-encoder and VAE techniques on their own
+a sample → CFG parallel → cache → offload → compile → CUDA graphs, then the text-encoder and VAE techniques on their own
 modules. Later entries may read what earlier ones recorded (the cache reads the split layout's process groups
 through the runtime, graphs key block calls on the split layout). How the hooks of different techniques *nest* on
 one module does not depend on this order: that is the layer table of :mod:`fastdit.hooks.layers`.
@@ -266,6 +266,61 @@ class _Cache:
             context.add("cache.runs", "scheduler", undo)
 
 
+class _Offload:
+    """Transformer blocks streamed from host memory (after every technique whose hooks may skip a block)."""
+
+    needs_components = True
+    name = "offload"
+
+    def requested(self, request: Request) -> bool:
+        return request.offload is not None
+
+    def check(self, request: Request, components: Components) -> None:
+        import torch
+
+        config = request.offload
+        if request.parallel is not None and request.parallel.tp > 1:
+            raise ArgumentError(
+                "accelerate",
+                "offload",
+                config,
+                f"with parallel={request.parallel}: tensor parallelism shards the weights across ranks, which "
+                "already divides their memory; offload streams whole weights from host memory: use one of them",
+            )
+        if request.cuda_graph is not None:
+            raise ArgumentError(
+                "accelerate",
+                "offload",
+                config,
+                f"with cuda_graph={request.cuda_graph}: a CUDA graph replays fixed weight addresses, and offload "
+                "copies each block's weights to new memory at every call; run without CUDA graphs",
+            )
+        if config.device is not None and torch.device(config.device).type == "cuda" and not torch.cuda.is_available():
+            raise ArgumentError("accelerate", "offload", config, f"device={config.device!r}: no CUDA device here")
+        for item in components.denoisers:
+            count = len(item.blocks())
+            if config.resident_blocks >= count:
+                raise ArgumentError(
+                    "accelerate",
+                    "offload",
+                    config,
+                    f"{item.name} has {count} blocks: resident_blocks={config.resident_blocks} leaves none to "
+                    "stream; keep fewer resident, or run without offload",
+                )
+
+    def apply(self, context: Context) -> None:
+        from fastdit.offload import apply_offload, move_components, offload_device
+
+        config = context.request.offload
+        first = next(context.components.denoisers[0].module.parameters())
+        device = offload_device(config, first.device)
+        for item in context.components.denoisers:
+            applied = apply_offload([block for _, block in item.blocks()], config, device)
+            context.add(self.name, item.name, applied.undo, applied.state)
+        # Everything else computes on the device too (placeholders of the streamed blocks are there already).
+        context.add("offload.devices", "pipeline", move_components(context.components, device))
+
+
 class _Compile:
     needs_components = True
     name = "compile"
@@ -384,6 +439,7 @@ TECHNIQUES: tuple[Technique, ...] = (
     _InputCheck(),
     _CfgParallel(),
     _Cache(),
+    _Offload(),
     _Compile(),
     _CudaGraph(),
     _TextEncoderParallel(),

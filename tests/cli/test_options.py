@@ -151,3 +151,18 @@ def test_generate_blames_the_flags_passed_after_loading(
     errors = [text for text in captured.err.splitlines() if text.startswith("fastdit: error:")]
     assert len(errors) == 1 and errors[0].startswith(line), captured.err
     assert captured.out == "" and not out.parent.exists()
+
+
+def test_offload_spec_reads_the_config_fields() -> None:
+    from fastdit.cli.options import parse_config_fields
+    from fastdit.config import Offload
+
+    assert parse_config_fields(Offload, "", "--offload") == Offload()
+    spec = "resident_blocks=4, prefetch=1,pin_memory=false"
+    assert parse_config_fields(Offload, spec, "--offload") == Offload(resident_blocks=4, prefetch=1, pin_memory=False)
+    with pytest.raises(CLIError, match=r"argument --offload: 'blocks=2' in 'blocks=2' is not field=value"):
+        parse_config_fields(Offload, "blocks=2", "--offload")
+    with pytest.raises(CLIError, match=r"argument --offload prefetch=-1: Offload.prefetch=-1: must be an integer"):
+        parse_config_fields(Offload, "prefetch=-1", "--offload")
+    with pytest.raises(CLIError, match=r"prefetch is given twice"):
+        parse_config_fields(Offload, "prefetch=1,prefetch=2", "--offload")

@@ -37,12 +37,13 @@ from fastdit.cli.options import (
     check_size,
     configure_threads,
     output_path,
+    parse_config_fields,
     parse_parallel,
     resolve_device,
     resolve_dtype,
     resolve_source,
 )
-from fastdit.config import ATTENTION_BACKENDS, Attention, Compile, CudaGraph, DBCache, DBPrune
+from fastdit.config import ATTENTION_BACKENDS, Attention, Compile, CudaGraph, DBCache, DBPrune, Offload
 from fastdit.errors import FieldError
 from fastdit.io import IMAGE_SUFFIXES, VIDEO_SUFFIXES, check_writable
 from fastdit.parallel.failures import CollectiveError, collective_failures
@@ -99,8 +100,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def add_acceleration_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--parallel``, ``--dist-timeout``, ``--compile``, ``--cuda-graph`` and ``--attention`` (shared with
-    ``serve``)."""
+    """Add ``--parallel``, ``--dist-timeout``, ``--compile``, ``--cuda-graph``, ``--attention`` and ``--offload``
+    (shared with ``serve``)."""
     group = parser.add_argument_group("parallelism and compilation")
     group.add_argument(
         "--parallel",
@@ -117,6 +118,15 @@ def add_acceleration_arguments(parser: argparse.ArgumentParser) -> None:
         "decides between blocks; with --compile the compiled kernels are graphed)",
     )
     group.add_argument("--attention", metavar="BACKEND", help=f"attention backend: {', '.join(ATTENTION_BACKENDS)}")
+    group.add_argument(
+        "--offload",
+        nargs="?",
+        const="",
+        metavar="SPEC",
+        help="keep transformer blocks in host memory and stream them in for their call (a model larger than the "
+        "GPU); optional fields, e.g. resident_blocks=20,prefetch=2 (keys: resident_blocks, prefetch, device, "
+        "pin_memory)",
+    )
 
 
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -231,6 +241,8 @@ def acceleration_options(args: argparse.Namespace, num_steps: int | None) -> dic
             options["attention"] = Attention(backend=args.attention)
         except ValueError as error:
             raise CLIError(f"argument --attention {args.attention}: {error}") from None
+    if args.offload is not None:
+        options["offload"] = parse_config_fields(Offload, args.offload, "--offload")
     return options
 
 

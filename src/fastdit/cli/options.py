@@ -28,7 +28,16 @@ import torch
 from fastdit.cache.presets import CACHE_PRESETS, DEFAULT_CACHE_PRESET, NO_CACHE, cache_config, get_cache_preset
 from fastdit.cli import CLIError
 from fastdit.cli.fields import CALL_FLAGS, cli_error, field_message
-from fastdit.config import STEP_MASK_PRESETS, DBCache, DBPrune, Parallel, StepMask, TaylorSeer, config_fields
+from fastdit.config import (
+    STEP_MASK_PRESETS,
+    DBCache,
+    DBPrune,
+    Offload,
+    Parallel,
+    StepMask,
+    TaylorSeer,
+    config_fields,
+)
 from fastdit.errors import FieldError, FieldsError
 from fastdit.process import choose_device
 from fastdit.session import MAX_SEED, ModelSource, call_parameters, import_pipeline_class, resolve_model
@@ -423,6 +432,33 @@ def parse_parallel(text: str, num_processes: int) -> Parallel:
     return parallel
 
 
+def parse_config_fields(cls: type, text: str, option: str) -> Any:
+    """Read ``field=value,...`` (fields of the config dataclass ``cls``; empty: its defaults) into ``cls``.
+
+    Raises:
+        CLIError: On bad syntax, an unknown or repeated field, or an invalid value, naming ``option``.
+    """
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for piece in _assignments(text):
+        key, sep, value = piece.partition("=")
+        name = key.strip().replace("-", "_")
+        if not sep or name not in hints:
+            raise CLIError(
+                f"argument {option}: {piece!r} in {text!r} is not field=value with a field in: {', '.join(hints)}"
+            )
+        if name in values:
+            raise CLIError(f"argument {option}: {piece!r} in {text!r}: {name} is given twice")
+        try:
+            values[name] = parse_value(hints[name], value.strip())
+        except ValueError as error:
+            raise CLIError(f"argument {option}: {piece!r} in {text!r}: {error}") from None
+    try:
+        return cls(**values)
+    except FieldError as error:
+        raise CLIError(f"argument {option} {text}: {error}") from None
+
+
 # Fields set by the acceleration flags of ``generate`` (cli/generate.py builds Compile, CudaGraph and Attention
 # from them).
 _ACCELERATION_FIELD_FLAGS: Mapping[tuple[str, str], str] = MappingProxyType(
@@ -432,12 +468,14 @@ _ACCELERATION_FIELD_FLAGS: Mapping[tuple[str, str], str] = MappingProxyType(
         ("Compile", "cuda_graph"): "--cuda-graph",
         **{("CudaGraph", name): "--cuda-graph" for name in ("device", "scope", "warmup", "max_graphs")},
         ("Attention", "backend"): "--attention",
+        **{("Offload", name): "--offload" for name, _default, _doc in config_fields(Offload)},
         # fastdit.accelerate's own refusals of a whole argument (errors.ArgumentError)
         ("accelerate", "cache"): "--cache",
         ("accelerate", "parallel"): "--parallel",
         ("accelerate", "compile"): "--compile",
         ("accelerate", "cuda_graph"): "--cuda-graph",
         ("accelerate", "attention"): "--attention",
+        ("accelerate", "offload"): "--offload",
     }
 )
 
@@ -450,6 +488,7 @@ _CONFIG_FLAGS: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "Compile": ("--compile", "--cuda-graph"),
         "CudaGraph": ("--cuda-graph",),
         "Attention": ("--attention",),
+        "Offload": ("--offload",),
     }
 )
 

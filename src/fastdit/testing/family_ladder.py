@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastdit.config import Compile, DBCache, Parallel, StepMask
+from fastdit.config import Compile, DBCache, Offload, Parallel, StepMask
 from fastdit.diagnostics.verify import Rung, Status, Thresholds, VerifyRuntime, fixed_rung, verify_ladder
 from fastdit.models.registry import get_family
 from fastdit.testing.pipelines import build_tiny
@@ -74,12 +74,14 @@ class RungSpec:
         cache_bn: Back blocks of a :func:`forced_cache` (``None``: no cache). The row is then judged against the
             same cache on one process.
         compile: Compile the blocks (eager backend: traces through the layouts at CPU-test cost).
+        offload: Stream the blocks from host memory, keeping this many resident (``None``: no offload).
     """
 
     name: str
     parallel: Mapping[str, Any] = field(default_factory=dict)
     cache_bn: int | None = None
     compile: bool = False
+    offload: int | None = None
 
     def rung(self) -> Rung:
         """The verify rung this spec describes."""
@@ -89,6 +91,8 @@ class RungSpec:
             options["cache"] = cache
         if self.compile:
             options["compile"] = Compile(backend="eager", fullgraph=False)
+        if self.offload is not None:
+            options["offload"] = Offload(resident_blocks=self.offload)
         reference = None if cache is None else {"cache": cache}
         return fixed_rung(self.name, options, reference=reference)
 
