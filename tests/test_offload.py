@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import fastdit
+from fastdit.diagnostics.family_ladder import RungSpec, assert_rows, forced_cache, run_family_ladder
 from fastdit.hooks import layers
 from fastdit.offload import BlockStreamer, choose_resident
 from fastdit.testing.distributed import get_pool
-from fastdit.testing.family_ladder import RungSpec, assert_rows, forced_cache, run_family_ladder
 from fastdit.testing.pipelines import build_tiny, run_tiny
 
 STEPS = 3

@@ -173,8 +173,8 @@ def test_an_exact_threshold_fails_a_parallel_row_a_psnr_minimum_lets_through() -
 
 
 def test_a_rung_with_a_reference_is_judged_against_it_steps_served_included() -> None:
+    from fastdit.diagnostics.family_ladder import forced_cache
     from fastdit.diagnostics.verify import fixed_rung
-    from fastdit.testing.family_ladder import forced_cache
 
     pipe, tiny = _built("flux")
     kwargs = {**tiny.call_kwargs, "num_inference_steps": 3}
@@ -192,9 +192,9 @@ def test_a_rung_with_a_reference_is_judged_against_it_steps_served_included() ->
 
 
 def test_check_disable_fails_a_rung_that_leaves_the_pipeline_changed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fastdit.diagnostics.family_ladder import forced_cache
     from fastdit.diagnostics.verify import fixed_rung
     from fastdit.session import Session
-    from fastdit.testing.family_ladder import forced_cache
 
     pipe, tiny = _built("flux")
     kwargs = {**tiny.call_kwargs, "num_inference_steps": 3}

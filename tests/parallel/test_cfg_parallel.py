@@ -3,7 +3,7 @@
 Sequential-CFG pipelines (a ``cond`` and an ``uncond`` call per step) must split the branches over the two ranks
 (calls skipped on each rank), batched-CFG ones must split the batch; a pipeline whose tiny call has no unconditional
 branch must raise :class:`CfgParallelError` (or be refused up front) on every rank — never return a wrong image.
-The matrix runs through the verify ladder (:mod:`fastdit.testing.family_ladder`) at float32's exact threshold; under
+The matrix runs through the verify ladder (:mod:`fastdit.diagnostics.family_ladder`) at float32's exact threshold; under
 a cache each row is judged against the same cache on one process.
 """
 
@@ -14,11 +14,11 @@ import dataclasses
 import pytest
 
 import fastdit
+from fastdit.diagnostics.family_ladder import RungSpec, assert_rows, cached_call_overrides, run_family_ladder
 from fastdit.diagnostics.verify import Status
 from fastdit.errors import ArgumentError
 from fastdit.models.registry import all_adapters, get_family
 from fastdit.testing.distributed import WorkerPool
-from fastdit.testing.family_ladder import RungSpec, assert_rows, cached_call_overrides, run_family_ladder
 from fastdit.testing.pipelines import build_tiny
 
 pytestmark = pytest.mark.distributed

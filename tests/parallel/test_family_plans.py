@@ -1,6 +1,6 @@
 """Every family with a context-parallel plan: its tiny pipelines on gloo ranks equal the single-process output.
 
-The matrix runs through the verify ladder (:mod:`fastdit.testing.family_ladder`), the checks ``fastdit verify``
+The matrix runs through the verify ladder (:mod:`fastdit.diagnostics.family_ladder`), the checks ``fastdit verify``
 makes, at float32's exact threshold. The plan is discovered from the registry, so a family file that gains
 ``cp_plan`` is covered here without touching this file. Ulysses and ring run on 2 ranks; Ulysses on 3 ranks exercises
 uneven sequence shards and padded heads. Each pipeline also runs under a forced step cache (served steps, with and
@@ -16,16 +16,16 @@ import pytest
 import torch
 
 import fastdit
-from fastdit.models.base import resolve_attr
-from fastdit.models.registry import adapter_for, all_adapters
-from fastdit.testing.distributed import WorkerPool
-from fastdit.testing.family_ladder import (
+from fastdit.diagnostics.family_ladder import (
     FORCED_CACHE_FN,
     RungSpec,
     assert_rows,
     cached_call_overrides,
     run_family_ladder,
 )
+from fastdit.models.base import resolve_attr
+from fastdit.models.registry import adapter_for, all_adapters
+from fastdit.testing.distributed import WorkerPool
 from fastdit.testing.pipelines import build_tiny
 
 pytestmark = pytest.mark.distributed

@@ -1,7 +1,7 @@
 """Every family with a tensor-parallel plan: its tiny pipelines split over gloo ranks equal the single-process output.
 
 Plans are discovered from the registry, so a family file that gains ``tp_plan`` is covered here without touching
-this file. The matrix runs through the verify ladder (:mod:`fastdit.testing.family_ladder`) at float32's exact
+this file. The matrix runs through the verify ladder (:mod:`fastdit.diagnostics.family_ladder`) at float32's exact
 threshold. Each pipeline runs split over 2 ranks (per-rank parameter bytes as planned, ``disable`` bit-identical),
 under a step cache that serves steps from the cache with and without a back block (against the same cache on one
 process), and its plan is checked on the ``meta`` device for a degree that divides and one that does not.
@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from fastdit.components import walk
+from fastdit.diagnostics.family_ladder import RungSpec, assert_rows, cached_call_overrides, run_family_ladder
 from fastdit.models.registry import all_adapters, get_family
 from fastdit.parallel.plan import match_modules
 from fastdit.parallel.tp_plan import Colwise, parent_of, plan_layers, resolve_tp_plan, segment_sizes
 from fastdit.testing.distributed import WorkerPool
-from fastdit.testing.family_ladder import RungSpec, assert_rows, cached_call_overrides, run_family_ladder
 from fastdit.testing.pipelines import build_tiny
 
 pytestmark = pytest.mark.distributed
