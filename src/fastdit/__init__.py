@@ -27,6 +27,7 @@ _EXPORTS = {
     "DBCache": "fastdit.config",
     "DBPrune": "fastdit.config",
     "FBCache": "fastdit.config",
+    "Loading": "fastdit.config",
     "Parallel": "fastdit.config",
     "StepMask": "fastdit.config",
     "TaylorSeer": "fastdit.config",
@@ -45,6 +46,7 @@ __all__ = [
     "DBPrune",
     "FBCache",
     "ForwardPattern",
+    "Loading",
     "ModelAdapter",
     "Parallel",
     "StepMask",
@@ -60,7 +62,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from fastdit.api import Summary, accelerate, disable, reset, summary
-    from fastdit.config import Attention, Compile, CudaGraph, DBCache, DBPrune, FBCache, Parallel, StepMask, TaylorSeer
+    from fastdit.config import Attention, Compile, CudaGraph, DBCache, DBPrune, FBCache, Loading, Parallel, StepMask, TaylorSeer
     from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter
     from fastdit.models.registry import register
 
