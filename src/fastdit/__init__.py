@@ -62,7 +62,18 @@ __all__ = [
 
 if TYPE_CHECKING:
     from fastdit.api import Summary, accelerate, disable, reset, summary
-    from fastdit.config import Attention, Compile, CudaGraph, DBCache, DBPrune, FBCache, Loading, Parallel, StepMask, TaylorSeer
+    from fastdit.config import (
+        Attention,
+        Compile,
+        CudaGraph,
+        DBCache,
+        DBPrune,
+        FBCache,
+        Loading,
+        Parallel,
+        StepMask,
+        TaylorSeer,
+    )
     from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter
     from fastdit.models.registry import register
 

@@ -17,13 +17,13 @@ from fastdit.errors import FieldError, FieldsError
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "LOAD_MODES",
     "Attention",
     "Compile",
     "CudaGraph",
     "DBCache",
     "DBPrune",
     "FBCache",
-    "LOAD_MODES",
     "Loading",
     "Parallel",
     "StepMask",

@@ -53,14 +53,12 @@ CHUNK_BYTES = 256 * 2**20
 """The largest single broadcast: larger tensors go in pieces (gloo and NCCL both take 2 GiB+ embeddings badly)."""
 
 # Every dtype a checkpoint can hold, in a fixed order: the reader sends each tensor's index in this table.
+_DTYPE_NAMES = (
+    "float32 float16 bfloat16 float64 int64 int32 int16 int8 uint8 bool complex64 complex128 "
+    "float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz uint16 uint32 uint64"
+)
 _DTYPES: tuple[torch.dtype, ...] = tuple(
-    getattr(torch, name)
-    for name in (
-        "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool",
-        "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-        "uint16", "uint32", "uint64",
-    )  # fmt: skip
-    if isinstance(getattr(torch, name, None), torch.dtype)
+    getattr(torch, name) for name in _DTYPE_NAMES.split() if isinstance(getattr(torch, name, None), torch.dtype)
 )
 _DTYPE_CODES = {dtype: index for index, dtype in enumerate(_DTYPES)}
 _DIGEST_WORDS = 4  # 256 bits of sha256 as four int64
@@ -132,9 +130,14 @@ def tensor_walk(pipe: Any) -> list[_Tensor]:
     return walk
 
 
-def _digest(walk: Sequence[_Tensor], pipe: Any) -> list[int]:
+def _listing(walk: Sequence[_Tensor], pipe: Any) -> list[str]:
+    """What the ranks must agree on: the pipeline and component classes, the dtype table, every tensor's line."""
     classes = ",".join(f"{name}:{type(c).__qualname__}" for name, c in _module_components(pipe))
-    text = "\n".join([f"{type(pipe).__qualname__}|{classes}", *(entry.describe() for entry in walk)])
+    return [f"{type(pipe).__qualname__}|{classes}|{','.join(map(str, _DTYPES))}", *(e.describe() for e in walk)]
+
+
+def _digest(walk: Sequence[_Tensor], pipe: Any) -> list[int]:
+    text = "\n".join(_listing(walk, pipe))
     raw = hashlib.sha256(text.encode()).digest()
     return [int.from_bytes(raw[8 * i : 8 * i + 8], "little", signed=True) for i in range(_DIGEST_WORDS)]
 
@@ -274,8 +277,7 @@ def _raise_failures(failure: BaseException | None, failed: list[int]) -> None:
 
 def _raise_mismatch(walk: Sequence[_Tensor], pipe: Any, differing: list[int]) -> None:
     """Every rank names the first entry where a differing rank's walk parts from rank 0's, then raises."""
-    classes = [f"{name}:{type(c).__qualname__}" for name, c in _module_components(pipe)]
-    mine = [f"{type(pipe).__qualname__}|{','.join(classes)}", *(entry.describe() for entry in walk)]
+    mine = _listing(walk, pipe)
     listings: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(listings, mine)
     rank = differing[0]
@@ -412,9 +414,7 @@ def load_broadcast(
     return pipe
 
 
-def _broadcast_walk(
-    walk: Sequence[_Tensor], plan: _Plan, reader: bool, device: torch.device, chunk_bytes: int
-) -> None:
+def _broadcast_walk(walk: Sequence[_Tensor], plan: _Plan, reader: bool, device: torch.device, chunk_bytes: int) -> None:
     if plan.size == 1:
         return  # a node of one rank: it read the files itself
     dtypes = _send_dtypes(walk, plan, reader, device)
