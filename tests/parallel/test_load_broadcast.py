@@ -7,6 +7,7 @@ make every rank raise a clear error instead of hanging in a broadcast.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -100,6 +101,12 @@ def _load(rank: int, world_size: int, path: str, mode: str, dtype: str, generate
     }
 
 
+def _from_disk_pipe(path: Path) -> Any:
+    from fastdit.session import Session
+
+    return Session.load(_source(str(path)), device="cpu", dtype=torch.float32).pipe
+
+
 def _from_disk(path: Path, dtype: torch.dtype, generate: bool) -> dict:
     from fastdit.session import Case, Session
 
@@ -156,18 +163,36 @@ def test_node_rank0_reads_once_per_node_and_broadcasts_inside_it(dist4: WorkerPo
         _assert_same_as_disk(result, disk)
 
 
-def _small_chunks(rank: int, world_size: int, path: str) -> list[str]:
+def _hashes(pipe: Any) -> dict[str, str]:
+    return {
+        f"{component}.{name}": hashlib.sha256(tensor.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+        for component, tensors in _tensors(pipe).items()
+        for name, tensor in tensors.items()
+    }
+
+
+def _small_pieces(rank: int, world_size: int, path: str) -> dict[str, str]:
     from fastdit.parallel import load_broadcast
     from fastdit.session import Session
 
-    with mock.patch.object(load_broadcast, "CHUNK_BYTES", 1000):
-        pipe = Session.load(_source(path), device="cpu", dtype=torch.float32, loading=Loading(mode="rank0")).pipe
-    return [f"{k}:{float(t.double().sum())}" for k, t in pipe.transformer.state_dict().items()]
+    # Tensors under 4 kB packed in buckets, larger ones alone in pieces of 1000 bytes (a last piece shorter).
+    with (
+        mock.patch.object(load_broadcast, "CHUNK_BYTES", 1000),
+        mock.patch.object(load_broadcast, "BUCKET_BYTES", 4096),
+    ):
+        return _hashes(
+            Session.load(_source(path), device="cpu", dtype=torch.float32, loading=Loading(mode="rank0")).pipe
+        )
 
 
-def test_tensors_larger_than_a_chunk_arrive_in_pieces(dist2: WorkerPool, tiny_flux_dir: Path) -> None:
-    results = dist2.run(_small_chunks, str(tiny_flux_dir), timeout=120)
-    assert results[0] == results[1]
+def test_tensors_arrive_whole_in_pieces_and_in_buckets(dist2: WorkerPool, tiny_flux_dir: Path) -> None:
+    from fastdit.session import Session
+
+    sizes = [t.numel() * t.element_size() for t in _tensors(_from_disk_pipe(tiny_flux_dir))["transformer"].values()]
+    assert min(sizes) < 4096 < max(sizes) and any(size % 1000 for size in sizes if size > 4096)
+    results = dist2.run(_small_pieces, str(tiny_flux_dir), timeout=120)
+    disk = _hashes(Session.load(_source(str(tiny_flux_dir)), device="cpu", dtype=torch.float32).pipe)
+    assert results == [disk, disk]
 
 
 @pytest.fixture(scope="module")

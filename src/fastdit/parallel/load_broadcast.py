@@ -4,8 +4,9 @@ With :class:`~fastdit.config.Loading` ``mode="rank0"`` global rank 0 reads the c
 every other rank builds the same pipeline from the configs in the model directory with its parameters on the
 ``meta`` device (:func:`build_empty_pipeline`: tokenizers, schedulers and configs are read, weights are not). Then
 every parameter and buffer of every component — transformer, text encoders, VAE; persistent or not — goes over
-``torch.distributed.broadcast``, one tensor at a time into the receiving rank's final storage on its device (pieces
-of at most :data:`CHUNK_BYTES`), so a receiving rank never holds more than its own copy. ``"node-rank0"`` does the
+``torch.distributed.broadcast`` into the receiving rank's final storage on its device: a tensor of
+:data:`BUCKET_BYTES` or more in place (in pieces of at most :data:`CHUNK_BYTES`), smaller ones packed through one
+buffer of that size, so a receiving rank holds its own copy and one bucket, never more. ``"node-rank0"`` does the
 same per node: each node's local rank 0 reads and broadcasts over a group of its node's ranks.
 
 Every rank walks the same tensors in the same order, derived from the module structure alone (components by name,
@@ -41,6 +42,7 @@ from fastdit.errors import FieldError
 from fastdit.parallel.topology import node_key
 
 __all__ = [
+    "BUCKET_BYTES",
     "CHUNK_BYTES",
     "LoadBroadcastError",
     "build_empty_pipeline",
@@ -53,6 +55,9 @@ CHUNK_BYTES = 256 * 2**20
 """The largest single broadcast: larger tensors go in pieces (gloo and NCCL both take 2 GiB+ embeddings badly)."""
 
 # Every dtype a checkpoint can hold, in a fixed order: the reader sends each tensor's index in this table.
+BUCKET_BYTES = 16 * 2**20
+"""Tensors smaller than this travel packed together, in broadcasts of up to this size (through one such buffer)."""
+
 _DTYPE_NAMES = (
     "float32 float16 bfloat16 float64 int64 int32 int16 int8 uint8 bool complex64 complex128 "
     "float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz uint16 uint32 uint64"
@@ -335,14 +340,53 @@ def _materialize(entry: _Tensor, dtype: torch.dtype, requires_grad: bool, device
     return new
 
 
-def _send(tensor: torch.Tensor, plan: _Plan, chunk_bytes: int) -> None:
-    if tensor.numel() == 0:
-        return
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat ``uint8`` view of ``tensor`` (a contiguous copy of a strided view, which only the reader may hold)."""
     source = tensor.detach()
-    contiguous = source if source.is_contiguous() else source.contiguous()  # only the reader may hold such a view
-    flat = contiguous.reshape(-1).view(torch.uint8)
+    return (source if source.is_contiguous() else source.contiguous()).reshape(-1).view(torch.uint8)
+
+
+def _send_bytes(flat: torch.Tensor, plan: _Plan, chunk_bytes: int) -> None:
     for start in range(0, flat.numel(), chunk_bytes):
         dist.broadcast(flat[start : start + chunk_bytes], src=plan.src, group=plan.group)
+
+
+def _buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> Iterator[list[torch.Tensor]]:
+    """Consecutive tensors in groups: each tensor of ``bucket_bytes`` or more alone, smaller ones packed together up
+    to ``bucket_bytes`` (a broadcast costs a round trip whatever its size: a checkpoint's hundreds of biases and
+    norms would cost more in latency than in bytes)."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes == 0:
+            continue
+        if bucket and (size + nbytes > bucket_bytes or nbytes >= bucket_bytes):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(tensor)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _send_bucket(bucket: list[torch.Tensor], plan: _Plan, reader: bool, chunk_bytes: int) -> None:
+    """Broadcast the tensors of ``bucket``: one alone in place, several packed through one buffer."""
+    if len(bucket) == 1:
+        _send_bytes(_bytes_of(bucket[0]), plan, chunk_bytes)
+        return
+    views = [tensor.detach().reshape(-1).view(torch.uint8) if not reader else _bytes_of(tensor) for tensor in bucket]
+    buffer = torch.empty(sum(v.numel() for v in views), dtype=torch.uint8, device=bucket[0].device)
+    offsets = [0]
+    for view in views:
+        offsets.append(offsets[-1] + view.numel())
+    if reader:
+        for view, start, end in zip(views, offsets, offsets[1:], strict=False):
+            buffer[start:end].copy_(view)
+    _send_bytes(buffer, plan, chunk_bytes)
+    if not reader:
+        for view, start, end in zip(views, offsets, offsets[1:], strict=False):
+            view.copy_(buffer[start:end])
 
 
 def _check_reader(walk: Sequence[_Tensor]) -> None:
@@ -407,18 +451,23 @@ def load_broadcast(
         _raise_mismatch(walk, pipe, differing)
     plan = _plan(loading, rows, loading.timeout_s)
     try:
-        _broadcast_walk(walk, plan, reader, device, chunk_bytes or CHUNK_BYTES)
+        _broadcast_walk(walk, plan, reader, device, chunk_bytes or CHUNK_BYTES, BUCKET_BYTES)
     finally:
         for group in plan.owned:
             dist.destroy_process_group(group)
     return pipe
 
 
-def _broadcast_walk(walk: Sequence[_Tensor], plan: _Plan, reader: bool, device: torch.device, chunk_bytes: int) -> None:
+def _broadcast_walk(
+    walk: Sequence[_Tensor], plan: _Plan, reader: bool, device: torch.device, chunk_bytes: int, bucket_bytes: int
+) -> None:
     if plan.size == 1:
         return  # a node of one rank: it read the files itself
     dtypes = _send_dtypes(walk, plan, reader, device)
-    for entry, (dtype, requires_grad) in zip(walk, dtypes, strict=True):
-        tensor = entry.tensor if reader else _materialize(entry, dtype, requires_grad, device)
-        with torch.no_grad():
-            _send(tensor, plan, chunk_bytes)
+    tensors = [
+        entry.tensor if reader else _materialize(entry, dtype, requires_grad, device)
+        for entry, (dtype, requires_grad) in zip(walk, dtypes, strict=True)
+    ]
+    with torch.no_grad():
+        for bucket in _buckets(tensors, bucket_bytes):
+            _send_bucket(bucket, plan, reader, chunk_bytes)
