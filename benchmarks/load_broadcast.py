@@ -3,7 +3,9 @@
 Builds a FLUX-layout pipeline folder whose transformer holds ~280 MB of float32 weights (the tiny text encoders and
 VAE of the test pipelines around it), then, for each process count and mode, launches ``torchrun`` and records on
 every rank: RSS just before loading, peak RSS (``getrusage``), RSS and USS after loading, and the load's wall time
-(all ranks start together after a barrier; a rank's time ends when it holds every tensor). ``node-rank0`` runs as
+(all ranks start together after a barrier; a rank's time ends when it holds every tensor), then the time until it
+has read every byte once (what a first forward pass does: weights loaded by mapping the files are read only then)
+and the PSS and USS rises. ``node-rank0`` runs as
 two loopback "nodes" (two ``torchrun --nnodes 2`` launches meeting by c10d on 127.0.0.1), each with half the
 processes; the other modes run as one launch.
 
@@ -63,13 +65,26 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-def _uss() -> int:
+def _pss_uss() -> tuple[int, int]:
     import psutil
 
-    return psutil.Process().memory_full_info().uss
+    info = psutil.Process().memory_full_info()
+    return info.pss, info.uss
 
 
-def worker(folder: Path, mode: str, out: Path) -> None:
+def _touch(pipe: Any) -> float:
+    """Read every byte of every tensor, as a first forward pass does (mapped file pages are read only then)."""
+    import torch
+
+    total = 0.0
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module):
+            for tensor in [*component.parameters(), *component.buffers()]:
+                total += float(tensor.detach().float().sum())
+    return total
+
+
+def worker(folder: Path, mode: str, dtype_name: str, out: Path) -> None:
     """One rank: join the group, wait for the others, load with ``mode``, record memory and time."""
     import torch
     import torch.distributed as dist
@@ -84,10 +99,15 @@ def worker(folder: Path, mode: str, out: Path) -> None:
     join_process_group("cpu", 600.0)
     dist.barrier()
     before = _rss()
+    pss_before, uss_before = _pss_uss()
+    dtype = getattr(torch, dtype_name)
     start = time.perf_counter()
-    session = Session.load(source, device="cpu", dtype=torch.float32, loading=Loading(mode=mode, timeout_s=600.0))
+    session = Session.load(source, device="cpu", dtype=dtype, loading=Loading(mode=mode, timeout_s=600.0))
     seconds = time.perf_counter() - start
+    _touch(session.pipe)
+    ready = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+    pss_after, uss_after = _pss_uss()
     weights = sum(
         t.numel() * t.element_size()
         for c in session.pipe.components.values()
@@ -102,11 +122,13 @@ def worker(folder: Path, mode: str, out: Path) -> None:
         or (mode == "rank0" and dist.get_rank() == 0)
         or (mode == "node-rank0" and os.environ.get("LOCAL_RANK") == "0"),
         "load_seconds": seconds,
+        "ready_seconds": ready,
         "rss_before_bytes": before,
         "peak_rss_bytes": peak,
         "peak_rss_increase_bytes": peak - before,
         "rss_after_bytes": _rss(),
-        "uss_after_bytes": _uss(),
+        "pss_increase_bytes": pss_after - pss_before,
+        "uss_increase_bytes": uss_after - uss_before,
         "weights_bytes": weights,
     }
     dist.barrier()
@@ -130,10 +152,10 @@ def _torchrun(nnodes: int, nproc: int, port: int, args: list[str]) -> subprocess
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def launch(folder: Path, mode: str, nprocs: int) -> dict[str, Any]:
+def launch(folder: Path, mode: str, nprocs: int, dtype: str) -> dict[str, Any]:
     """Run one configuration and return its per-rank records and a summary."""
     with tempfile.TemporaryDirectory(prefix="load-broadcast-") as scratch:
-        args = ["--folder", str(folder), "--mode", mode, "--records", scratch]
+        args = ["--folder", str(folder), "--mode", mode, "--dtype", dtype, "--records", scratch]
         port = _free_port()
         nodes = 2 if mode == "node-rank0" else 1
         launches = [_torchrun(nodes, nprocs // nodes, port, args) for _ in range(nodes)]
@@ -142,7 +164,7 @@ def launch(folder: Path, mode: str, nprocs: int) -> dict[str, Any]:
             if process.returncode != 0:
                 raise RuntimeError(f"{mode} x{nprocs} failed:\n{log[-4000:]}")
         ranks = sorted((json.loads(p.read_text()) for p in Path(scratch).glob("rank*.json")), key=lambda r: r["rank"])
-    return {"mode": mode, "processes": nprocs, "nodes": nodes, "ranks": ranks, **summarize(ranks)}
+    return {"mode": mode, "dtype": dtype, "processes": nprocs, "nodes": nodes, "ranks": ranks, **summarize(ranks)}
 
 
 def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -155,11 +177,13 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
     return {
         "load_seconds_max": max(r["load_seconds"] for r in ranks),
+        "ready_seconds_max": max(r["ready_seconds"] for r in ranks),
         "readers": len(readers),
         "reader_peak_rss_increase_bytes": mean(readers, "peak_rss_increase_bytes"),
         "receiver_peak_rss_increase_bytes": mean(receivers, "peak_rss_increase_bytes"),
-        "sum_peak_rss_increase_bytes": sum(r["peak_rss_increase_bytes"] for r in ranks),
-        "sum_uss_after_bytes": sum(r["uss_after_bytes"] for r in ranks),
+        # Proportional set size counts a page mapped by k processes 1/k in each: the sum is the node's RAM.
+        "sum_pss_increase_bytes": sum(r["pss_increase_bytes"] for r in ranks),
+        "sum_uss_increase_bytes": sum(r["uss_increase_bytes"] for r in ranks),
         "weights_bytes": ranks[0]["weights_bytes"],
     }
 
@@ -167,17 +191,17 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 def _table(runs: list[dict[str, Any]]) -> str:
     mib = 2**20
     lines = [
-        "| processes | mode | load s (slowest rank) | peak RSS rise, reader | peak RSS rise, receiver | "
-        "sum of peak rises | sum of USS after |",
-        "|---|---|---|---|---|---|---|",
+        "| dtype | processes | mode | load s | load + first read s | peak RSS rise, reader / receiver | "
+        "RAM of all ranks (sum of PSS rises) | private (sum of USS rises) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         receiver = run["receiver_peak_rss_increase_bytes"]
         lines.append(
-            f"| {run['processes']} | {run['mode']} | {run['load_seconds_max']:.2f} | "
-            f"{run['reader_peak_rss_increase_bytes'] / mib:.0f} MiB | "
-            f"{'-' if receiver is None else f'{receiver / mib:.0f} MiB'} | "
-            f"{run['sum_peak_rss_increase_bytes'] / mib:.0f} MiB | {run['sum_uss_after_bytes'] / mib:.0f} MiB |"
+            f"| {run['dtype']} | {run['processes']} | {run['mode']} | {run['load_seconds_max']:.2f} | "
+            f"{run['ready_seconds_max']:.2f} | {run['reader_peak_rss_increase_bytes'] / mib:.0f} / "
+            f"{'-' if receiver is None else f'{receiver / mib:.0f}'} MiB | "
+            f"{run['sum_pss_increase_bytes'] / mib:.0f} MiB | {run['sum_uss_increase_bytes'] / mib:.0f} MiB |"
         )
     return "\n".join(lines)
 
@@ -188,20 +212,23 @@ def main() -> None:
     parser.add_argument("--folder", type=Path, help="pipeline folder (built there if missing; default: a temp dir)")
     parser.add_argument("--processes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], help="load dtypes (files: float32)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", help=argparse.SUPPRESS)
     parser.add_argument("--records", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.folder, args.mode, args.records)
+        worker(args.folder, args.mode, args.dtype, args.records)
         return
     folder = build_folder(args.folder or Path(tempfile.mkdtemp(prefix="load-broadcast-model-")) / "flux")
-    launch(folder, "every-rank", 2)  # warms the page cache; not recorded
+    launch(folder, "every-rank", 2, "float32")  # warms the page cache; not recorded
     runs = []
-    for nprocs in args.processes:
-        for mode in args.modes:
-            runs.append(launch(folder, mode, nprocs))
-            print(_table(runs[-1:]).splitlines()[-1], flush=True)
+    for dtype in args.dtypes:
+        for nprocs in args.processes:
+            for mode in args.modes:
+                runs.append(launch(folder, mode, nprocs, dtype))
+                print(_table(runs[-1:]).splitlines()[-1], flush=True)
     table = _table(runs)
     print(table)
     if args.out is not None:
