@@ -12,10 +12,20 @@ from typing import Any
 import pytest
 
 import fastdit
-from fastdit.config import Attention, Compile, DBCache, DBPrune, Parallel, StepMask, TaylorSeer, config_fields
+from fastdit.config import (
+    Attention,
+    Compile,
+    DBCache,
+    DBPrune,
+    Loading,
+    Parallel,
+    StepMask,
+    TaylorSeer,
+    config_fields,
+)
 from fastdit.errors import FieldError, FieldsError
 
-CONFIG_CLASSES: tuple[type, ...] = (TaylorSeer, StepMask, DBCache, DBPrune, Parallel, Compile, Attention)
+CONFIG_CLASSES: tuple[type, ...] = (TaylorSeer, StepMask, DBCache, DBPrune, Parallel, Compile, Attention, Loading)
 FIELDS = [(cls, f.name) for cls in CONFIG_CLASSES for f in dataclasses.fields(cls)]
 
 
@@ -36,6 +46,8 @@ FIELDS = [(cls, f.name) for cls in CONFIG_CLASSES for f in dataclasses.fields(cl
         (lambda: fastdit.Parallel(ulysses=0), r"Parallel.ulysses=0"),
         (lambda: fastdit.Parallel(cfg=3), r"Parallel.cfg=3"),
         (lambda: fastdit.Attention(backend="magic"), r"Attention.backend='magic'"),
+        (lambda: fastdit.Loading(mode="rank-0"), r"Loading.mode='rank-0': must be one of 'every-rank', 'rank0'"),
+        (lambda: fastdit.Loading(timeout_s=0), r"Loading.timeout_s=0"),
     ],
 )
 def test_bad_values_name_field_and_value(factory, message: str) -> None:
@@ -58,7 +70,7 @@ def test_fbcache_is_f1b0() -> None:
 
 def test_every_field_is_documented() -> None:
     for cls in (fastdit.DBCache, fastdit.DBPrune, fastdit.TaylorSeer, fastdit.StepMask, fastdit.Parallel,
-                fastdit.Compile, fastdit.Attention):  # fmt: skip
+                fastdit.Compile, fastdit.Attention, fastdit.Loading):  # fmt: skip
         for name, _, doc in config_fields(cls):
             assert doc, f"{cls.__name__}.{name} has no doc"
 

@@ -18,12 +18,14 @@ from fastdit.errors import FieldError, FieldsError
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "LOAD_MODES",
     "Attention",
     "Compile",
     "CudaGraph",
     "DBCache",
     "DBPrune",
     "FBCache",
+    "Loading",
     "Offload",
     "Parallel",
     "StepMask",
@@ -324,6 +326,39 @@ class Parallel:
     def is_parallel(self) -> bool:
         """Whether any form of parallelism is requested."""
         return self.world_size > 1 or self.text_encoder or self.vae
+
+
+LOAD_MODES = ("every-rank", "rank0", "node-rank0")
+"""How the processes of a job get the weights (:attr:`Loading.mode`)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Loading:
+    """How the processes of a job get the weights: each reads the files, or one reads them and broadcasts.
+
+    A single process always reads the files itself, whatever the mode. See ``docs/parallel.md`` ("Loading the
+    weights") for the memory and time each mode costs.
+    """
+
+    mode: str = _doc(
+        "'every-rank': every process reads the whole checkpoint; 'rank0': global rank 0 reads it and broadcasts "
+        "every tensor to the other ranks, which build the pipeline from its configs without reading weights; "
+        "'node-rank0': each node's local rank 0 reads it and broadcasts within its node.",
+        "every-rank",
+    )
+    timeout_s: float = _doc(
+        "Seconds the other ranks wait for the reading rank (they wait in the first collective while it reads); "
+        "applies to the process group created for loading.",
+        DEFAULT_TIMEOUT_S,
+    )
+
+    def __post_init__(self) -> None:
+        _check_fields(self, mode=_one_of(*LOAD_MODES), timeout_s=_number(1))
+
+    @property
+    def broadcasts(self) -> bool:
+        """Whether one rank (per job or per node) reads the files and broadcasts the tensors."""
+        return self.mode != "every-rank"
 
 
 # torch.compile modes that capture CUDA graphs themselves.

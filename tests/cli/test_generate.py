@@ -272,6 +272,10 @@ BAD_BEFORE_LOADING = [
     ),
     (["--model-path", "{tiny}", "--prompt", "a", "--cache", "prune", "--taylorseer", "1"], "--taylorseer 1"),
     (["--model-path", "{tiny}", "--prompt", "a", "--attention", "warp"], "--attention warp"),
+    (
+        ["--model-path", "{tiny}", "--prompt", "a", "--load", "rank-0"],
+        "argument --load rank-0: must be one of 'every-rank', 'rank0', 'node-rank0'",
+    ),
     (["--model-path", "{tiny}", "--prompt", "a", "--frames", "9"], "--frames 9"),
     (["--model-path", "{tiny}", "--prompt", "a", "--out", "{out}/x.gif"], "an image needs one of the suffixes"),
     (["--model-path", "{tiny}", "--prompt", "a", "--prompt", "b", "--out", "{out}/x.png"], "--out"),

@@ -43,10 +43,22 @@ from fastdit.cli.options import (
     resolve_dtype,
     resolve_source,
 )
-from fastdit.config import ATTENTION_BACKENDS, Attention, Compile, CudaGraph, DBCache, DBPrune, Offload
+from fastdit.config import (
+    ATTENTION_BACKENDS,
+    DEFAULT_TIMEOUT_S,
+    Attention,
+    Compile,
+    CudaGraph,
+    DBCache,
+    DBPrune,
+    Loading,
+    Offload,
+    Parallel,
+)
 from fastdit.errors import FieldError
 from fastdit.io import IMAGE_SUFFIXES, VIDEO_SUFFIXES, check_writable
 from fastdit.parallel.failures import CollectiveError, collective_failures
+from fastdit.parallel.load_broadcast import LoadBroadcastError
 from fastdit.process import is_main_process, process_count, process_group_scope
 from fastdit.session import (
     Case,
@@ -67,6 +79,7 @@ __all__ = [
     "add_acceleration_arguments",
     "add_parser",
     "execute",
+    "loading_options",
     "plan_from_args",
     "run",
 ]
@@ -100,8 +113,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def add_acceleration_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--parallel``, ``--dist-timeout``, ``--compile``, ``--cuda-graph``, ``--attention`` and ``--offload``
-    (shared with ``serve``)."""
+    """Add ``--parallel``, ``--dist-timeout``, ``--load``, ``--compile``, ``--cuda-graph``, ``--attention`` and
+    ``--offload`` (shared with ``serve``)."""
     group = parser.add_argument_group("parallelism and compilation")
     group.add_argument(
         "--parallel",
@@ -110,6 +123,14 @@ def add_acceleration_arguments(parser: argparse.ArgumentParser) -> None:
         "their product must equal the number of processes (torchrun)",
     )
     add_timeout_argument(group)
+    group.add_argument(
+        "--load",
+        metavar="MODE",
+        default="every-rank",
+        help="who reads the weights under torchrun: every-rank (default: each process reads the whole checkpoint), "
+        "rank0 (global rank 0 reads it and broadcasts every tensor to the others), node-rank0 (each node's local "
+        "rank 0 reads it and broadcasts within its node)",
+    )
     group.add_argument("--compile", action="store_true", help="torch.compile the transformer blocks")
     group.add_argument(
         "--cuda-graph",
@@ -177,6 +198,7 @@ class GeneratePlan:
         outputs: Where each output is saved (empty: nothing is saved).
         video: Whether the pipeline makes videos.
         num_steps: Denoising steps per call (``None`` if the pipeline does not say).
+        loading: Who reads the weights (``--load``).
     """
 
     source: ModelSource
@@ -192,6 +214,19 @@ class GeneratePlan:
     outputs: list[Path] = field(default_factory=list)
     video: bool = False
     num_steps: int | None = None
+    loading: Loading = field(default_factory=Loading)
+
+
+def loading_options(args: argparse.Namespace, parallel: Parallel | None) -> Loading:
+    """The :class:`Loading` that ``--load`` asks for, waiting ``--dist-timeout`` for the reading rank if given.
+
+    Raises:
+        CLIError: A mode that does not exist, naming the flag.
+    """
+    try:
+        return Loading(mode=args.load, timeout_s=parallel.timeout_s if parallel is not None else DEFAULT_TIMEOUT_S)
+    except FieldError as error:
+        raise CLIError(f"argument --load {args.load}: {error.requirement}") from None
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
@@ -297,6 +332,7 @@ def plan_from_args(args: argparse.Namespace) -> GeneratePlan:
     num_steps = default_steps(pipeline_class, kwargs)
     cases = _cases(args, source, pipeline_class)
     acceleration = acceleration_options(args, num_steps)
+    loading = loading_options(args, acceleration.get("parallel"))
     _check_step_mask(acceleration.get("cache"), num_steps)
     compare = args.compare if args.compare is not None else source.reference and bool(acceleration)
     if compare and not acceleration:
@@ -319,6 +355,7 @@ def plan_from_args(args: argparse.Namespace) -> GeneratePlan:
         outputs=_outputs(args, len(cases), video),
         video=video,
         num_steps=num_steps,
+        loading=loading,
     )
 
 
@@ -351,7 +388,12 @@ class GenerateRun:
 
 def execute(plan: GeneratePlan, *, progress: bool, track_memory: bool) -> GenerateRun:
     """Load, check sizes and the acceleration, then run (interleaved with the baseline under ``plan.compare``)."""
-    session, load_seconds = timed_load(plan.source, device=plan.device, dtype=plan.dtype, progress=progress)
+    try:
+        session, load_seconds = timed_load(
+            plan.source, device=plan.device, dtype=plan.dtype, progress=progress, loading=plan.loading
+        )
+    except LoadBroadcastError as error:  # raised on every rank alike, before any weight moved
+        raise CLIError(f"argument --load {plan.loading.mode}: {error}") from None
     check_size(session.pipe, plan.kwargs)
     if plan.acceleration:
         _accelerate(session, plan)  # fail fast, before spending time on any run
@@ -392,6 +434,7 @@ def _payload(plan: GeneratePlan, done: GenerateRun) -> dict:
         "dtype": str(plan.dtype).removeprefix("torch."),
         "world_size": process_count(),
         "acceleration": plain_options(plan.acceleration),
+        "load": plan.loading.mode,
         "load_seconds": done.load_seconds,
         "warmup_seconds": result.warmup_seconds,
         "repeat": plan.repeat,
