@@ -29,6 +29,7 @@ _EXPORTS = {
     "FBCache": "fastdit.config",
     "Offload": "fastdit.config",
     "Parallel": "fastdit.config",
+    "Quantize": "fastdit.config",
     "StepMask": "fastdit.config",
     "TaylorSeer": "fastdit.config",
     "BlockGroup": "fastdit.models.base",
@@ -49,6 +50,7 @@ __all__ = [
     "ModelAdapter",
     "Offload",
     "Parallel",
+    "Quantize",
     "StepMask",
     "Summary",
     "TaylorSeer",
@@ -71,6 +73,7 @@ if TYPE_CHECKING:
         FBCache,
         Offload,
         Parallel,
+        Quantize,
         StepMask,
         TaylorSeer,
     )
