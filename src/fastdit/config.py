@@ -19,6 +19,7 @@ from fastdit.errors import FieldError, FieldsError
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "FP8_DYNAMIC_MODES",
+    "QUANTIZE_MODES",
     "Attention",
     "Compile",
     "CudaGraph",
@@ -27,7 +28,6 @@ __all__ = [
     "FBCache",
     "Offload",
     "Parallel",
-    "QUANTIZE_MODES",
     "Quantize",
     "StepMask",
     "TaylorSeer",
@@ -92,7 +92,9 @@ def _optional(rule: _Rule) -> _Rule:
 
 _BOOL = _Rule(lambda v: isinstance(v, bool), "a bool")
 _TEXT = _Rule(lambda v: isinstance(v, str) and bool(v), "a non-empty string")
-_PATTERNS = _Rule(lambda v: isinstance(v, tuple) and all(isinstance(p, str) and p for p in v), "a tuple of non-empty strings")
+_PATTERNS = _Rule(
+    lambda v: isinstance(v, tuple) and all(isinstance(p, str) and p for p in v), "a tuple of non-empty strings"
+)
 _STEPS = _Rule(lambda v: isinstance(v, tuple) and all(_is_int(s) and s >= 0 for s in v), "non-negative integers")
 
 
@@ -499,9 +501,7 @@ class Quantize:
                 object.__setattr__(self, name, (value,))
             elif isinstance(value, Iterable) and not isinstance(value, bytes):
                 object.__setattr__(self, name, tuple(value))
-        _check_fields(
-            self, mode=_one_of(*QUANTIZE_MODES), include=_PATTERNS, exclude=_PATTERNS, min_size=_integer(0)
-        )
+        _check_fields(self, mode=_one_of(*QUANTIZE_MODES), include=_PATTERNS, exclude=_PATTERNS, min_size=_integer(0))
 
     @property
     def dynamic_fp8(self) -> bool:
