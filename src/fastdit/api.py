@@ -217,6 +217,13 @@ class Summary:
     def __str__(self) -> str:
         lines = []
         for name, info in self.transformers.items():
+            quantized = info.get("quantize")
+            if quantized:
+                lines.append(
+                    f"{name}: {quantized['num_quantized']} linear layers quantized ({quantized['mode']}), "
+                    f"{quantized['num_skipped']} skipped; their weights {quantized['bytes_before'] / 2**20:.1f} MiB "
+                    f"-> {quantized['bytes_after'] / 2**20:.1f} MiB"
+                )
             stats = info.get("cache")
             if not stats:
                 lines.append(f"{name}: no cache")
