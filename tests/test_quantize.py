@@ -8,6 +8,7 @@ numerics are tested on the GPU (``gpu`` marker).
 from __future__ import annotations
 
 import functools
+import re
 import sys
 from typing import Any
 
@@ -19,7 +20,7 @@ import fastdit
 from fastdit.config import Quantize
 from fastdit.errors import ArgumentError, FieldError
 from fastdit.metrics import compare
-from fastdit.quantize import apply_quantize, plan_layers, tensor_bytes
+from fastdit.quantize import apply_quantize, check_quantize, plan_layers, tensor_bytes
 from fastdit.testing.pipelines import build_tiny, run_tiny
 
 pytest.importorskip("torchao")
@@ -127,6 +128,25 @@ def test_fp8_dynamic_refused_on_cpu_before_anything(mode: str) -> None:
     assert info.value.field == "quantize" and "compute capability 8.9" in str(info.value)
     assert "int8_weight" in str(info.value)  # says what to use instead
     assert all(p is before[n] for n, p in pipe.transformer.named_parameters())
+
+
+@pytest.mark.parametrize(
+    ("capability", "dtype", "needle"),
+    [
+        ((8, 0), torch.bfloat16, "needs compute capability 8.9 or newer; A100 has 8.0"),
+        ((9, 0), torch.float16, "bfloat16 weights only (torchao); the transformer's are float16"),
+        ((9, 0), torch.bfloat16, None),
+    ],
+)
+def test_fp8_device_and_dtype_checks(monkeypatch: pytest.MonkeyPatch, capability, dtype, needle) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "A100")
+    if needle is None:
+        check_quantize(Quantize(mode="fp8"), torch.device("cuda", 0), dtype)
+        return
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        check_quantize(Quantize(mode="fp8"), torch.device("cuda", 0), dtype)
+    check_quantize(Quantize(mode="int8_weight"), torch.device("cuda", 0), dtype)  # weight-only: any GPU, any dtype
 
 
 def test_missing_torchao_names_the_package(monkeypatch: pytest.MonkeyPatch) -> None:

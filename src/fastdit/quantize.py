@@ -91,13 +91,18 @@ def torchao_config(mode: str) -> Any:
     raise ValueError(f"unknown quantization mode {mode!r}")
 
 
-def check_quantize(config: Quantize, device: torch.device) -> None:
-    """Refuse a mode the device cannot run, before any module is touched.
+def check_quantize(config: Quantize, device: torch.device, dtype: torch.dtype | None = None) -> None:
+    """Refuse a mode the device or the weights' dtype cannot run, before any module is touched.
+
+    Args:
+        config: The request.
+        device: Where the transformer computes.
+        dtype: Its weights' floating-point dtype (``None``: not checked).
 
     Raises:
         ImportError: torchao is not installed.
         ValueError: an FP8 dynamic mode on a device other than a CUDA GPU of compute capability 8.9 or newer (what
-            torchao's float8 matmul needs: it refuses the CPU).
+            torchao's float8 matmul needs: it refuses the CPU), or per-row FP8 of weights that are not bfloat16.
     """
     import_torchao()
     if not config.dynamic_fp8:
@@ -114,6 +119,11 @@ def check_quantize(config: Quantize, device: torch.device) -> None:
         raise ValueError(
             f"mode={config.mode!r} computes its matmuls in FP8, which needs compute capability 8.9 or newer; "
             f"{name} has {capability[0]}.{capability[1]}; {fallback}"
+        )
+    if config.mode == "fp8" and dtype is not None and dtype != torch.bfloat16:
+        raise ValueError(
+            f"mode='fp8' (per-row scales) quantizes bfloat16 weights only (torchao); the transformer's are "
+            f"{str(dtype).removeprefix('torch.')}: load it in bfloat16, or use mode='fp8_tensor'"
         )
 
 
@@ -237,14 +247,15 @@ def _offload(param: torch.nn.Parameter) -> Undo:
     return undo
 
 
-def _quantize_plain(module: torch.nn.Linear, ao_config: Any) -> Undo:
-    """Quantize one Linear whose weight is a plain tensor; the undo restores its parameters and attributes."""
+def _quantize_plain(module: torch.nn.Linear, ao_config: Any) -> Undo | None:
+    """Quantize one Linear whose weight is a plain tensor; the undo restores its parameters and attributes
+    (``None``: torchao left the layer as it was)."""
     parameters = dict(module._parameters)
     attributes = set(module.__dict__)
     with _quiet_torchao():
         import_torchao().quantize_(module, ao_config)
-    if module._parameters["weight"] is parameters["weight"]:
-        raise RuntimeError(f"torchao's quantize_ left {type(module).__name__} unchanged")
+    if module._parameters["weight"] is parameters["weight"]:  # torchao declined (a shape its kernels do not take)
+        return None
     offload = _offload(parameters["weight"])
 
     def undo() -> None:
@@ -274,7 +285,7 @@ def _local_forward(weight: torch.Tensor, bias: Any, placement: Any, mesh: Any) -
     return forward
 
 
-def _quantize_split(module: torch.nn.Linear, ao_config: Any) -> Undo:
+def _quantize_split(module: torch.nn.Linear, ao_config: Any) -> Undo | None:
     """Quantize this rank's slice of a Linear split by tensor parallelism (a DTensor weight)."""
     weight = module.weight
     (placement,) = weight.placements
@@ -286,6 +297,8 @@ def _quantize_split(module: torch.nn.Linear, ao_config: Any) -> Undo:
     with _quiet_torchao():
         import_torchao().quantize_(holder, ao_config)
     quantized = holder.weight
+    if type(quantized.data) is torch.Tensor:  # torchao declined
+        return None
     kept = local.detach().to("cpu", copy=True)  # the slice, rebuilt into a DTensor by the undo
     spec = (weight.device_mesh, weight.placements, weight.shape, weight.stride(), local.device)
     module._parameters["weight"] = quantized
@@ -328,9 +341,14 @@ def apply_quantize(transformer: torch.nn.Module, config: Quantize, block_paths: 
                 state.skipped[choice.name] = choice.reason
                 continue
             module = choice.module
-            state.bytes_before += tensor_bytes(module.weight)
+            before = tensor_bytes(module.weight)
             split = isinstance(module.weight, DTensor)
-            undos.append((_quantize_split if split else _quantize_plain)(module, ao_config))
+            undo = (_quantize_split if split else _quantize_plain)(module, ao_config)
+            if undo is None:
+                state.skipped[choice.name] = "torchao left it unquantized (a shape or dtype its kernels do not take)"
+                continue
+            undos.append(undo)
+            state.bytes_before += before
             state.bytes_after += tensor_bytes(module.weight)
             state.quantized.append(choice.name)
     except BaseException:

@@ -122,8 +122,9 @@ class _Quantize:
                 "also saves memory)",
             )
         for item in components.denoisers:
+            dtype = next((p.dtype for p in item.module.parameters() if p.is_floating_point()), None)
             try:
-                check_quantize(request.quantize, _run_device(request, item.module))
+                check_quantize(request.quantize, _run_device(request, item.module), dtype)
             except ValueError as error:
                 raise ArgumentError("accelerate", "quantize", request.quantize, f"{item.name}: {error}") from error
 
