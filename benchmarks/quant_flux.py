@@ -4,12 +4,12 @@ diffusers + torchao anchor, in one process, with time per call and step, memory 
 The model, its random weights (residual outputs scaled so 57 blocks stay finite), the prompt embeddings and the
 decode are those of ``cp_flux.py`` (imported from it). A mode is a precision with options joined by ``+``:
 
-- precision: ``bf16`` (no quantization) or a :class:`fastdit.Quantize` mode (``fp8`` rowwise, ``fp8_tensor``,
-  ``fp8_weight``, ``int8_weight``, ``int8``);
+- precision: ``bf16`` (no quantization: the model's dtype, bfloat16 on the GPU, float32 on the CPU) or a
+  :class:`fastdit.Quantize` mode (``fp8`` rowwise, ``fp8_tensor``, ``fp8_weight``, ``int8_weight``, ``int8``);
 - options: ``compile`` (inductor blocks), ``graph`` (CUDA graphs of the calls), ``all`` (quantize every Linear,
   embedders and final projection included, as the anchor does), ``noada`` (keep the AdaLN modulation linears in
-  bf16), ``fp8attn`` (torchao's FP8 attention, FA3 on Hopper; reported as unavailable when its kernels are not
-  installed; set before compile and left on for later modes, so list it last);
+  bf16), ``fp8attn`` (torchao's FP8 attention, FA3 on Hopper, around the transformer's SDPA calls; reported as
+  unavailable when its kernels are not installed);
 - ``anchor``: diffusers + torchao ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())`` on the whole
   transformer and ``compile_repeated_blocks(fullgraph=True)``. It cannot be undone, so it runs last.
 
@@ -17,7 +17,8 @@ The first mode is the baseline of every quality figure (latent PSNR over the bas
 the decoded images). Each mode's compile and warm-up get ``--mode-timeout`` seconds; a mode that fails or runs out
 of time is reported with its error and the others still run. JSON is rewritten (atomically) after every mode.
 
-    python benchmarks/quant_flux.py --out benchmarks/results/<date>_h200_quant/quant_flux.json
+    python benchmarks/quant_flux.py --out benchmarks/results/<date>_h200_quant/quant_flux.json   # every mode
+    bash benchmarks/run_h200_quant.sh      # the same modes in parts of a few minutes each, the reference, GPU tests
     python benchmarks/quant_flux.py --reference --out .../quant_reference.json   # trained model: image quality
     python benchmarks/quant_flux.py --tiny --modes bf16,int8_weight,fp8_weight,int8   # CPU smoke test, seconds
 """
@@ -63,10 +64,11 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny model, 64x64, 4 steps (CPU smoke test)")
     parser.add_argument("--reference", action="store_true", help="the trained reference pipeline (digits, 32x32)")
+    parser.add_argument("--digits", type=int, default=10, help="with --reference: prompts for digits 0..N-1")
     parser.add_argument("--steps", type=int, default=None, help="denoising steps (default 28; 4 with --tiny)")
     parser.add_argument("--size", type=int, default=None, help="image side (default 1024; 64 with --tiny)")
     parser.add_argument("--modes", default=None, help=f"comma-separated (default {DEFAULT_MODES})")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed calls per mode (compile happens here)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed calls per mode (compile, graph capture)")
     parser.add_argument("--repeat", type=int, default=3, help="timed calls per mode (median reported)")
     parser.add_argument("--mode-timeout", type=float, default=900.0, help="seconds one mode may take in all")
     parser.add_argument("--seed", type=int, default=0)
@@ -284,8 +286,10 @@ def build(args: argparse.Namespace, device: torch.device) -> tuple[Any, dict[str
     if args.reference:
         from fastdit.reference import REFERENCE_DEFAULTS, digit_prompt, load_reference_pipeline
 
+        if device.type == "cpu":
+            torch.set_num_threads(1)  # its kernels are tiny: more threads only synchronise (see the CLI's --threads)
         pipe = load_reference_pipeline(device, dtype)
-        kwargs = {**REFERENCE_DEFAULTS, "prompt": [digit_prompt(d) for d in range(10)]}
+        kwargs = {**REFERENCE_DEFAULTS, "prompt": [digit_prompt(d) for d in range(args.digits)]}
         if args.steps:
             kwargs["num_inference_steps"] = args.steps
         return pipe, kwargs, kwargs["num_inference_steps"], kwargs["height"]
