@@ -158,6 +158,15 @@ def test_missing_torchao_names_the_package(monkeypatch: pytest.MonkeyPatch) -> N
         fastdit.summary(pipe)
 
 
+def test_offload_is_refused_naming_both() -> None:
+    pipe, _ = _built("flux")
+    with pytest.raises(ArgumentError, match="offload streams plain weights") as info:
+        fastdit.accelerate(pipe, quantize=Quantize(mode="int8_weight"), offload=fastdit.Offload())
+    assert info.value.field == "quantize"
+    with pytest.raises(ValueError, match="not accelerated"):
+        fastdit.summary(pipe)
+
+
 def test_accelerate_refuses_a_wrong_type() -> None:
     pipe, _ = _built("flux")
     with pytest.raises(TypeError, match="expected Quantize"):
