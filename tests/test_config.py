@@ -18,14 +18,27 @@ from fastdit.config import (
     DBCache,
     DBPrune,
     Loading,
+    Offload,
     Parallel,
+    Quantize,
     StepMask,
     TaylorSeer,
     config_fields,
 )
 from fastdit.errors import FieldError, FieldsError
 
-CONFIG_CLASSES: tuple[type, ...] = (TaylorSeer, StepMask, DBCache, DBPrune, Parallel, Compile, Attention, Loading)
+CONFIG_CLASSES: tuple[type, ...] = (
+    TaylorSeer,
+    StepMask,
+    DBCache,
+    DBPrune,
+    Parallel,
+    Compile,
+    Attention,
+    Loading,
+    Quantize,
+    Offload,
+)
 FIELDS = [(cls, f.name) for cls in CONFIG_CLASSES for f in dataclasses.fields(cls)]
 
 
@@ -70,7 +83,8 @@ def test_fbcache_is_f1b0() -> None:
 
 def test_every_field_is_documented() -> None:
     for cls in (fastdit.DBCache, fastdit.DBPrune, fastdit.TaylorSeer, fastdit.StepMask, fastdit.Parallel,
-                fastdit.Compile, fastdit.Attention, fastdit.Loading):  # fmt: skip
+                fastdit.Compile, fastdit.Attention, fastdit.Loading, fastdit.Quantize,
+                fastdit.Offload):  # fmt: skip
         for name, _, doc in config_fields(cls):
             assert doc, f"{cls.__name__}.{name} has no doc"
 
@@ -106,6 +120,8 @@ def _wrong_values(hint: Any) -> list[Any]:
         return [*wrong, True, "0.1", math.nan, math.inf, -math.inf]
     if base is str:
         return [*wrong, 1, b"sdpa"]
+    if typing.get_origin(base) is tuple and typing.get_args(base)[0] is str:  # patterns; one string is one pattern
+        return [*wrong, (1.0,), (True,), ("",), ("a", None), 3, b"a"]
     if typing.get_origin(base) is tuple:
         return [*wrong, (1.0,), (True,), ("0",), "01", 3]
     if base in (TaylorSeer, StepMask):

@@ -30,6 +30,7 @@ _EXPORTS = {
     "Offload": "fastdit.config",
     "Loading": "fastdit.config",
     "Parallel": "fastdit.config",
+    "Quantize": "fastdit.config",
     "StepMask": "fastdit.config",
     "TaylorSeer": "fastdit.config",
     "BlockGroup": "fastdit.models.base",
@@ -51,6 +52,7 @@ __all__ = [
     "ModelAdapter",
     "Offload",
     "Parallel",
+    "Quantize",
     "StepMask",
     "Summary",
     "TaylorSeer",
@@ -74,6 +76,7 @@ if TYPE_CHECKING:
         Loading,
         Offload,
         Parallel,
+        Quantize,
         StepMask,
         TaylorSeer,
     )

@@ -39,6 +39,7 @@ from fastdit.cli.options import (
     output_path,
     parse_config_fields,
     parse_parallel,
+    parse_quantize,
     resolve_device,
     resolve_dtype,
     resolve_source,
@@ -46,6 +47,7 @@ from fastdit.cli.options import (
 from fastdit.config import (
     ATTENTION_BACKENDS,
     DEFAULT_TIMEOUT_S,
+    QUANTIZE_MODES,
     Attention,
     Compile,
     CudaGraph,
@@ -113,8 +115,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def add_acceleration_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--parallel``, ``--dist-timeout``, ``--load``, ``--compile``, ``--cuda-graph``, ``--attention`` and
-    ``--offload`` (shared with ``serve``)."""
+    """Add ``--parallel``, ``--dist-timeout``, ``--load``, ``--compile``, ``--cuda-graph``, ``--attention``,
+    ``--offload`` and ``--quantize`` (shared with ``serve``)."""
     group = parser.add_argument_group("parallelism and compilation")
     group.add_argument(
         "--parallel",
@@ -147,6 +149,13 @@ def add_acceleration_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep transformer blocks in host memory and stream them in for their call (a model larger than the "
         "GPU); optional fields, e.g. resident_blocks=20,prefetch=2 (keys: resident_blocks, prefetch, device, "
         "pin_memory)",
+    )
+    group.add_argument(
+        "--quantize",
+        metavar="SPEC",
+        help=f"quantize the transformer blocks' linear layers with torchao (pip install 'fastdit[quant]'): MODE "
+        f"({', '.join(QUANTIZE_MODES)}) and optional key=value pairs (keys: include, exclude, min_size), e.g. fp8 "
+        "or int8_weight,exclude=*.norm1.linear; fp8 and fp8_tensor need a CUDA GPU of compute capability >= 8.9",
     )
 
 
@@ -271,6 +280,8 @@ def acceleration_options(args: argparse.Namespace, num_steps: int | None) -> dic
         options["compile"] = Compile()
     if args.cuda_graph:  # graphs without dynamo unless --compile is given too
         options["cuda_graph"] = CudaGraph()
+    if args.quantize is not None:
+        options["quantize"] = parse_quantize(args.quantize)
     if args.attention is not None:
         try:
             options["attention"] = Attention(backend=args.attention)
@@ -367,6 +378,8 @@ def _accelerate(session: Session, plan: GeneratePlan) -> None:
         raise  # fastdit.cli.main names the flags that set the field (or argument), from the parsed arguments
     except (NotImplementedError, ValueError) as error:  # about the model, not a value the user chose
         raise CLIError(f"cannot accelerate {plan.source.name}: {error}") from None
+    except ImportError as error:  # an optional package a technique needs (torchao for --quantize)
+        raise CLIError(f"cannot accelerate {plan.source.name}: {error}") from None
 
 
 @dataclass
@@ -403,6 +416,16 @@ def execute(plan: GeneratePlan, *, progress: bool, track_memory: bool) -> Genera
         session, variants, plan.cases, plan.kwargs, warmup=plan.warmup, repeat=plan.repeat, track_memory=track_memory
     )
     return GenerateRun(session, load_seconds, results[-1], results[0] if plan.compare else None)
+
+
+def _quantized(summary: Any) -> dict[str, dict[str, Any]]:
+    """Per transformer that was quantized: the mode, layer counts and weight bytes (the per-layer lists left out)."""
+    out = {}
+    for name, info in summary.transformers.items() if summary is not None else ():
+        stats = info.get("quantize")
+        if stats:
+            out[name] = {k: v for k, v in stats.items() if k not in ("quantized", "skipped")}
+    return out
 
 
 def _layout(summary: Any) -> dict | None:
@@ -444,6 +467,9 @@ def _payload(plan: GeneratePlan, done: GenerateRun) -> dict:
     layout = _layout(result.summary)
     if layout is not None:
         payload["parallel"] = layout
+    quantized = _quantized(result.summary)
+    if quantized:
+        payload["quantized"] = quantized
     if "num_frames" in plan.kwargs:
         payload["frames"] = plan.kwargs["num_frames"]
     if result.cache is not None and "cache" in plan.acceleration:
