@@ -69,11 +69,28 @@ def _text_encoder(seed: int):
     return build(Qwen3VLModel, config, seed=seed), tok
 
 
+def tiny_vae(seed: int = 0):
+    """A two-level ``AutoencoderKLFlux2`` with 4 latent channels (the pipeline patchifies its latents 2x2 -> 16)."""
+    from diffusers import AutoencoderKLFlux2
+
+    from fastdit.testing.components.encoders import build
+
+    return build(
+        AutoencoderKLFlux2,
+        seed=seed,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        latent_channels=_LATENT_CHANNELS,
+        norm_num_groups=8,
+        sample_size=32,
+    )
+
+
 def tiny_ideogram4(seed: int = 0):
     """A complete tiny ``Ideogram4Pipeline`` (conditional and unconditional transformers, FLUX.2 VAE)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, Ideogram4Pipeline
-
-    from fastdit.models.flux2 import tiny_vae
 
     text_encoder, tokenizer = _text_encoder(seed + 1)
     return Ideogram4Pipeline(
