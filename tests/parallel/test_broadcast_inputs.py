@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fastdit
-from fastdit.parallel.plan import passes_whole
+from fastdit.parallel.plan import SplitInput, SplitOutput, passes_whole
 from fastdit.testing.distributed import DistributedTestError, WorkerPool
 
 pytestmark = pytest.mark.distributed
@@ -117,3 +117,40 @@ def test_one_row_table_really_broadcasts() -> None:
         cos, sin = kwargs["image_rotary_emb"]
         second = transformer(**{**kwargs, "image_rotary_emb": (sin, cos)})[0]
     assert not np.allclose(first.numpy(), second.numpy())
+
+
+def _split_cases(rank: int, world_size: int) -> dict[str, Any]:
+    """What the context-parallel splitter does with the inputs the plans' audit found (on every rank)."""
+    from fastdit.parallel.attention.dispatch import ForwardLayout
+    from fastdit.parallel.context_parallel import _Splitter
+
+    layout = ForwardLayout()
+    splitter = _Splitter(None, layout, log=False)
+    table = (torch.arange(8.0).view(1, 8), torch.arange(8.0).view(1, 8) + 1)  # one-row (cos, sin), dim 0
+    tokens = torch.arange(24.0).view(1, 4, 6)
+    out = {
+        "table": splitter.split(table, 0, 2, "rope"),
+        "rope_output": SplitOutput(dim=1, expected_dims=4).keep_singleton,
+        "none": splitter.split(None, 1, 3, "mask"),  # an optional input left None
+        "pair_with_none": splitter.split((tokens, None), 1, 3, "pair"),
+        "tokens": splitter.split(tokens, 1, 3, "hidden_states"),
+        "per_sample": SplitInput(dim=1, expected_dims=2).adjust(torch.ones(1, 1), splitter, "timestep"),
+        "recorded": dict(layout.splits),
+    }
+    try:
+        splitter.split(torch.zeros(1, 1, 6), 1, 3, "encoder_hidden_states")
+    except ValueError as error:
+        out["stream_error"] = str(error)
+    return out
+
+
+def test_splitter_passes_broadcasts_and_none_whole_and_splits_the_rest(dist2: WorkerPool) -> None:
+    for rank, out in enumerate(dist2.run(_split_cases, timeout=60)):
+        assert all(t.shape == (1, 8) for t in out["table"])  # whole on every rank, not recorded as a split
+        assert out["rope_output"] is None  # SplitOutput broadcasts one-row outputs alike (the default)
+        assert out["none"] is None
+        assert out["pair_with_none"][1] is None and out["pair_with_none"][0].shape == (1, 2, 6)
+        assert torch.equal(out["tokens"], torch.arange(24.0).view(1, 4, 6)[:, 2 * rank : 2 * rank + 2])
+        assert out["per_sample"].shape == (1, 1)  # a (B, 1) per-sample timestep broadcasts
+        assert out["recorded"] == {"pair": [2, 2], "hidden_states": [2, 2]}
+        assert "encoder_hidden_states has 1 tokens along dim 1, fewer than the 2 ranks" in out["stream_error"]
