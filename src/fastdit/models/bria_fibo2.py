@@ -154,7 +154,9 @@ ADAPTER = register(
         block_groups=(BlockGroup(path="layers", pattern=ForwardPattern.P3, hidden_arg="x"),),
         cp_plan=CP_PLAN,
         tp_plan=TP_PLAN,
-        cfg_parallel=False,
+        # CFG as two unannounced calls per step; the first output is cast (.float()) before the second call, which
+        # the placeholder of the rank that skips it records and replays once filled.
+        cfg_pairs_by_timestep=True,
         tiny_pipelines=(
             TinyPipeline(name="t2i", build=tiny_bria_fibo2, call_kwargs=_CALL),
             TinyPipeline(
@@ -178,9 +180,7 @@ ADAPTER = register(
             "tokens (their count depends on the prompt length) that join the sequence, the others feed the "
             "injection blocks' cross-attention. Images to edit join as clean context tokens (timestep 0 "
             "modulation, chosen per token by a noise mask). A key-padding mask exists only when a batch pads the "
-            "gist. No CFG parallelism: the pipeline runs CFG as two unannounced calls per step and casts the first "
-            "call's output (`.float()`) before the second call, which would copy the other rank's placeholder in "
-            "half precision."
+            "gist. CFG runs as two unannounced calls per step (paired by timestep for CFG parallelism)."
         ),
     )
 )

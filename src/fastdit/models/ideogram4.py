@@ -159,7 +159,8 @@ ADAPTER = register(
         block_groups=(BlockGroup(path="layers", pattern=ForwardPattern.P3),),
         cp_plan=CP_PLAN,
         tp_plan=TP_PLAN,
-        cfg_parallel=False,
+        # The branches are calls of two transformers: each runs on its branch's rank.
+        cfg_branch_components={"transformer": "cond", "unconditional_transformer": "uncond"},
         tiny_pipelines=(TinyPipeline(name="t2i", build=tiny_ideogram4, call_kwargs=_CALL),),
         presets=(
             ModelPreset(
@@ -174,8 +175,9 @@ ADAPTER = register(
             "`unconditional_transformer` on the image tokens alone, blended per step with a guidance schedule; "
             "each has its own cache. A block-diagonal mask from `segment_ids` keeps the left padding apart. "
             "3-axis interleaved M-RoPE from `position_ids`. The pipeline taps 13 fixed layers (up to 35) of the "
-            "Qwen3-VL text tower. No CFG parallelism: the two branches are calls of two different transformers "
-            "(on sequences of different lengths), which the branch pairing (one denoiser's calls) does not serve."
+            "Qwen3-VL text tower. CFG parallelism puts each transformer on its own rank "
+            "(`cfg_branch_components`); the pipeline slices and casts the conditional output before the "
+            "unconditional call, which the placeholder replays once filled."
         ),
     )
 )
