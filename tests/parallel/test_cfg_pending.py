@@ -28,6 +28,8 @@ def test_casts_slices_and_arithmetic_before_the_fill_get_the_filled_values() -> 
     chunks = out.chunk(2, dim=1)
     scaled = cast * 2
     cast.add_(1)  # in place, after `scaled` was taken
+    written = out.float()
+    written[:, 0] = 5.0  # a write into a placeholder, redone after the fill
     assert isinstance(cast, PendingOutput) and cast.dtype == torch.float32 and tail.shape == (1, 4, 4)
     value = torch.randn(1, 6, 4).to(torch.bfloat16)
     replay.fill(slots, [value])
@@ -37,6 +39,7 @@ def test_casts_slices_and_arithmetic_before_the_fill_get_the_filled_values() -> 
     assert torch.equal(scaled, expected * 2)
     assert torch.equal(tail, expected[:, 2:])
     assert torch.equal(chunks[1], value[:, 3:])
+    assert torch.equal(written[:, 1:], expected[:, 1:]) and bool((written[:, 0] == 5.0).all())
     after = cast - 1  # filled: a plain operation
     assert torch.equal(after, expected) and not isinstance(after, PendingOutput)
 

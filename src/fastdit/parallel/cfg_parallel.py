@@ -107,6 +107,7 @@ class _Replay:
         self.ops: list[tuple[Callable[..., Any], tuple, dict, list[torch.Tensor]]] = []
 
     def pending(self, tensor: torch.Tensor) -> PendingOutput:
+        """``tensor`` as a placeholder of this replay (the same object if it is one already)."""
         if isinstance(tensor, PendingOutput):
             return tensor  # an op that returned its input (in place, or a cast to the dtype it has)
         out = tensor.as_subclass(PendingOutput)
@@ -114,9 +115,13 @@ class _Replay:
         return out
 
     def record(self, func: Callable[..., Any], args: tuple, kwargs: dict, result: Any) -> Any:
+        """Note an op applied to a placeholder (its tensor results become placeholders), or refuse a read."""
         leaves, tree = tree_flatten(result)
         if not any(isinstance(t, torch.Tensor) for t in leaves):
-            if getattr(func, "__name__", "") in _METADATA:
+            name = getattr(func, "__name__", "")
+            if name == "__setitem__":  # a write into a placeholder: redone after the fill
+                self.ops.append((func, args, kwargs, []))
+            if name in _METADATA or name == "__setitem__":
                 return result
             raise CfgParallelError(
                 f"CFG parallelism (cfg=2): the pipeline read the values of a guidance branch's output "
