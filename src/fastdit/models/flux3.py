@@ -72,8 +72,9 @@ class Flux3TinySampler:
 
     The prompt is embedded by a fixed random table over its bytes (no text encoder: the transformer is what is
     accelerated); the image tokens are one per 8 x 8 pixels, decoded for display as the sigmoid of their first three
-    channels. An ``image`` adds reference tokens (its 4 x 4 RGB patches, at time index 1). With ``guidance_scale >
-    1`` each step calls the transformer for the prompt, then for ``negative_prompt``, with the same timestep.
+    channels over those pixels. An ``image`` adds reference tokens (its 4 x 4 RGB patches, at time index 1). With
+    ``guidance_scale > 1`` each step calls the transformer for the prompt, then for ``negative_prompt``, with the
+    same timestep. The latents stay float32 between steps; ``to`` moves or casts the transformer.
     """
 
     def __init__(self, transformer: torch.nn.Module, seed: int = 0) -> None:
@@ -85,11 +86,20 @@ class Flux3TinySampler:
     def set_progress_bar_config(self, **kwargs: Any) -> None:
         """Accepted for pipeline compatibility (the sampler draws no progress bar)."""
 
+    def to(self, *args: Any, **kwargs: Any) -> Flux3TinySampler:
+        """Move (or cast) the transformer, as ``DiffusionPipeline.to`` does; the sampler follows its device."""
+        self.transformer.to(*args, **kwargs)
+        return self
+
+    @property
+    def _where(self) -> dict[str, Any]:
+        return {"device": self.transformer.device, "dtype": self.transformer.dtype}
+
     def _encode(self, prompt: str, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         codes = list(prompt.encode()[:length]) + [0] * max(0, length - len(prompt.encode()))
         ids = torch.zeros(length, 4)
         ids[:, 3] = torch.arange(length)  # text tokens are told apart by the last axis
-        return self._byte_table[torch.tensor(codes)][None], ids
+        return self._byte_table[torch.tensor(codes)][None].to(**self._where), ids.to(self.transformer.device)
 
     def _reference(self, image: Any) -> tuple[torch.Tensor, torch.Tensor]:
         import numpy as np
@@ -97,11 +107,15 @@ class Flux3TinySampler:
         pixels = torch.from_numpy(np.asarray(image.convert("RGB"), dtype=np.float32) / 127.5 - 1.0)
         h, w = pixels.shape[0] // _PATCH, pixels.shape[1] // _PATCH
         patches = pixels[: h * _PATCH, : w * _PATCH].reshape(h, _PATCH, w, _PATCH, 3).permute(0, 2, 1, 3, 4)
-        return patches.reshape(1, h * w, -1), _grid_ids(1, h, w)
+        return patches.reshape(1, h * w, -1).to(**self._where), _grid_ids(1, h, w).to(self.transformer.device)
 
     def _velocity(self, latents: torch.Tensor, sigma: torch.Tensor, target: torch.Tensor, call: dict) -> torch.Tensor:
+        # The latents stay float32 between steps (as diffusers' pipelines keep them); each call gets the model's dtype.
+        where = self._where
+        sigma, target = sigma.to(**where), target.to(**where)
         flow_map = {"target_timestep": target} if self.transformer.config.flow_map else {}
-        return self.transformer(hidden_states=latents, timestep=sigma, **flow_map, **call, return_dict=False)[0]
+        out = self.transformer(hidden_states=latents.to(**where), timestep=sigma, **flow_map, **call, return_dict=False)
+        return out[0].float()
 
     @torch.no_grad()
     def __call__(
@@ -118,8 +132,8 @@ class Flux3TinySampler:
         output_type: str = "np",
     ) -> SimpleNamespace:
         h, w = height // 8, width // 8
-        latents = torch.randn(1, h * w, _LATENT_CHANNELS, generator=generator)
-        shared: dict[str, Any] = {"img_ids": _grid_ids(0, h, w)}
+        latents = torch.randn(1, h * w, _LATENT_CHANNELS, generator=generator).to(self.transformer.device)
+        shared: dict[str, Any] = {"img_ids": _grid_ids(0, h, w).to(self.transformer.device)}
         if image is not None:
             shared["image_cond_hidden_states"], shared["image_cond_ids"] = self._reference(image)
         branches = [prompt] + ([negative_prompt] if guidance_scale > 1 else [])
@@ -127,7 +141,7 @@ class Flux3TinySampler:
         for text in branches:
             embeds, txt_ids = self._encode(text, max_sequence_length)
             calls.append({**shared, "encoder_hidden_states": embeds, "txt_ids": txt_ids})
-        sigmas = torch.linspace(1.0, 0.0, num_inference_steps + 1)
+        sigmas = torch.linspace(1.0, 0.0, num_inference_steps + 1, device=self.transformer.device)
         for i in range(num_inference_steps):
             sigma, target = sigmas[i].expand(1), sigmas[i + 1].expand(1)
             velocities = [self._velocity(latents, sigma, target, call) for call in calls]
@@ -135,8 +149,10 @@ class Flux3TinySampler:
                 velocities[0] = velocities[1] + guidance_scale * (velocities[0] - velocities[1])
             latents = latents + (sigmas[i + 1] - sigmas[i]) * velocities[0]
         grid = latents.reshape(1, h, w, _LATENT_CHANNELS)
-        images = grid if output_type == "latent" else torch.sigmoid(grid[..., :3])
-        return SimpleNamespace(images=images.float().numpy())
+        # Decoded as an image of the requested size: each token's 8 x 8 pixels (SSIM needs more than a few pixels).
+        pixels = torch.sigmoid(grid[..., :3]).repeat_interleave(8, dim=1).repeat_interleave(8, dim=2)
+        images = grid if output_type == "latent" else pixels
+        return SimpleNamespace(images=images.float().cpu().numpy())
 
 
 def tiny_flux3(seed: int = 0) -> Flux3TinySampler:
