@@ -27,7 +27,10 @@ _EXPORTS = {
     "DBCache": "fastdit.config",
     "DBPrune": "fastdit.config",
     "FBCache": "fastdit.config",
+    "Offload": "fastdit.config",
+    "Loading": "fastdit.config",
     "Parallel": "fastdit.config",
+    "Quantize": "fastdit.config",
     "StepMask": "fastdit.config",
     "TaylorSeer": "fastdit.config",
     "BlockGroup": "fastdit.models.base",
@@ -45,8 +48,11 @@ __all__ = [
     "DBPrune",
     "FBCache",
     "ForwardPattern",
+    "Loading",
     "ModelAdapter",
+    "Offload",
     "Parallel",
+    "Quantize",
     "StepMask",
     "Summary",
     "TaylorSeer",
@@ -60,7 +66,20 @@ __all__ = [
 
 if TYPE_CHECKING:
     from fastdit.api import Summary, accelerate, disable, reset, summary
-    from fastdit.config import Attention, Compile, CudaGraph, DBCache, DBPrune, FBCache, Parallel, StepMask, TaylorSeer
+    from fastdit.config import (
+        Attention,
+        Compile,
+        CudaGraph,
+        DBCache,
+        DBPrune,
+        FBCache,
+        Loading,
+        Offload,
+        Parallel,
+        Quantize,
+        StepMask,
+        TaylorSeer,
+    )
     from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter
     from fastdit.models.registry import register
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fastdit.config import Attention, Compile, CudaGraph, DBCache, DBPrune, Parallel
+from fastdit.config import Attention, Compile, CudaGraph, DBCache, DBPrune, Offload, Parallel, Quantize
 
 if TYPE_CHECKING:
     from fastdit.components import Components
@@ -33,6 +33,8 @@ class Request:
     compile: Compile | None = None
     cuda_graph: CudaGraph | None = None
     attention: Attention | None = None
+    offload: Offload | None = None
+    quantize: Quantize | None = None
 
     @property
     def context_parallel(self) -> bool:

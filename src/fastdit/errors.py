@@ -11,6 +11,7 @@ __all__ = [
     "FieldError",
     "FieldsError",
     "NonFiniteOutputError",
+    "ShardError",
     "UnavailableError",
 ]
 
@@ -81,6 +82,12 @@ class ArgumentError(FieldError):
 
 class UnavailableError(ArgumentError, NotImplementedError):
     """An argument asks for something this version of fastdit does not provide (also a ``NotImplementedError``)."""
+
+
+class ShardError(ValueError):
+    """An input of a call cannot be split over the ranks of the parallel layout (fewer tokens than ranks, a size
+    not a multiple of its split unit). The layout does not fit this call, not the model: a smaller degree, or a
+    larger input, does. Raised from global sizes, so every rank raises alike."""
 
 
 class NonFiniteOutputError(FloatingPointError):

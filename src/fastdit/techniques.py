@@ -4,11 +4,11 @@ Each entry declares which request field turns it on, its checks (run for every r
 module is touched) and its ``apply`` (which records an undo, and any state it keeps, in the :class:`Context`).
 :func:`fastdit.accelerate` walks the tuple in order; :func:`fastdit.disable` undoes the records in reverse.
 
-The order is the *application* order: tensor parallel → context parallel → the input check of the ranks that share
-a sample → CFG parallel → cache → compile → CUDA graphs, then the text-encoder and VAE techniques on their own
-modules. Later entries may read what earlier ones recorded (the cache reads the split layout's process groups
-through the runtime, graphs key block calls on the split layout). How the hooks of different techniques *nest* on
-one module does not depend on this order: that is the layer table of :mod:`fastdit.hooks.layers`.
+The order is the *application* order: tensor parallel → quantization → context parallel → the input check of the
+ranks that share a sample → CFG parallel → cache → offload → compile → CUDA graphs, then the text-encoder and VAE
+techniques on their own modules. Later entries may read what earlier ones recorded (the cache reads the split
+layout's process groups through the runtime, graphs key block calls on the split layout). How the hooks of different
+techniques *nest* on one module does not depend on this order: that is the layer table of :mod:`fastdit.hooks.layers`.
 
 Adding a technique is one entry here plus its own module with an ``apply_<technique>(module, plan, config)``.
 """
@@ -16,6 +16,8 @@ Adding a technique is one entry here plus its own module with an ``apply_<techni
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
+
+import torch
 
 from fastdit.components.vae_technique import VaeParallel
 from fastdit.errors import ArgumentError
@@ -84,6 +86,55 @@ class _TensorParallel:
                 device=runtime.device,
                 family=item.adapter.family,
             )
+            context.add(self.name, item.name, applied.undo, applied.state)
+
+
+def _run_device(request: Request, module: torch.nn.Module) -> torch.device:
+    """Where ``module`` will compute: its parameters' device, or the accelerator tensor parallelism moves it to."""
+    param = next(module.parameters(), None)
+    device = torch.device("cpu") if param is None else param.device
+    split = request.parallel is not None and request.parallel.tp > 1
+    if split and device.type == "cpu" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())  # as the runtime places a CPU-loaded pipeline
+    return device
+
+
+class _Quantize:
+    """torchao quantization of the Linear layers in the blocks; after tensor parallelism, which splits plain weights
+    (it quantizes each rank's slice), and before compile, which traces the quantized matmuls."""
+
+    name = "quantize"
+    needs_components = True
+
+    def requested(self, request: Request) -> bool:
+        return request.quantize is not None
+
+    def check(self, request: Request, components: Components) -> None:
+        from fastdit.quantize import check_quantize
+
+        if request.offload is not None:
+            raise ArgumentError(
+                "accelerate",
+                "quantize",
+                request.quantize,
+                f"with offload={request.offload}: offload streams plain weights from pinned host memory, and the "
+                "quantized ones are torchao tensors it does not copy; use one of them (weight-only quantization "
+                "also saves memory)",
+            )
+        for item in components.denoisers:
+            dtype = next((p.dtype for p in item.module.parameters() if p.is_floating_point()), None)
+            try:
+                check_quantize(request.quantize, _run_device(request, item.module), dtype)
+            except ValueError as error:
+                raise ArgumentError("accelerate", "quantize", request.quantize, f"{item.name}: {error}") from error
+
+    def apply(self, context: Context) -> None:
+        from fastdit.quantize import apply_quantize
+
+        for item in context.components.denoisers:
+            groups = item.adapter.block_groups
+            paths = tuple(g.path for g in groups) + tuple(g.interleaved.path for g in groups if g.interleaved)
+            applied = apply_quantize(item.module, context.request.quantize, paths)
             context.add(self.name, item.name, applied.undo, applied.state)
 
 
@@ -275,6 +326,61 @@ class _Cache:
             context.add("cache.runs", "scheduler", undo)
 
 
+class _Offload:
+    """Transformer blocks streamed from host memory (after every technique whose hooks may skip a block)."""
+
+    needs_components = True
+    name = "offload"
+
+    def requested(self, request: Request) -> bool:
+        return request.offload is not None
+
+    def check(self, request: Request, components: Components) -> None:
+        import torch
+
+        config = request.offload
+        if request.parallel is not None and request.parallel.tp > 1:
+            raise ArgumentError(
+                "accelerate",
+                "offload",
+                config,
+                f"with parallel={request.parallel}: tensor parallelism shards the weights across ranks, which "
+                "already divides their memory; offload streams whole weights from host memory: use one of them",
+            )
+        if request.cuda_graph is not None:
+            raise ArgumentError(
+                "accelerate",
+                "offload",
+                config,
+                f"with cuda_graph={request.cuda_graph}: a CUDA graph replays fixed weight addresses, and offload "
+                "copies each block's weights to new memory at every call; run without CUDA graphs",
+            )
+        if config.device is not None and torch.device(config.device).type == "cuda" and not torch.cuda.is_available():
+            raise ArgumentError("accelerate", "offload", config, f"device={config.device!r}: no CUDA device here")
+        for item in components.denoisers:
+            count = len(item.blocks())
+            if config.resident_blocks >= count:
+                raise ArgumentError(
+                    "accelerate",
+                    "offload",
+                    config,
+                    f"{item.name} has {count} blocks: resident_blocks={config.resident_blocks} leaves none to "
+                    "stream; keep fewer resident, or run without offload",
+                )
+
+    def apply(self, context: Context) -> None:
+        from fastdit.offload import apply_offload, move_components, offload_device
+
+        config = context.request.offload
+        first = next(context.components.denoisers[0].module.parameters())
+        device = offload_device(config, first.device)
+        for item in context.components.denoisers:
+            applied = apply_offload([block for _, block in item.blocks()], config, device)
+            context.add(self.name, item.name, applied.undo, applied.state)
+        # Everything else computes on the device too (placeholders of the streamed blocks are there already).
+        context.add("offload.devices", "pipeline", move_components(context.components, device))
+
+
 class _Compile:
     needs_components = True
     name = "compile"
@@ -389,10 +495,12 @@ class _TextEncoderParallel:
 
 TECHNIQUES: tuple[Technique, ...] = (
     _TensorParallel(),
+    _Quantize(),
     _ContextParallel(),
     _InputCheck(),
     _CfgParallel(),
     _Cache(),
+    _Offload(),
     _Compile(),
     _CudaGraph(),
     _TextEncoderParallel(),

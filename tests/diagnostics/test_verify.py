@@ -160,3 +160,57 @@ def test_grid_shows_every_row_that_ran(tmp_path: Any) -> None:
     report = VerifyReport("m", "P", 1, "cpu", {"num_inference_steps": 2}, Thresholds(), rows)
     path = save_grid(report, tmp_path / "grid.png")
     assert load_image(path).shape[1] > load_image(path).shape[0]  # one line of three tiles
+
+
+def test_an_exact_threshold_fails_a_parallel_row_a_psnr_minimum_lets_through() -> None:
+    exact = Thresholds(max_abs=1e-4)
+    assert exact.judge(PARALLEL, 70.0, 0.999, 5e-5) == (Status.PASS, "")
+    status, reason = exact.judge(PARALLEL, 70.0, 0.999, 2e-4)
+    assert status == Status.FAIL and reason == "max abs error 2.00e-04 >= 0.0001"
+    assert exact.judge(CACHE, 40.0, 0.99, 0.5)[0] == Status.PASS  # caches approximate: PSNR and SSIM judge them
+    with pytest.raises(ValueError, match=r"Thresholds.max_abs must be > 0 or None, got 0"):
+        Thresholds(max_abs=0)
+
+
+def test_a_rung_with_a_reference_is_judged_against_it_steps_served_included() -> None:
+    from fastdit.diagnostics.family_ladder import forced_cache
+    from fastdit.diagnostics.verify import fixed_rung
+
+    pipe, tiny = _built("flux")
+    kwargs = {**tiny.call_kwargs, "num_inference_steps": 3}
+    rungs = [
+        fixed_rung("same", {"cache": forced_cache(0)}, reference={"cache": forced_cache(0)}),
+        # Threshold 0 computes every step: the forced cache serves 2 of 3 and changes the output.
+        fixed_rung("other", {"cache": forced_cache(0)}, reference={"cache": fastdit.DBCache(fn=1, threshold=0.0)}),
+    ]
+    report = verify_ladder(pipe, kwargs, rungs, VerifyRuntime(world_size=1, thresholds=Thresholds(max_abs=1e-4)))
+    same, other = report.rows[1:]
+    assert same.status == Status.PASS and same.max_abs == 0.0 and same.cached_steps == 2, report.table()
+    assert other.status == Status.FAIL and "served 2 steps from the cache, its one-process reference 0" in other.reason
+    with pytest.raises(ValueError, match=r"fixed_rung 'x': reference runs on one process"):
+        fixed_rung("x", {}, reference={"parallel": fastdit.Parallel(ulysses=2)})
+
+
+def test_check_disable_fails_a_rung_that_leaves_the_pipeline_changed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fastdit.diagnostics.family_ladder import forced_cache
+    from fastdit.diagnostics.verify import fixed_rung
+    from fastdit.session import Session
+
+    pipe, tiny = _built("flux")
+    kwargs = {**tiny.call_kwargs, "num_inference_steps": 3}
+    runtime = VerifyRuntime(world_size=1, check_disable=True)
+    rung = fixed_rung("cache", {"cache": forced_cache(0)}, reference={"cache": forced_cache(0)})
+    assert verify_ladder(pipe, kwargs, [rung], runtime).passed
+    disable, calls = Session.disable, []
+
+    def leaky_disable(self: Session) -> None:  # removes the reference's cache, leaves the rung's on
+        calls.append(1)
+        if len(calls) == 1:
+            disable(self)
+
+    monkeypatch.setattr(Session, "disable", leaky_disable)
+    try:
+        row = verify_ladder(pipe, kwargs, [rung], runtime).rows[1]
+    finally:
+        fastdit.disable(pipe)
+    assert row.status == Status.FAIL and "after disable the output differs from the baseline" in row.reason

@@ -1,30 +1,34 @@
 """Every family with a context-parallel plan: its tiny pipelines on gloo ranks equal the single-process output.
 
-The plan is discovered from the registry, so a family file that gains ``cp_plan`` is covered here without touching
-this file. Ulysses and ring run on 2 ranks; Ulysses on 3 ranks exercises uneven sequence shards and padded heads.
-Each layout runs without a cache and under a step cache that serves steps from the cache, with and without a back
-block (the cache skips blocks a plan may split or gather at).
+The matrix runs through the verify ladder (:mod:`fastdit.diagnostics.family_ladder`), the checks ``fastdit verify``
+makes, at float32's exact threshold. The plan is discovered from the registry, so a family file that gains
+``cp_plan`` is covered here without touching this file. Ulysses and ring run on 2 ranks; Ulysses on 3 ranks exercises
+uneven sequence shards and padded heads. Each pipeline also runs under a forced step cache (served steps, with and
+without a back block: the cache skips blocks a plan may split or gather at), judged against the same cache on one
+process.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
 import fastdit
+from fastdit.diagnostics.family_ladder import (
+    FORCED_CACHE_FN,
+    RungSpec,
+    assert_rows,
+    cached_call_overrides,
+    run_family_ladder,
+)
 from fastdit.models.base import resolve_attr
-from fastdit.models.registry import adapter_for, all_adapters, get_family
-from fastdit.testing.distributed import DistributedTestError, WorkerPool
-from fastdit.testing.pipelines import build_tiny, run_tiny
+from fastdit.models.registry import adapter_for, all_adapters
+from fastdit.testing.distributed import WorkerPool
+from fastdit.testing.pipelines import build_tiny
 
 pytestmark = pytest.mark.distributed
-
-# Float32 on CPU: context parallelism reorders sums only; 1e-4 on [0, 1] outputs is > 80 dB PSNR.
-TOLERANCE = 1e-4
 
 # Tiny pipelines whose sequence is shorter than 3 tokens: 3 ranks must be refused with a clear error instead.
 TOO_SHORT_FOR_3 = {("wan", "wan2.2-ti2v")}
@@ -35,82 +39,20 @@ CASES = [
     if adapter.cp_plan is not None
     for tiny in adapter.tiny_pipelines
 ]
+IDS = [f"{f}-{v}" for f, v in CASES]
+
+LAYOUTS = {"ulysses2": {"ulysses": 2}, "ring2": {"ring": 2}, "ulysses3-uneven": {"ulysses": 3}}
+CACHE_BN = (0, 1)
+
+
+def _world(layout: str) -> int:
+    return fastdit.Parallel(**LAYOUTS[layout]).world_size
 
 
 @functools.lru_cache(maxsize=4)
-def _built(family: str, variant: str) -> tuple[Any, Any]:
-    return build_tiny(family, variant)
-
-
-def _run(rank: int, world_size: int, family: str, variant: str, parallel: dict[str, int] | None) -> np.ndarray:
-    pipe, tiny = _built(family, variant)
-    if parallel is None:
-        return run_tiny(pipe, tiny)
-    fastdit.accelerate(pipe, parallel=fastdit.Parallel(**parallel))
-    try:
-        return run_tiny(pipe, tiny)
-    finally:
-        fastdit.disable(pipe)
-
-
-LAYOUTS = {"ulysses2": {"ulysses": 2}, "ring2": {"ring": 2}, "ulysses3-uneven": {"ulysses": 3}}
-
-
-@pytest.mark.parametrize("parallel", list(LAYOUTS.values()), ids=list(LAYOUTS))
-@pytest.mark.parametrize(("family", "variant"), CASES, ids=[f"{f}-{v}" for f, v in CASES])
-def test_family_matches_single_process(
-    dist2: WorkerPool, dist3: WorkerPool, family: str, variant: str, parallel: dict[str, int]
-) -> None:
-    pool = dist3 if fastdit.Parallel(**parallel).world_size == 3 else dist2
-    if pool is dist3 and (family, variant) in TOO_SHORT_FOR_3:
-        with pytest.raises(DistributedTestError) as info:
-            pool.run(_run, family, variant, parallel, timeout=180)
-        assert set(info.value.exc_types.values()) == {"ValueError"}
-        return
-    expected = _expected(family, variant)
-    for out in pool.run(_run, family, variant, parallel, timeout=180):
-        assert out.shape == expected.shape
-        assert np.isfinite(out).all()
-        assert np.abs(out - expected).max() < TOLERANCE, f"max abs error {np.abs(out - expected).max():.2e}"
-
-
-@functools.cache
-def _expected(family: str, variant: str) -> np.ndarray:
-    # One single-process reference per pipeline, shared by its layouts (the parent computes it while workers wait).
-    return _run(0, 1, family, variant, None)
-
-
-# --- under a step cache ---
-
-# Front block 1, back blocks 0 or 1. With bn=0 the last block is a middle block: the cache measures its residual on
-# computed steps and skips it on cached ones, so a plan that gathers at the last block meets the cache there. With
-# bn=1 the last block always runs.
-CACHE_BN = (0, 1)
-FN = 1
-
-# Tiny pipelines whose step count is not a plain ``num_inference_steps``: SANA-Sprint's SCM schedule takes exactly 2
-# steps unless its intermediate timestep is dropped.
-SCHEDULE_OVERRIDES: dict[tuple[str, str], dict[str, Any]] = {("sana", "sprint"): {"intermediate_timesteps": None}}
-
-
-def _cache(bn: int) -> fastdit.DBCache:
-    # Random weights never look converged to a threshold: a static mask computes step 0 and serves every later step
-    # from the cache, the same on every rank.
-    mask = fastdit.StepMask(compute_steps=(0,), policy="static")
-    return fastdit.DBCache(fn=FN, bn=bn, warmup_steps=0, step_mask=mask)
-
-
-def _cached_overrides(family: str, variant: str) -> dict[str, Any]:
-    """Call arguments giving each transformer 3 denoising steps: step 0 computed, steps 1-2 from the cache."""
-    # A tiny run denoises 2 steps per transformer; it asks for 4 where img2img strength 0.5 or a Wan 2.2 expert
-    # boundary halves them. 3/2 of the declared count gives 3 per transformer either way.
-    steps = get_family(family).tiny(variant).call_kwargs["num_inference_steps"] * 3 // 2
-    return {"num_inference_steps": steps, **SCHEDULE_OVERRIDES.get((family, variant), {})}
-
-
 def _num_blocks(family: str, variant: str) -> int:
     """Blocks of the smallest accelerated transformer of the tiny pipeline (what the cache plans its slots over)."""
-    pipe, _ = _built(family, variant)
+    pipe, _ = build_tiny(family, variant)
     counts = []
     for component in pipe.components.values():
         if not isinstance(component, torch.nn.Module) or adapter_for(component) is None:
@@ -119,71 +61,70 @@ def _num_blocks(family: str, variant: str) -> int:
     return min(counts)
 
 
-def _run_cached(
-    rank: int, world_size: int, family: str, variant: str, parallel: dict[str, int] | None, bn: int
-) -> tuple[np.ndarray, int]:
-    pipe, tiny = _built(family, variant)
-    fastdit.accelerate(pipe, cache=_cache(bn), parallel=None if parallel is None else fastdit.Parallel(**parallel))
-    try:
-        out = run_tiny(pipe, tiny, **_cached_overrides(family, variant))
-        return out, fastdit.summary(pipe).num_cached_steps
-    finally:
-        fastdit.disable(pipe)
-
-
 def _default_layout(index: int, family: str, variant: str, bn: int) -> str:
-    """The layout a tiny pipeline runs on with ``bn`` in the default run.
+    """The layout a tiny pipeline's cached run with ``bn`` takes in the default suite.
 
     It rotates with the pipeline's position and bn, so each pipeline meets two layouts and every layout meets both bn
     values; a layout that refuses the pipeline (too short for 3 ranks) passes to the next, so every default case
-    compares outputs.
+    compares outputs. The full matrix (every layout) costs about three times as much: the rest is marked slow.
     """
     names = list(LAYOUTS)
     for shift in range(len(names)):
         layout = names[(index + bn + shift) % len(names)]
-        if not (fastdit.Parallel(**LAYOUTS[layout]).world_size == 3 and (family, variant) in TOO_SHORT_FOR_3):
+        if not (_world(layout) == 3 and (family, variant) in TOO_SHORT_FOR_3):
             return layout
     raise AssertionError(f"{family}/{variant}: no layout accepts it")
 
 
-def _cache_params() -> list[Any]:
-    """(family, variant, layout, bn) for every case: each tiny pipeline on one layout a bn value by default.
-
-    The full matrix (every layout) costs about three times as much; the cases beyond the default are marked slow.
-    """
-    params = []
-    for index, (family, variant) in enumerate(CASES):
-        for bn in CACHE_BN:
-            default = _default_layout(index, family, variant, bn)
-            for layout in LAYOUTS:
-                marks = () if layout == default else (pytest.mark.slow,)
-                params.append(
-                    pytest.param(family, variant, layout, bn, marks=marks, id=f"{family}-{variant}-{layout}-bn{bn}")
-                )
-    return params
+def _specs(index: int, family: str, variant: str, world: int, slow: bool) -> list[RungSpec]:
+    """The rungs of one pipeline on ``world`` ranks: the uncached layouts (default run), and the cached layouts of
+    the default run or, with ``slow``, the rest of the matrix."""
+    layouts = [name for name in LAYOUTS if _world(name) == world]
+    specs = [] if slow else [RungSpec(name, LAYOUTS[name]) for name in layouts]
+    for bn in CACHE_BN:
+        default = _default_layout(index, family, variant, bn)
+        for name in layouts:
+            if (name != default) == slow:
+                specs.append(RungSpec(f"{name}-cache-bn{bn}", LAYOUTS[name], cache_bn=bn))
+    return specs
 
 
-@pytest.mark.parametrize(("family", "variant", "layout", "bn"), _cache_params())
-def test_family_with_cache_matches_single_process(
-    dist2: WorkerPool, dist3: WorkerPool, family: str, variant: str, layout: str, bn: int
+def _refusals(family: str, variant: str, specs: list[RungSpec]) -> dict[str, str]:
+    """Rows that must be refused with their reason rather than pass."""
+    refused = {}
+    for spec in specs:
+        if spec.cache_bn is not None and FORCED_CACHE_FN + spec.cache_bn >= _num_blocks(family, variant):
+            refused[spec.name] = "no middle block"  # too few blocks for this cache, with or without parallelism
+        elif fastdit.Parallel(**spec.parallel).world_size == 3 and (family, variant) in TOO_SHORT_FOR_3:
+            refused[spec.name] = "fewer than the 3 ranks"
+    return refused
+
+
+def _check(pool: WorkerPool, index: int, family: str, variant: str, world: int, slow: bool) -> None:
+    specs = _specs(index, family, variant, world, slow)
+    if not specs:
+        pytest.skip("every cached layout of this pipeline runs in the default suite")
+    reports = pool.run(run_family_ladder, family, variant, specs, cached_call_overrides(family, variant), timeout=300)
+    rows = assert_rows(reports, _refusals(family, variant, specs))
+    for row in rows:
+        if row["name"].endswith(("bn0", "bn1")) and row["status"] == "pass":
+            assert row["cached_steps"] > 0, "the schedule must serve steps from the cache"
+
+
+@pytest.mark.parametrize(("family", "variant"), CASES, ids=IDS)
+def test_family_on_two_ranks_matches_single_process(dist2: WorkerPool, family: str, variant: str) -> None:
+    _check(dist2, CASES.index((family, variant)), family, variant, 2, slow=False)
+
+
+@pytest.mark.parametrize(("family", "variant"), CASES, ids=IDS)
+def test_family_on_three_uneven_ranks_matches_single_process(dist3: WorkerPool, family: str, variant: str) -> None:
+    _check(dist3, CASES.index((family, variant)), family, variant, 3, slow=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize(("family", "variant"), CASES, ids=IDS)
+def test_family_cache_matrix_on_the_other_layouts(
+    dist2: WorkerPool, dist3: WorkerPool, family: str, variant: str, world: int
 ) -> None:
-    parallel = LAYOUTS[layout]
-    if FN + bn >= _num_blocks(family, variant):
-        # Too few blocks for this cache to leave a middle block: it must be refused, with or without parallelism.
-        pipe, _ = _built(family, variant)
-        with pytest.raises(ValueError, match="no middle block"):
-            fastdit.accelerate(pipe, cache=_cache(bn))
-        return
-    pool = dist3 if fastdit.Parallel(**parallel).world_size == 3 else dist2
-    if pool is dist3 and (family, variant) in TOO_SHORT_FOR_3:
-        with pytest.raises(DistributedTestError) as info:
-            pool.run(_run_cached, family, variant, parallel, bn, timeout=180)
-        assert set(info.value.exc_types.values()) == {"ValueError"}
-        return
-    expected, expected_cached = _run_cached(0, 1, family, variant, None, bn)
-    assert expected_cached > 0, "the schedule must serve steps from the cache"
-    for out, cached in pool.run(_run_cached, family, variant, parallel, bn, timeout=180):
-        assert cached == expected_cached
-        assert out.shape == expected.shape
-        assert np.isfinite(out).all()
-        assert np.abs(out - expected).max() < TOLERANCE, f"max abs error {np.abs(out - expected).max():.2e}"
+    _check(dist2 if world == 2 else dist3, CASES.index((family, variant)), family, variant, world, slow=True)

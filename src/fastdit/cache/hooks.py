@@ -173,6 +173,10 @@ class BlockCacheHook(layers.LayerHook):
         self._reader = ForwardArgs(module, (slot.group.hidden_arg, slot.group.encoder_arg))
         self._check = FirstCallCheck(slot)
 
+    def skip_group(self) -> object | None:
+        # Front and back blocks always compute; the middle blocks compute, or pass through, together in one call.
+        return self.engine if self.slot.role == "middle" else None
+
     def around(self, inner: Callable[..., Any], module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         state = self.engine.tracker.active
         if state is None:  # called outside a transformer forward: nothing to cache
@@ -363,6 +367,10 @@ class InterleavedSkipHook(layers.LayerHook):
         self.group = group
         self.pattern = pattern
         self._reader = ForwardArgs(module, (group.hidden_arg, group.encoder_arg))
+
+    def skip_group(self) -> object | None:
+        # Skipped exactly when the cached group's middle blocks pass through: the same decision.
+        return self.engine if self.slot.passes_through else None
 
     def around(self, inner: Callable[..., Any], module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         state = self.engine.tracker.active

@@ -37,15 +37,30 @@ from fastdit.cli.options import (
     check_size,
     configure_threads,
     output_path,
+    parse_config_fields,
     parse_parallel,
+    parse_quantize,
     resolve_device,
     resolve_dtype,
     resolve_source,
 )
-from fastdit.config import ATTENTION_BACKENDS, Attention, Compile, CudaGraph, DBCache, DBPrune
+from fastdit.config import (
+    ATTENTION_BACKENDS,
+    DEFAULT_TIMEOUT_S,
+    QUANTIZE_MODES,
+    Attention,
+    Compile,
+    CudaGraph,
+    DBCache,
+    DBPrune,
+    Loading,
+    Offload,
+    Parallel,
+)
 from fastdit.errors import FieldError
 from fastdit.io import IMAGE_SUFFIXES, VIDEO_SUFFIXES, check_writable
 from fastdit.parallel.failures import CollectiveError, collective_failures
+from fastdit.parallel.load_broadcast import LoadBroadcastError
 from fastdit.process import is_main_process, process_count, process_group_scope
 from fastdit.session import (
     Case,
@@ -66,6 +81,7 @@ __all__ = [
     "add_acceleration_arguments",
     "add_parser",
     "execute",
+    "loading_options",
     "plan_from_args",
     "run",
 ]
@@ -99,8 +115,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def add_acceleration_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--parallel``, ``--dist-timeout``, ``--compile``, ``--cuda-graph`` and ``--attention`` (shared with
-    ``serve``)."""
+    """Add ``--parallel``, ``--dist-timeout``, ``--load``, ``--compile``, ``--cuda-graph``, ``--attention``,
+    ``--offload`` and ``--quantize`` (shared with ``serve``)."""
     group = parser.add_argument_group("parallelism and compilation")
     group.add_argument(
         "--parallel",
@@ -109,6 +125,14 @@ def add_acceleration_arguments(parser: argparse.ArgumentParser) -> None:
         "their product must equal the number of processes (torchrun)",
     )
     add_timeout_argument(group)
+    group.add_argument(
+        "--load",
+        metavar="MODE",
+        default="every-rank",
+        help="who reads the weights under torchrun: every-rank (default: each process reads the whole checkpoint), "
+        "rank0 (global rank 0 reads it and broadcasts every tensor to the others), node-rank0 (each node's local "
+        "rank 0 reads it and broadcasts within its node)",
+    )
     group.add_argument("--compile", action="store_true", help="torch.compile the transformer blocks")
     group.add_argument(
         "--cuda-graph",
@@ -117,6 +141,22 @@ def add_acceleration_arguments(parser: argparse.ArgumentParser) -> None:
         "decides between blocks; with --compile the compiled kernels are graphed)",
     )
     group.add_argument("--attention", metavar="BACKEND", help=f"attention backend: {', '.join(ATTENTION_BACKENDS)}")
+    group.add_argument(
+        "--offload",
+        nargs="?",
+        const="",
+        metavar="SPEC",
+        help="keep transformer blocks in host memory and stream them in for their call (a model larger than the "
+        "GPU); optional fields, e.g. resident_blocks=20,prefetch=2 (keys: resident_blocks, prefetch, device, "
+        "pin_memory)",
+    )
+    group.add_argument(
+        "--quantize",
+        metavar="SPEC",
+        help=f"quantize the transformer blocks' linear layers with torchao (pip install 'fastdit[quant]'): MODE "
+        f"({', '.join(QUANTIZE_MODES)}) and optional key=value pairs (keys: include, exclude, min_size), e.g. fp8 "
+        "or int8_weight,exclude=*.norm1.linear; fp8 and fp8_tensor need a CUDA GPU of compute capability >= 8.9",
+    )
 
 
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -167,6 +207,7 @@ class GeneratePlan:
         outputs: Where each output is saved (empty: nothing is saved).
         video: Whether the pipeline makes videos.
         num_steps: Denoising steps per call (``None`` if the pipeline does not say).
+        loading: Who reads the weights (``--load``).
     """
 
     source: ModelSource
@@ -182,6 +223,19 @@ class GeneratePlan:
     outputs: list[Path] = field(default_factory=list)
     video: bool = False
     num_steps: int | None = None
+    loading: Loading = field(default_factory=Loading)
+
+
+def loading_options(args: argparse.Namespace, parallel: Parallel | None) -> Loading:
+    """The :class:`Loading` that ``--load`` asks for, waiting ``--dist-timeout`` for the reading rank if given.
+
+    Raises:
+        CLIError: A mode that does not exist, naming the flag.
+    """
+    try:
+        return Loading(mode=args.load, timeout_s=parallel.timeout_s if parallel is not None else DEFAULT_TIMEOUT_S)
+    except FieldError as error:
+        raise CLIError(f"argument --load {args.load}: {error.requirement}") from None
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
@@ -226,11 +280,15 @@ def acceleration_options(args: argparse.Namespace, num_steps: int | None) -> dic
         options["compile"] = Compile()
     if args.cuda_graph:  # graphs without dynamo unless --compile is given too
         options["cuda_graph"] = CudaGraph()
+    if args.quantize is not None:
+        options["quantize"] = parse_quantize(args.quantize)
     if args.attention is not None:
         try:
             options["attention"] = Attention(backend=args.attention)
         except ValueError as error:
             raise CLIError(f"argument --attention {args.attention}: {error}") from None
+    if args.offload is not None:
+        options["offload"] = parse_config_fields(Offload, args.offload, "--offload")
     return options
 
 
@@ -285,6 +343,7 @@ def plan_from_args(args: argparse.Namespace) -> GeneratePlan:
     num_steps = default_steps(pipeline_class, kwargs)
     cases = _cases(args, source, pipeline_class)
     acceleration = acceleration_options(args, num_steps)
+    loading = loading_options(args, acceleration.get("parallel"))
     _check_step_mask(acceleration.get("cache"), num_steps)
     compare = args.compare if args.compare is not None else source.reference and bool(acceleration)
     if compare and not acceleration:
@@ -307,6 +366,7 @@ def plan_from_args(args: argparse.Namespace) -> GeneratePlan:
         outputs=_outputs(args, len(cases), video),
         video=video,
         num_steps=num_steps,
+        loading=loading,
     )
 
 
@@ -317,6 +377,8 @@ def _accelerate(session: Session, plan: GeneratePlan) -> None:
     except FieldError:
         raise  # fastdit.cli.main names the flags that set the field (or argument), from the parsed arguments
     except (NotImplementedError, ValueError) as error:  # about the model, not a value the user chose
+        raise CLIError(f"cannot accelerate {plan.source.name}: {error}") from None
+    except ImportError as error:  # an optional package a technique needs (torchao for --quantize)
         raise CLIError(f"cannot accelerate {plan.source.name}: {error}") from None
 
 
@@ -339,7 +401,12 @@ class GenerateRun:
 
 def execute(plan: GeneratePlan, *, progress: bool, track_memory: bool) -> GenerateRun:
     """Load, check sizes and the acceleration, then run (interleaved with the baseline under ``plan.compare``)."""
-    session, load_seconds = timed_load(plan.source, device=plan.device, dtype=plan.dtype, progress=progress)
+    try:
+        session, load_seconds = timed_load(
+            plan.source, device=plan.device, dtype=plan.dtype, progress=progress, loading=plan.loading
+        )
+    except LoadBroadcastError as error:  # raised on every rank alike, before any weight moved
+        raise CLIError(f"argument --load {plan.loading.mode}: {error}") from None
     check_size(session.pipe, plan.kwargs)
     if plan.acceleration:
         _accelerate(session, plan)  # fail fast, before spending time on any run
@@ -349,6 +416,16 @@ def execute(plan: GeneratePlan, *, progress: bool, track_memory: bool) -> Genera
         session, variants, plan.cases, plan.kwargs, warmup=plan.warmup, repeat=plan.repeat, track_memory=track_memory
     )
     return GenerateRun(session, load_seconds, results[-1], results[0] if plan.compare else None)
+
+
+def _quantized(summary: Any) -> dict[str, dict[str, Any]]:
+    """Per transformer that was quantized: the mode, layer counts and weight bytes (the per-layer lists left out)."""
+    out = {}
+    for name, info in summary.transformers.items() if summary is not None else ():
+        stats = info.get("quantize")
+        if stats:
+            out[name] = {k: v for k, v in stats.items() if k not in ("quantized", "skipped")}
+    return out
 
 
 def _layout(summary: Any) -> dict | None:
@@ -380,6 +457,7 @@ def _payload(plan: GeneratePlan, done: GenerateRun) -> dict:
         "dtype": str(plan.dtype).removeprefix("torch."),
         "world_size": process_count(),
         "acceleration": plain_options(plan.acceleration),
+        "load": plan.loading.mode,
         "load_seconds": done.load_seconds,
         "warmup_seconds": result.warmup_seconds,
         "repeat": plan.repeat,
@@ -389,6 +467,9 @@ def _payload(plan: GeneratePlan, done: GenerateRun) -> dict:
     layout = _layout(result.summary)
     if layout is not None:
         payload["parallel"] = layout
+    quantized = _quantized(result.summary)
+    if quantized:
+        payload["quantized"] = quantized
     if "num_frames" in plan.kwargs:
         payload["frames"] = plan.kwargs["num_frames"]
     if result.cache is not None and "cache" in plan.acceleration:

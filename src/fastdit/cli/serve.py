@@ -18,7 +18,7 @@ from typing import Any
 from fastdit.cache.presets import DEFAULT_CACHE_PRESET, NO_CACHE, cache_config
 from fastdit.cli import CLIError
 from fastdit.cli.distributed import EXIT_FAILED, report_stop
-from fastdit.cli.generate import acceleration_options, add_acceleration_arguments
+from fastdit.cli.generate import acceleration_options, add_acceleration_arguments, loading_options
 from fastdit.cli.options import (
     add_cache_arguments,
     add_model_arguments,
@@ -138,6 +138,7 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "source": replace(source, defaults=defaults),
         "options": options,
+        "loading": loading_options(args, options.get("parallel")),
         "cache_name": _cache_name(args, options),
         "device": device,
         "dtype": resolve_dtype(args.dtype, device),
@@ -156,10 +157,14 @@ def _warn_exposed(host: str, api_key: str | None) -> None:
 
 
 def _load(plan: dict[str, Any], warmup: int) -> Any:
+    from fastdit.parallel.load_broadcast import LoadBroadcastError
     from fastdit.serve.worker import DEFAULT_CACHE, Job, Runner
     from fastdit.session import Case
 
-    session = Session.load(plan["source"], device=plan["device"], dtype=plan["dtype"])
+    try:
+        session = Session.load(plan["source"], device=plan["device"], dtype=plan["dtype"], loading=plan["loading"])
+    except LoadBroadcastError as error:  # raised on every rank alike, before any weight moved
+        raise CLIError(f"argument --load {plan['loading'].mode}: {error}") from None
     check_size(session.pipe, plan["source"].defaults)
     check_cache_fits(session.pipe, plan["options"].get("cache"))
     runner = Runner(session, plan["options"], plan["cache_name"])

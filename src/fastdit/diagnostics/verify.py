@@ -37,7 +37,7 @@ from fastdit.bench.report import markdown_table
 from fastdit.bench.timing import RunResult, run
 from fastdit.config import Parallel
 from fastdit.diagnostics.target import TargetError, call_function
-from fastdit.errors import ArgumentError, UnavailableError
+from fastdit.errors import ArgumentError, ShardError, UnavailableError
 from fastdit.models.base import ModelAdapter
 from fastdit.parallel.cfg_parallel import CfgParallelError
 from fastdit.parallel.failures import CollectiveError, collective_failures
@@ -61,6 +61,7 @@ __all__ = [
     "VerifyRow",
     "VerifyRuntime",
     "VerifyTarget",
+    "fixed_rung",
     "ladder_names",
     "load_target",
     "resolve_target",
@@ -107,6 +108,9 @@ class Thresholds:
         garbled_psnr: Above this PSNR ...
         garbled_ssim: ... and below this SSIM a row is ``garbled``: the pixels are close on average, the structure
             is not.
+        max_abs: When set, a parallel row also fails when any output value differs from its reference by this
+            much or more. Float32 runs on one machine are exact up to the order of float sums, which a PSNR
+            minimum hides: the family test matrices use ``1e-4`` on [0, 1] outputs (> 80 dB).
     """
 
     cache_psnr: float = 30.0
@@ -114,16 +118,22 @@ class Thresholds:
     ssim: float = 0.90
     garbled_psnr: float = 30.0
     garbled_ssim: float = 0.5
+    max_abs: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_abs is not None and not self.max_abs > 0:
+            raise ValueError(f"Thresholds.max_abs must be > 0 or None, got {self.max_abs!r}")
 
     def min_psnr(self, kind: str) -> float:
         """The PSNR minimum of rows of threshold kind ``kind`` (:data:`CACHE` or :data:`PARALLEL`)."""
         return self.cache_psnr if kind == CACHE else self.parallel_psnr
 
-    def judge(self, kind: str, psnr: float, ssim: float | None) -> tuple[str, str]:
+    def judge(self, kind: str, psnr: float, ssim: float | None, max_abs: float | None = None) -> tuple[str, str]:
         """The status of a row with worst-output ``psnr`` and ``ssim``, and why when it is not a pass.
 
         ``ssim`` is ``None`` for outputs SSIM cannot compare (latents, images smaller than its window): PSNR alone
-        decides then.
+        decides then. ``max_abs`` is the row's largest absolute difference, checked against :attr:`max_abs` on
+        parallel rows.
         """
         if math.isnan(psnr) or (ssim is not None and math.isnan(ssim)):
             return Status.FAIL, "PSNR or SSIM is not a number"
@@ -134,6 +144,8 @@ class Thresholds:
             reasons.append(f"PSNR {_db(psnr)} dB <= {self.min_psnr(kind):g}")
         if ssim is not None and not ssim > self.ssim:
             reasons.append(f"SSIM {ssim:.4f} <= {self.ssim:g}")
+        if kind == PARALLEL and self.max_abs is not None and max_abs is not None and not max_abs < self.max_abs:
+            reasons.append(f"max abs error {max_abs:.2e} >= {self.max_abs:g}")
         return (Status.FAIL, "; ".join(reasons)) if reasons else (Status.PASS, "")
 
 
@@ -172,6 +184,10 @@ class Rung:
         kind: Threshold kind, :data:`CACHE` or :data:`PARALLEL`.
         build: ``fastdit.accelerate`` keyword arguments for a :class:`LadderContext`, or a :class:`Skip`.
         doc: One line for the docs and ``--help``.
+        reference: ``fastdit.accelerate`` keyword arguments of the one-process run the rung is judged against
+            (``None``: the baseline). A rung that adds parallelism to a technique that approximates (a step cache)
+            is exact against that technique alone: same outputs, same cached steps (not compared under CFG
+            parallelism, where a rank runs only its branch's calls).
     """
 
     name: str
@@ -179,6 +195,25 @@ class Rung:
     kind: str
     build: Callable[[LadderContext], Options | Skip]
     doc: str = ""
+    reference: Options | None = None
+
+
+def fixed_rung(name: str, options: Options, *, reference: Options | None = None, doc: str = "") -> Rung:
+    """A parallel rung that always runs with ``options`` (a test's or a model's own configuration).
+
+    Args:
+        name: Its row's name.
+        options: ``fastdit.accelerate`` keyword arguments (``parallel``, ``cache``, ``compile`` ...).
+        reference: One-process options it is judged against (see :attr:`Rung.reference`); it must not be parallel.
+        doc: One line describing it.
+
+    Raises:
+        ValueError: ``reference`` holds a parallel layout.
+    """
+    if reference is not None and reference.get("parallel") is not None:
+        raise ValueError(f"fixed_rung {name!r}: reference runs on one process, got parallel={reference['parallel']}")
+    fixed = dict(options)
+    return Rung(name, (), PARALLEL, lambda context: fixed, doc, None if reference is None else dict(reference))
 
 
 def _cache(context: LadderContext) -> Options:
@@ -296,6 +331,8 @@ class VerifyRuntime:
         timeout_s: :attr:`Parallel.timeout_s` of every parallel rung (``None``: its default).
         adapter: Adapter of an unregistered transformer, passed to ``fastdit.accelerate``.
         name: The model's name in reports.
+        check_disable: After each rung's :func:`fastdit.disable`, run the cases once more: the output must equal
+            the baseline bit for bit, or the row fails (disable left something behind).
     """
 
     world_size: int | None = None
@@ -306,6 +343,7 @@ class VerifyRuntime:
     timeout_s: float | None = None
     adapter: ModelAdapter | None = None
     name: str = ""
+    check_disable: bool = False
 
     def processes(self) -> int:
         """:attr:`world_size`, or what the running job has."""
@@ -336,6 +374,10 @@ class VerifyRow:
         psnr, psnr_min, ssim, ssim_min: Quality against the baseline (mean and worst output).
         peak_memory: Peak bytes of this rank (``None``: not run or not measurable).
         memory_kind: What :attr:`peak_memory` measures.
+        max_abs: Largest absolute difference from the reference over every output value.
+        cached_steps: Steps served from a step cache in the last pass (``None``: no cache).
+        blocks_computed: Fraction of block evaluations a step cache computed (``None``: no cache).
+        summary: :func:`fastdit.summary` of the last call, per transformer, as plain data (``None``: not run).
         outputs: The outputs of the last pass (not in :meth:`to_dict`).
     """
 
@@ -353,6 +395,10 @@ class VerifyRow:
     ssim_min: float | None = None
     peak_memory: int | None = None
     memory_kind: str = ""
+    max_abs: float | None = None
+    cached_steps: int | None = None
+    blocks_computed: float | None = None
+    summary: dict[str, Any] | None = None
     outputs: list[np.ndarray] = field(default_factory=list, repr=False)
 
     @property
@@ -370,7 +416,8 @@ class VerifyRow:
         from fastdit.bench.plain import json_ready
 
         keys = ("name", "configuration", "kind", "status", "reason", "options", "seconds", "speedup")
-        more = ("psnr", "psnr_min", "ssim", "ssim_min", "peak_memory", "memory_kind")
+        more = ("psnr", "psnr_min", "ssim", "ssim_min", "peak_memory", "memory_kind", "max_abs", "cached_steps")
+        more += ("blocks_computed", "summary")
         return json_ready({key: getattr(self, key) for key in keys + more})
 
 
@@ -505,27 +552,80 @@ class _Ladder:
     runtime: VerifyRuntime
     context: LadderContext
     baseline: RunResult | None = None
+    references: dict[str, RunResult] = field(default_factory=dict)
 
     def measure(self) -> RunResult:
         runtime = self.runtime
         cases = list(runtime.cases)
         return run(self.session, cases, self.kwargs, warmup=runtime.warmup, repeat=runtime.repeat, track_memory=True)
 
+    def options(self, options: Options) -> dict[str, Any]:
+        """``options`` with the runtime's adapter of an unregistered transformer."""
+        adapter = self.runtime.adapter
+        return {**options, "adapter": adapter} if adapter is not None else dict(options)
 
-def _measured(row: VerifyRow, result: RunResult, ladder: _Ladder) -> VerifyRow:
+    def accelerate_reference(self, rung: Rung) -> str | None:
+        """Apply the one-process options of ``rung``'s reference if it is not measured yet; its key, or ``None``
+        when the rung is judged against the baseline. Raises what ``fastdit.accelerate`` refuses them with."""
+        if rung.reference is None:
+            return None
+        key = repr(plain_options(rung.reference))
+        if key not in self.references:
+            self.session.accelerate(**self.options(rung.reference))
+        return key
+
+    def reference(self, key: str | None) -> RunResult:
+        """The run a row is judged against: the baseline, or the reference ``key`` (measured and removed on first
+        use, after :meth:`accelerate_reference` applied it)."""
+        if key is None:
+            assert self.baseline is not None
+            return self.baseline
+        if key not in self.references:
+            try:
+                self.references[key] = self.measure()
+            finally:
+                self.session.disable()
+        return self.references[key]
+
+
+def _max_abs(reference: Sequence[np.ndarray], test: Sequence[np.ndarray]) -> float:
+    return max(
+        float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))) for a, b in zip(reference, test, strict=True)
+    )
+
+
+def _measured(row: VerifyRow, result: RunResult, ladder: _Ladder, reference: RunResult | None = None) -> VerifyRow:
     count = len(ladder.runtime.cases)
     row.seconds, row.outputs = result.median_seconds / count, result.outputs
     row.peak_memory, row.memory_kind = result.peak_memory, result.memory_kind
+    if result.cache is not None and result.cache.blocks_total:
+        row.cached_steps, row.blocks_computed = result.cache.cached_steps, result.cache.blocks_computed_fraction
+    if result.summary is not None:
+        row.summary = result.summary.transformers
     if ladder.baseline is None:
         return row
     row.speedup = ladder.baseline.median_seconds / result.median_seconds
+    reference = reference or ladder.baseline
+    if [o.shape for o in reference.outputs] != [o.shape for o in result.outputs]:
+        shapes = f"{[o.shape for o in result.outputs]} vs {[o.shape for o in reference.outputs]}"
+        row.status, row.reason = Status.FAIL, f"output shapes differ from the reference: {shapes}"
+        return row
     try:
-        quality = compare_outputs(ladder.baseline.outputs, result.outputs)
+        quality = compare_outputs(reference.outputs, result.outputs)
         row.psnr, row.psnr_min = quality.psnr, quality.psnr_min
         row.ssim, row.ssim_min = quality.ssim, quality.ssim_min
     except ValueError:  # not images SSIM can read (latents, tiles below its 11-pixel window)
-        row.psnr, row.psnr_min = _psnr_only(ladder.baseline.outputs, result.outputs)
-    row.status, row.reason = ladder.runtime.thresholds.judge(row.kind, row.psnr_min, row.ssim_min)
+        row.psnr, row.psnr_min = _psnr_only(reference.outputs, result.outputs)
+    row.max_abs = _max_abs(reference.outputs, result.outputs)
+    row.status, row.reason = ladder.runtime.thresholds.judge(row.kind, row.psnr_min, row.ssim_min, row.max_abs)
+    parallel = row.options.get("parallel") or {}
+    # With CFG parallelism a rank of a two-call pipeline runs (and caches) only its branch's calls: its count is a
+    # share of the reference's, and the outputs carry the check.
+    if reference is not ladder.baseline and reference.cache is not None and parallel.get("cfg", 1) == 1:
+        expected = reference.cache.cached_steps
+        if row.cached_steps != expected:
+            reason = f"served {row.cached_steps} steps from the cache, its one-process reference {expected}"
+            row.status, row.reason = Status.FAIL, "; ".join(filter(None, (row.reason, reason)))
     return row
 
 
@@ -558,41 +658,71 @@ def _no_cfg_split(result: RunResult) -> bool:
     return bool(stats) and not any(s.get("skipped_calls") or s.get("batched_calls") for s in stats)
 
 
+REFUSALS = (ArgumentError, UnavailableError, ValueError, NotImplementedError)
+"""What ``fastdit.accelerate`` raises when it refuses a configuration before touching anything."""
+
+
+def _refused(row: VerifyRow, error: BaseException) -> None:
+    # The row already shows the layout, so an ArgumentError's requirement is enough.
+    reason = error.requirement if isinstance(error, ArgumentError) else str(error)
+    row.status, row.reason = Status.NOT_AVAILABLE, " ".join(reason.split())
+
+
 def _run_rung(rung: Rung, options: dict[str, Any], row: VerifyRow, ladder: _Ladder) -> bool:
-    """Apply, run and remove one rung; fill ``row``. Returns whether the process group broke."""
-    if ladder.runtime.adapter is not None:
-        options = {**options, "adapter": ladder.runtime.adapter}
+    """Apply, run and remove one rung (and measure its reference first); fill ``row``. Returns whether the
+    process group broke."""
+    options = ladder.options(options)
     timeout = options["parallel"].timeout_s if options.get("parallel") is not None else None
+    try:
+        key = ladder.accelerate_reference(rung)
+    except REFUSALS as error:
+        _refused(row, error)
+        return False
+    try:
+        reference = ladder.reference(key)
+    except Exception as error:  # the one-process run this row is judged against failed: nothing to judge
+        row.status, row.reason = Status.ERROR, f"its one-process reference failed: {_one_line(error)}"
+        return False
     try:
         with collective_failures(timeout):
             ladder.session.accelerate(**options)
     except CollectiveError as error:
         row.status, row.reason = Status.ERROR, error.describe()
         return True
-    except (ArgumentError, UnavailableError, ValueError, NotImplementedError) as error:
-        # Refused before anything was touched (fastdit.accelerate checks every technique first). The row already
-        # shows the layout, so an ArgumentError's reason is enough.
-        reason = error.requirement if isinstance(error, ArgumentError) else str(error)
-        row.status, row.reason = Status.NOT_AVAILABLE, " ".join(reason.split())
+    except REFUSALS as error:  # refused before anything was touched: fastdit.accelerate checks every technique first
+        _refused(row, error)
         return False
     try:
         with collective_failures(timeout):
             result = ladder.measure()
-        _measured(row, result, ladder)
+        _measured(row, result, ladder, reference)
         if rung.name == "cfg" and _no_cfg_split(result):
             row.status = Status.NOT_AVAILABLE
             row.reason = "the call runs no classifier-free guidance to split (give a guidance or true-CFG scale)"
     except CollectiveError as error:
         row.status, row.reason = Status.ERROR, error.describe()
         return True
-    except CfgParallelError as error:
-        # Raised on every rank alike when the call runs no guidance branch pair: nothing for cfg=2 to split.
+    except (CfgParallelError, ShardError) as error:
+        # Raised on every rank alike when the call runs no guidance branch pair (nothing for cfg=2 to split) or has
+        # fewer tokens than the layout has ranks: the layout does not fit this call.
         row.status, row.reason = Status.NOT_AVAILABLE, " ".join(str(error).split())
     except Exception as error:  # a failed row, reported; the next rungs still run
         row.status, row.reason = Status.ERROR, _one_line(error)
     finally:
         ladder.session.disable()
+    if ladder.runtime.check_disable and row.seconds is not None:
+        _check_restored(row, ladder)
     return False
+
+
+def _check_restored(row: VerifyRow, ladder: _Ladder) -> None:
+    """Fail ``row`` when the disabled pipeline no longer gives the baseline bit for bit."""
+    assert ladder.baseline is not None
+    after = ladder.measure().outputs
+    if not all(np.array_equal(a, b) for a, b in zip(after, ladder.baseline.outputs, strict=True)):
+        error = _max_abs(ladder.baseline.outputs, after)
+        reason = f"after disable the output differs from the baseline (max abs {error:.2e})"
+        row.status, row.reason = Status.FAIL, "; ".join(filter(None, (row.reason, reason)))
 
 
 def _verify_rung(rung: Rung, ladder: _Ladder) -> tuple[VerifyRow, bool]:

@@ -19,6 +19,8 @@ layer               what sits there                                             
 ``PARALLEL_OUTPUT`` parallel output transforms: gathers, output splits, reductions          no
 ``SKIP``            hooks that may return without calling what they wrap (cache and         **yes**
                     prune block hooks, blocks a cached step passes through)
+``RESIDENT``        weights brought onto the device for the call and let go after it       no
+                    (offload): beneath every skip, so a skipped block moves nothing
 (terminal)          the module's own computation through its :class:`~fastdit.hooks.blocks.BlockRunner`
                     when one is set (compiled, CUDA-graphed), else its original ``forward``
 ==================  =====================================================================  ==============
@@ -61,6 +63,7 @@ class Layer(enum.IntEnum):
     PARALLEL_INPUT = 30
     PARALLEL_OUTPUT = 40
     SKIP = 50
+    RESIDENT = 60
 
     @property
     def may_skip(self) -> bool:
@@ -93,6 +96,12 @@ class LayerHook:
 
     def reset(self) -> None:
         """Forget per-run state (pipelines reset their stateful hooks at the end of a call)."""
+
+    def skip_group(self) -> object | None:
+        """What decides whether this hook skips its module's call: ``None`` if it never does; else a token that
+        every module skipped together with this one (all or none in one call) shares. By default a hook that may
+        skip decides alone (the token is the hook itself)."""
+        return self if self.may_skip else None
 
 
 class _NoState(BaseState):

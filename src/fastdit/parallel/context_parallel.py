@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from fastdit.config import Attention, Parallel
+from fastdit.errors import ShardError
 from fastdit.hooks import layers
 from fastdit.hooks.args import ForwardArgs
 from fastdit.hooks.state import Applied
@@ -110,12 +111,12 @@ class _Splitter:
             return tensor  # one row broadcast against the split tokens: every rank needs it whole (not recorded)
         total = tensor.shape[dim]
         if unit < 1 or total % unit:  # global sizes: every rank raises alike
-            raise ValueError(
+            raise ShardError(
                 f"context parallel: {name} has {total} tokens along dim {dim}, not a multiple of its split unit {unit}"
             )
         if total // unit < self.degree:
             what = "tokens" if unit == 1 else f"units of {unit} tokens"
-            raise ValueError(
+            raise ShardError(
                 f"context parallel: {name} has {total // unit} {what} along dim {dim}, fewer than the "
                 f"{self.degree} ranks"
             )
