@@ -90,6 +90,9 @@ def cfg_status(adapter) -> str:
     how = ["announced branches or a split batch"]
     if adapter.cfg_pairs_by_timestep:
         how.append("unannounced calls paired by timestep")
+    if adapter.cfg_branch_components:
+        parts = ", ".join(f"`{name}` {branch}" for name, branch in adapter.cfg_branch_components.items())
+        how.append(f"one denoiser per branch ({parts})")
     if adapter.cfg_batch_dims:
         dims = ", ".join(f"`{k}` {'whole' if v is None else f'dim {v}'}" for k, v in adapter.cfg_batch_dims.items())
         how.append(f"batch found in {dims}")

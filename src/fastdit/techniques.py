@@ -259,11 +259,20 @@ class _CfgParallel:
 
     def apply(self, context: Context) -> None:
         from fastdit.cache.runs import reset_on_new_schedule
-        from fastdit.parallel.cfg_parallel import apply_cfg_parallel
+        from fastdit.parallel.cfg_parallel import apply_cfg_parallel, apply_cfg_parallel_branches
 
         runtime = context.runtime
         hooks = []
+        per_branch = [item for item in context.components.denoisers if item.name in item.adapter.cfg_branch_components]
+        if per_branch:  # one denoiser per guidance branch: one hook pairs their calls
+            branches = [(item.module, item.adapter.cfg_branch_components[item.name]) for item in per_branch]
+            cfg = (runtime.group("cfg"), runtime.coordinate("cfg"), runtime.size("cfg"), runtime.device)
+            for item, applied in zip(per_branch, apply_cfg_parallel_branches(branches, *cfg), strict=True):
+                context.add(self.name, item.name, applied.undo, applied.state)
+            hooks.append(applied.state)
         for item in context.components.denoisers:
+            if item.name in item.adapter.cfg_branch_components:
+                continue
             applied = apply_cfg_parallel(
                 item.module,
                 runtime.group("cfg"),

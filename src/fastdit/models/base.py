@@ -228,6 +228,9 @@ class ModelAdapter:
             them, and use neither call's output before the other call: CFG parallelism pairs them by timestep.
         cfg_batch_dims: Forward arguments whose batch is not their dim 0 (arg → dim; ``None``: no batch dim), for
             batched CFG parallelism.
+        cfg_branch_components: The family's pipelines compute each guidance branch with its own denoiser, called once
+            per step each (pipeline component name → ``"cond"`` / ``"uncond"``; Ideogram 4's ``transformer`` and
+            ``unconditional_transformer``): CFG parallelism runs each denoiser on its branch's rank.
         tp_plan: How the family's layers split under tensor parallelism
             (:class:`~fastdit.parallel.tp_plan.TensorParallelPlan`); ``None``: tensor parallelism is unsupported.
     """
@@ -245,6 +248,7 @@ class ModelAdapter:
     cfg_parallel: bool = True
     cfg_pairs_by_timestep: bool = False
     cfg_batch_dims: Mapping[str, int | None] = field(default_factory=dict)
+    cfg_branch_components: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.family:

@@ -54,6 +54,7 @@ from fastdit.parallel.plan import (
     linear_attention_paths,
     local_attention_paths,
     match_modules,
+    passes_whole,
     sdpa_call_paths,
     validate_plan,
 )
@@ -93,11 +94,21 @@ class _Splitter:
         self._log = log
         self._logged: set[tuple[str, int]] = set()
 
-    def split(self, tensor: Any, dim: int, expected_dims: int | None, name: str, unit: int = 1) -> Any:
+    def split(
+        self,
+        tensor: Any,
+        dim: int,
+        expected_dims: int | None,
+        name: str,
+        unit: int = 1,
+        keep_singleton: bool | None = None,
+    ) -> Any:
         if isinstance(tensor, (tuple, list)):  # e.g. a (cos, sin) RoPE pair passed as one argument
-            return type(tensor)(self.split(t, dim, expected_dims, name, unit) for t in tensor)
+            return type(tensor)(self.split(t, dim, expected_dims, name, unit, keep_singleton) for t in tensor)
         if not isinstance(tensor, torch.Tensor) or (expected_dims is not None and tensor.ndim != expected_dims):
             return tensor
+        if self.degree > 1 and passes_whole(tensor, dim, keep_singleton):
+            return tensor  # one row broadcast against the split tokens: every rank needs it whole (not recorded)
         total = tensor.shape[dim]
         if unit < 1 or total % unit:  # global sizes: every rank raises alike
             raise ShardError(
@@ -279,10 +290,12 @@ class _OutputHook(layers.LayerHook):
         for spec in self.splits:
             name = self.path if spec.index is None else f"{self.path}[{spec.index}]"
             if spec.index is None:
-                output = self.splitter.split(output, spec.dim, spec.expected_dims, name)
+                output = self.splitter.split(output, spec.dim, spec.expected_dims, name, 1, spec.keep_singleton)
             else:
                 items = list(output)
-                items[spec.index] = self.splitter.split(items[spec.index], spec.dim, spec.expected_dims, name)
+                items[spec.index] = self.splitter.split(
+                    items[spec.index], spec.dim, spec.expected_dims, name, 1, spec.keep_singleton
+                )
                 output = type(output)(items) if isinstance(output, tuple) else items
         if self.gather is not None:
             spec = self.gather

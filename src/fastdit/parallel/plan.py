@@ -50,6 +50,7 @@ __all__ = [
     "linear_attention_paths",
     "local_attention_paths",
     "match_modules",
+    "passes_whole",
     "validate_plan",
 ]
 
@@ -64,7 +65,15 @@ def _check_dim(owner: str, dim: Any, expected_dims: Any) -> None:
 class Splitter(Protocol):
     """What an input spec's ``adjust`` uses: the context-parallel splitter of the current forward."""
 
-    def split(self, tensor: Any, dim: int, expected_dims: int | None, name: str, unit: int = 1) -> Any: ...
+    def split(
+        self,
+        tensor: Any,
+        dim: int,
+        expected_dims: int | None,
+        name: str,
+        unit: int = 1,
+        keep_singleton: bool | None = None,
+    ) -> Any: ...
 
     def split_segments(
         self, tensor: Any, dim: int, expected_dims: int | None, name: str, segments: tuple[str, ...]
@@ -96,8 +105,10 @@ class SplitInput:
         unit: Names of integer arguments of the same ``forward`` whose product is the split granularity: shards hold
             whole multiples of it (``("width",)``: whole rows of a flattened ``(height, width)`` grid, as a
             convolution over the grid needs). The size along ``dim`` must be a multiple of it. ``()``: single tokens.
-        keep_singleton: A tensor argument of size 1 along ``dim`` passes whole: it broadcasts over the tokens (a
-            per-sample modulation where another variant of the model passes one per token).
+        keep_singleton: Whether a tensor of size 1 along ``dim`` passes whole, broadcasting over the tokens (a RoPE
+            table of one row, a per-sample modulation where another variant of the model passes one per token):
+            ``True`` always, ``False`` never (it is refused as too short for the ranks), ``None`` (default) unless
+            it is laid out like a token stream (see :func:`passes_whole`).
         segments: Names of plain (unsegmented) :class:`SplitInput` s of the same path whose concatenation this
             argument spans; ``()``: one contiguous split.
     """
@@ -106,7 +117,7 @@ class SplitInput:
     expected_dims: int | None = None
     index: int | None = None
     unit: tuple[str, ...] = ()
-    keep_singleton: bool = False
+    keep_singleton: bool | None = None
     segments: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -125,20 +136,34 @@ class SplitInput:
 
     def adjust(self, value: Any, splitter: Splitter, name: str, unit: int = 1) -> Any:
         """``value`` split per this spec; with :attr:`index`, only that element of a tuple/list argument."""
-        tensor = isinstance(value, torch.Tensor) and -value.ndim <= self.dim < value.ndim
-        if self.keep_singleton and tensor and value.shape[self.dim] == 1:
-            return value  # broadcast over the tokens: every rank needs it whole
 
         def split(item: Any, label: str) -> Any:
             if self.segments:
                 return splitter.split_segments(item, self.dim, self.expected_dims, label, self.segments)
-            return splitter.split(item, self.dim, self.expected_dims, label, unit)
+            return splitter.split(item, self.dim, self.expected_dims, label, unit, self.keep_singleton)
 
         if self.index is None or not isinstance(value, (tuple, list)):
             return split(value, name)
         items = list(value)
         items[self.index] = split(items[self.index], f"{name}[{self.index}]")
         return type(value)(items)
+
+
+def passes_whole(tensor: torch.Tensor, dim: int, keep_singleton: bool | None) -> bool:
+    """Whether ``tensor``, of size 1 along its split dim ``dim``, is passed whole to every rank instead of split.
+
+    One row along the split dim cannot be shared by two or more ranks. A table or vector of one row that the model
+    broadcasts against the split stream (a one-row RoPE table, a per-sample timestep) is right whole on every rank.
+    A token stream of one token is not: every rank would add that token to the joint sequence, and attention would
+    weigh it once per rank. With ``keep_singleton=None`` a ``(B, S, D)`` tensor split on its token dim (3 dims, dim
+    1 or -2: the layout of a stream, e.g. the text of a one-word prompt) is therefore still refused; every other
+    layout broadcasts. The decision reads global sizes only, so every rank takes it alike.
+    """
+    if tensor.shape[dim] != 1:
+        return False
+    if keep_singleton is not None:
+        return keep_singleton
+    return not (tensor.ndim == 3 and dim % 3 == 1)
 
 
 @dataclass(frozen=True)
@@ -149,11 +174,13 @@ class SplitOutput:
         dim: The sequence dim of the output.
         expected_dims: As for :class:`SplitInput`.
         index: Element of a tuple/list output to split; ``None`` if the output is a tensor.
+        keep_singleton: As for :class:`SplitInput` (a RoPE module returning one row that broadcasts).
     """
 
     dim: int
     expected_dims: int | None = None
     index: int | None = None
+    keep_singleton: bool | None = None
 
     def __post_init__(self) -> None:
         _check_dim("SplitOutput", self.dim, self.expected_dims)
