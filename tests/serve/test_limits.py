@@ -30,7 +30,7 @@ class FakeEngine:
         self.stopped_early = threading.Event()
         self.jobs: list[Job] = []
 
-    def run(self, job: Job, should_stop: Callable[[], bool] | None = None) -> JobResult:
+    def run(self, job: Job, should_stop: Callable[[], bool] | None = None, progress: Any = None) -> JobResult:
         self.jobs.append(job)
         while not self.release.wait(0.01):
             if should_stop is not None and should_stop():
@@ -43,6 +43,12 @@ class FakeEngine:
 
     def heartbeat(self) -> None:
         pass
+
+    def lora(self, op: Any) -> list[dict[str, Any]]:
+        raise AssertionError("no LoRA in these tests")
+
+    def lora_refusal(self) -> str | None:
+        return "a stand-in engine"
 
     def stop(self) -> None:
         self.release.set()

@@ -29,6 +29,8 @@ _PACKAGES = {
     "uvicorn": "uvicorn",
     "prometheus_client": "prometheus_client",
     "multipart": "python-multipart",
+    "imageio": "imageio",
+    "imageio_ffmpeg": "imageio-ffmpeg",
 }
 
 
