@@ -13,18 +13,13 @@ or leaves the adapters as they were (:class:`LoraError`).
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["LORA_NAME", "Adapter", "LoraError", "LoraOp", "LoraSet", "lora_support"]
+__all__ = ["Adapter", "LoraError", "LoraOp", "LoraSet", "lora_support"]
 
 logger = logging.getLogger("fastdit.serve")
-
-LORA_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-"""What an adapter name may be: it becomes a peft adapter name and a URL path segment."""
-
 
 class LoraError(Exception):
     """A LoRA operation that was refused or failed (nothing changed).

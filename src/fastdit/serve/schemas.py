@@ -173,7 +173,17 @@ class LoraRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$", description="letters, digits, _ and -")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        import torch
+
+        # peft keeps adapters in ModuleDicts under their names: a name of a Module attribute cannot be one.
+        if hasattr(torch.nn.Module, value):
+            raise ValueError(f"{value!r} is reserved (a torch.nn.Module attribute); choose another name")
+        return value
     path: str = Field(min_length=1, max_length=1000, description="a file or directory, relative to --lora-dir")
     scale: float = Field(default=1.0, ge=-10, le=10, allow_inf_nan=False)
     fuse: bool = False
