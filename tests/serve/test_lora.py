@@ -195,3 +195,30 @@ def test_a_refusing_engine_is_400_naming_the_model(tmp_path: Path) -> None:
     assert response.json()["error"]["message"] == (
         "model 'reference' (FluxPipeline) cannot take LoRA adapters: a stand-in engine"
     )
+
+
+@pytest.mark.slow
+def test_compiled_blocks_are_recompiled_with_the_adapter(tmp_path: Path) -> None:
+    """Under ``compile`` the adapter takes effect (no stale compiled code) and deleting it gives the baseline."""
+    import torch
+
+    from fastdit.config import Compile
+    from fastdit.serve.lora import LoraOp
+    from fastdit.serve.worker import DEFAULT_CACHE, Driver, Job, Runner
+    from fastdit.session import Case, Session, call_arguments, resolve_model
+
+    source = resolve_model(None, None)
+    compiled = Runner(Session.load(source, device="cpu", dtype=torch.float32), {"compile": Compile(backend="eager")})
+    plain = Runner(Session.load(source, device="cpu", dtype=torch.float32), {})
+    _make_lora(plain.session.pipe.transformer, tmp_path / "one", seed=1)
+    kwargs = call_arguments(plain.session.pipeline_class, source.defaults, {"num_inference_steps": 4})
+    job = Job("j", (Case(PROMPT, 3),), kwargs, DEFAULT_CACHE)
+    baseline = compiled.run(job).outputs[0]
+    op = LoraOp("load", "one", str(tmp_path / "one"), "one")
+    for runner in (compiled, plain):
+        Driver(runner).lora(op)
+    adapted, expected = compiled.run(job).outputs[0], plain.run(job).outputs[0]
+    assert np.abs(adapted - baseline).max() > 0.1
+    np.testing.assert_allclose(adapted, expected, atol=1e-5)
+    Driver(compiled).lora(LoraOp("delete", "one"))
+    np.testing.assert_allclose(compiled.run(job).outputs[0], baseline, atol=1e-6)
