@@ -133,13 +133,19 @@ def _video_object(state: ServerState, record: VideoRecord) -> VideoObject:
     )
 
 
-def _video_report(state: ServerState, result: JobResult, seed: int, frames: int, started: float) -> dict[str, Any]:
+def _video_report(state: ServerState, pending: Any, result: JobResult) -> dict[str, Any]:
+    """fastdit's report of a finished video job (the ``fastdit`` field of its video object)."""
+    started = pending.started or pending.enqueued
     return {
         "model": state.spec.name,
-        "seeds": [seed],
-        "num_frames": frames,
-        "num_inference_steps": None,
-        "timings": {"run_s": result.run_s, "total_s": time.perf_counter() - started},
+        "seeds": [case.seed for case in pending.job.cases],
+        "num_frames": int(result.outputs[0].shape[0]),
+        "num_inference_steps": pending.job.kwargs.get("num_inference_steps"),
+        "timings": {
+            "queue_s": started - pending.enqueued,
+            "run_s": result.run_s,
+            "total_s": time.perf_counter() - pending.enqueued,
+        },
         "cache": _cache_report(result).model_dump(),
     }
 
@@ -152,11 +158,9 @@ async def _finish_video(state: ServerState, record: VideoRecord, pending: Any, f
     except RequestError as error:
         store.fail(record, error)
         return
-    frames = result.outputs[0]
-    report = _video_report(state, result, pending.job.cases[0].seed, int(frames.shape[0]), pending.enqueued)
-    report["num_inference_steps"] = pending.job.kwargs.get("num_inference_steps")
+    report = _video_report(state, pending, result)
     try:
-        await asyncio.to_thread(store.complete, record, frames, fps, report)
+        await asyncio.to_thread(store.complete, record, result.outputs[0], fps, report)
     except Exception as error:
         logger.error("writing video %s failed", record.id, exc_info=error)
         store.fail(record, RequestError(500, "the video could not be encoded", type="server_error", code="encode"))

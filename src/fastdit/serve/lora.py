@@ -21,6 +21,7 @@ __all__ = ["Adapter", "LoraError", "LoraOp", "LoraSet", "lora_support"]
 
 logger = logging.getLogger("fastdit.serve")
 
+
 class LoraError(Exception):
     """A LoRA operation that was refused or failed (nothing changed).
 

@@ -116,7 +116,7 @@ class VideoRequest(BaseModel):
     negative_prompt: str | None = None
     cache: str | None = None
 
-    n: int = 1  # one video per job; kept so that the image checks apply unchanged
+    n: Literal[1] = 1  # one video per job; a field so that the image checks apply unchanged
 
     @field_validator("size")
     @classmethod
@@ -184,6 +184,7 @@ class LoraRequest(BaseModel):
         if hasattr(torch.nn.Module, value):
             raise ValueError(f"{value!r} is reserved (a torch.nn.Module attribute); choose another name")
         return value
+
     path: str = Field(min_length=1, max_length=1000, description="a file or directory, relative to --lora-dir")
     scale: float = Field(default=1.0, ge=-10, le=10, allow_inf_nan=False)
     fuse: bool = False
