@@ -317,7 +317,7 @@ class ServerState:
 
     def close(self) -> None:
         """Stop the workers (after the running job) and the worker thread; remove the video files."""
-        if self.failure is None:
+        if self.failure is None or not isinstance(self.failure, _fatal_errors()):  # e.g. a failed warm-up run
             with contextlib.suppress(Exception):  # a worker that is already gone: nothing left to stop
                 self.executor.submit(self.engine.stop).result(timeout=60)
         self.executor.shutdown(wait=False, cancel_futures=True)
