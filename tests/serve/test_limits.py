@@ -121,6 +121,19 @@ def test_a_missing_prompt_and_another_model(make_client: Callable[..., Any]) -> 
     assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
 
 
+def test_a_body_that_is_not_json_names_no_field(make_client: Callable[..., Any]) -> None:
+    response = make_client().post(
+        "/v1/images/generations", content=b"{prompt: nope", headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == 422
+    assert response.json()["error"] == {
+        "message": "the body is not valid JSON",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "invalid_json",
+    }
+
+
 def test_limits_are_configurable(make_client: Callable[..., Any]) -> None:
     client = make_client(max_n=8, max_side=64, max_steps=10, max_prompt_chars=10)
     assert _post(client, prompt="short", n=8, size="64x64", num_inference_steps=10).status_code == 200

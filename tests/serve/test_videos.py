@@ -95,6 +95,9 @@ def test_list_and_delete(wan: LiveServer) -> None:
         _quiet(client.videos.retrieve, ids[0])
     missing = httpx.get(f"{wan.api}/videos/{ids[0]}/content", headers=_headers())
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "video_id"
+    metrics = httpx.get(f"{wan.url}/metrics").text  # counted by route template: ids never become label values
+    assert 'fastdit_requests_total{endpoint="/v1/videos/{video_id}",status="200"}' in metrics
+    assert ids[0] not in metrics
 
 
 @pytest.mark.parametrize(

@@ -457,6 +457,8 @@ def _install_handlers(app: Any) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(_request: Request, error: RequestValidationError) -> Any:
         first = error.errors()[0] if error.errors() else {}
+        if first.get("type") == "json_invalid":  # its location is a character offset, not a field
+            return _error_response(RequestError(422, "the body is not valid JSON", code="invalid_json"))
         location = [str(part) for part in first.get("loc", ()) if part != "body"]
         param = ".".join(location) or None
         message = first.get("msg", "invalid request").removeprefix("Value error, ")
