@@ -36,6 +36,11 @@ def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--parallel", "ulysses=2"], "needs 2 processes"),
         (["--steps", "0"], "argument --steps 0: must be positive"),
         (["--cache", "bogus"], "argument --cache bogus"),
+        (["--video-ttl-s", "0"], "argument --video-ttl-s 0.0: must be positive"),
+        (["--max-videos", "-2"], "argument --max-videos -2: must be positive"),
+        (["--max-frames", "0"], "argument --max-frames 0: max_frames=0: must be positive"),
+        (["--lora-dir", "/no/such/loras"], "argument --lora-dir /no/such/loras: no such directory"),
+        (["--video-dir", "/no/such/videos"], "argument --video-dir /no/such/videos: no such directory"),
     ],
 )
 def test_bad_flags_end_before_loading(argv: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
