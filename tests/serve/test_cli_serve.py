@@ -238,3 +238,40 @@ def test_fastdit_serve_in_one_process_serves_until_interrupted() -> None:
             server.wait()
     stderr = server.stderr.read() if server.stderr else ""
     assert stderr.strip().splitlines()[-1] == "fastdit: interrupted" and "Traceback" not in stderr
+
+
+@pytest.mark.slow
+def test_fastdit_serve_runs_video_jobs_of_a_video_model_after_its_warm_up(tmp_path: Path) -> None:
+    """A video model served from a directory: warm-up at a size first, then a job whose mp4 lands in --video-dir."""
+    import warnings
+
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("imageio_ffmpeg")
+    from fastdit.testing.pipelines import save_tiny
+
+    model = save_tiny("wan", str(tmp_path / "wan"), "t2v")
+    videos = tmp_path / "videos"
+    videos.mkdir()
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FASTDIT_API_KEY": API_KEY}
+    command = [sys.executable, "-m", "fastdit", "serve", "--model-path", model, "--steps", "2", "--port", str(port)]
+    command += ["--warmup-sizes", "32x32", "--video-dir", str(videos), "--model-name", "tiny-wan"]
+    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, server)
+        assert httpx.get(f"{url}/health").json()["warmup"] == {"done": 1, "total": 1}
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            video = client.videos.create(model="tiny-wan", prompt="a cat", size="32x32", extra_body={"num_frames": 5})
+            video = client.videos.poll(video.id, poll_interval_ms=100)
+        assert video.status == "completed", video
+        assert [path.name for path in videos.iterdir()] == [f"{video.id}.mp4"]
+        images = httpx.post(
+            f"{url}/v1/images/generations", json={"prompt": "a cat"}, headers={"Authorization": f"Bearer {API_KEY}"}
+        )
+        assert images.status_code == 400 and images.json()["error"]["code"] == "unsupported_model"
+    finally:
+        server.terminate()
+        server.wait(timeout=60)

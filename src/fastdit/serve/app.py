@@ -554,7 +554,7 @@ def create_app(
     if spec.video:
         require("imageio")
         require("imageio_ffmpeg")
-        videos = videos or VideoStore()
+        videos = VideoStore() if videos is None else videos  # (an empty store is falsy: it has a length)
     state = ServerState(engine, spec, limits or Limits(), on_fatal, warmup, videos)
     state.lora_dir = None if lora_dir is None else Path(lora_dir).resolve()
 
