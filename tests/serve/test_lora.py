@@ -222,3 +222,31 @@ def test_compiled_blocks_are_recompiled_with_the_adapter(tmp_path: Path) -> None
     np.testing.assert_allclose(adapted, expected, atol=1e-5)
     Driver(compiled).lora(LoraOp("delete", "one"))
     np.testing.assert_allclose(compiled.run(job).outputs[0], baseline, atol=1e-6)
+
+
+def test_an_operation_another_rank_failed_is_undone_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks agree after every operation: one that failed elsewhere is rolled back on the ranks where it worked."""
+    from types import SimpleNamespace
+
+    import fastdit.process
+    from fastdit.serve.lora import LoraError, LoraOp
+    from fastdit.serve.worker import _apply_lora_everywhere
+
+    calls: list[Any] = []
+    loras = SimpleNamespace(snapshot=lambda: {"before": 1})
+    runner = SimpleNamespace(
+        loras=loras,
+        session=SimpleNamespace(device="cpu"),
+        apply_lora=lambda op: calls.append(("apply", op.name)),
+        restore_loras=lambda adapters: calls.append(("restore", adapters)),
+    )
+    agreed: list[float] = []
+
+    def another_rank_failed(value: float, _device: Any) -> float:
+        agreed.append(value)
+        return 1.0
+
+    monkeypatch.setattr(fastdit.process, "max_across_processes", another_rank_failed)
+    with pytest.raises(LoraError, match="failed on another rank; nothing changed"):
+        _apply_lora_everywhere(runner, LoraOp("load", "one", "/x", "x"), world_size=2, timeout_s=5)
+    assert agreed == [0.0] and calls == [("apply", "one"), ("restore", {"before": 1})]
