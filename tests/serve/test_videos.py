@@ -224,3 +224,36 @@ def test_a_video_model_without_imageio_ffmpeg_names_it(monkeypatch: pytest.Monke
 
     with pytest.raises(ImportError, match=r"needs the package 'imageio-ffmpeg': pip install imageio-ffmpeg"):
         _video_app(FakeEngine())
+
+
+@pytest.mark.slow
+def test_an_image_to_video_model_takes_the_reference_image() -> None:
+    """``input_reference`` goes to the pipeline's ``image``: required, and the video starts from it."""
+    with serving(tiny_runner("wan", "i2v", "wan-i2v", WAN_DEFAULTS)) as server:
+        missing = httpx.post(f"{server.api}/videos", json={"prompt": PROMPT}, headers=_headers())
+        assert missing.status_code == 422 and missing.json()["error"]["param"] == "input_reference"
+        thumbnails = []
+        for shade in (0, 255):
+            buffer = io.BytesIO()
+            Image.new("RGB", (32, 32), (shade, shade, shade)).save(buffer, format="PNG")
+            created = httpx.post(
+                f"{server.api}/videos",
+                data={"prompt": PROMPT, "seed": "1"},
+                files={"input_reference": ("a.png", buffer.getvalue(), "image/png")},
+                headers=_headers(),
+            )
+            assert created.status_code == 200, created.text
+            done = _quiet(_client(server).videos.poll, created.json()["id"], poll_interval_ms=50)
+            assert done.status == "completed", done
+            thumb = httpx.get(
+                f"{server.api}/videos/{done.id}/content", params={"variant": "thumbnail"}, headers=_headers()
+            )
+            thumbnails.append(np.asarray(Image.open(io.BytesIO(thumb.content))).astype(int))
+        assert not np.array_equal(thumbnails[0], thumbnails[1])  # another first image, another video
+        from fastdit.session import Case, call_arguments
+
+        session = server.runner.session  # idle: the same call, made directly with the black image
+        black = Image.new("RGB", (32, 32))
+        kwargs = call_arguments(session.pipeline_class, WAN_DEFAULTS, {"image": black})
+        expected = session.call(Case(PROMPT, 1), kwargs)
+        assert np.array_equal(thumbnails[0], np.round(expected[0] * 255).astype(int))
