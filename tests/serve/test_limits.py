@@ -47,7 +47,7 @@ class FakeEngine:
     def lora(self, op: Any) -> list[dict[str, Any]]:
         raise AssertionError("no LoRA in these tests")
 
-    def lora_refusal(self) -> str | None:
+    def lora_refusal(self, fuse: bool = True) -> str | None:
         return "a stand-in engine"
 
     def stop(self) -> None:

@@ -181,6 +181,9 @@ def test_refusals_name_the_reason() -> None:
         assert "tensor parallelism" in Driver(runner).lora_refusal()
     runner = SimpleNamespace(base={"parallel": Parallel(ulysses=2)}, session=SimpleNamespace(pipe=object()))
     assert "no LoRA support" in Driver(runner).lora_refusal()  # replicated weights: only the loader decides
+    quantized = SimpleNamespace(base={"quantize": object()}, session=SimpleNamespace(pipe=object()))
+    assert "load the adapter with fuse: true" in Driver(quantized).lora_refusal(fuse=False)
+    assert "no LoRA support" in Driver(quantized).lora_refusal(fuse=True)  # fused: the loader decides
 
 
 def test_a_refusing_engine_is_400_naming_the_model(tmp_path: Path) -> None:

@@ -267,12 +267,12 @@ def _lora_path(state: ServerState, text: str) -> Path:
     return candidate
 
 
-def _check_lora_allowed(state: ServerState) -> None:
+def _check_lora_allowed(state: ServerState, fuse: bool = True) -> None:
     if state.lora_dir is None:
         raise RequestError(
             403, "LoRA loading is off: start the server with --lora-dir DIR", param="path", code="lora_disabled"
         )
-    refusal = state.engine.lora_refusal()
+    refusal = state.engine.lora_refusal(fuse)
     if refusal is not None:
         raise RequestError(
             400, f"model {state.spec.describe()} cannot take LoRA adapters: {refusal}", code="unsupported_model"
@@ -288,7 +288,7 @@ async def _run_lora(state: ServerState, op: LoraOp) -> list[dict[str, Any]]:
 def _install_loras(app: Any, state: ServerState, authorized: list[Any]) -> None:
     @app.post("/v1/loras", response_model=LoraCard, status_code=201, dependencies=authorized)
     async def load_lora(body: LoraRequest) -> LoraCard:
-        _check_lora_allowed(state)
+        _check_lora_allowed(state, body.fuse)
         path = _lora_path(state, body.path)
         op = LoraOp("load", body.name, str(path), body.path, body.scale, body.fuse)
         cards = await _run_lora(state, op)

@@ -323,15 +323,19 @@ class Driver:
         _apply_lora_everywhere(self.runner, op, self.world_size, self.timeout_s)
         return self.runner.loras.describe()
 
-    def lora_refusal(self) -> str | None:
-        """Why this server cannot take LoRA adapters (``None``: it can).
+    def lora_refusal(self, fuse: bool = True) -> str | None:
+        """Why this server cannot take a LoRA adapter (``None``: it can), fused into the weights or not (``fuse``).
 
         Tensor parallelism shards the linear layers a LoRA wraps (and with ``text_encoder`` the text encoders'),
-        so a sharded layer would get a whole adapter: refused rather than computed wrong.
+        so a sharded layer would get a whole adapter: refused rather than computed wrong. Quantization would
+        quantize an unfused adapter's own small layers too; a fused adapter is merged into the float weights
+        before they are quantized.
         """
         parallel = self.runner.base.get("parallel")
         if parallel is not None and (parallel.tp > 1 or parallel.text_encoder):
             return "tensor parallelism (--parallel tp=N or text_encoder) shards the layers a LoRA adapts"
+        if self.runner.base.get("quantize") is not None and not fuse:
+            return "its layers are quantized (--quantize): load the adapter with fuse: true (merged, then quantized)"
         from fastdit.serve.lora import lora_support
 
         return lora_support(self.runner.session.pipe)
