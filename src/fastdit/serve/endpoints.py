@@ -83,6 +83,12 @@ async def _form(request: Request) -> tuple[dict[str, Any], dict[str, list[Any]]]
 # ---- /v1/images/edits
 
 
+async def _decoded(upload: Any, field: str, state: ServerState, mode: str = "RGB") -> Any:
+    """An uploaded image, decoded off the event loop (a large PNG takes tens of milliseconds)."""
+    data = await read_upload(upload, field, state.limits)
+    return await asyncio.to_thread(decode_image, data, field, state.limits, mode=mode)
+
+
 async def _edit(state: ServerState, request: Request) -> ImageResponse:
     fields, files = await _form(request)
     body = _validated(EditRequest, fields)
@@ -92,11 +98,8 @@ async def _edit(state: ServerState, request: Request) -> ImageResponse:
         raise invalid("image", "upload an image file (form field image, or image[] for several)")
     if len(uploads) > state.limits.max_images:
         raise invalid("image", f"at most {state.limits.max_images} images, got {len(uploads)}")
-    images = [decode_image(await read_upload(u, "image", state.limits), "image", state.limits) for u in uploads]
-    mask = None
-    if files.get("mask"):
-        data = await read_upload(files["mask"][0], "mask", state.limits)
-        mask = decode_image(data, "mask", state.limits, mode="L")
+    images = [await _decoded(u, "image", state) for u in uploads]
+    mask = await _decoded(files["mask"][0], "mask", state, mode="L") if files.get("mask") else None
     job = build_edit_job(body, images, mask, state.spec, state.limits, uuid.uuid4().hex)
     return await answer(state, body, job)
 
@@ -179,8 +182,7 @@ async def _create_video(state: ServerState, request: Request) -> VideoObject:
     body = _validated(VideoRequest, fields)
     image = None
     if files.get("input_reference"):
-        data = await read_upload(files["input_reference"][0], "input_reference", state.limits)
-        image = decode_image(data, "input_reference", state.limits)
+        image = await _decoded(files["input_reference"][0], "input_reference", state)
     elif "input_reference" in fields:
         raise invalid("input_reference", "upload an image file (a reference by URL or file id is not supported)")
     job = build_video_job(body, image, state.spec, state.limits, uuid.uuid4().hex)
