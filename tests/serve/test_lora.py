@@ -253,3 +253,22 @@ def test_an_operation_another_rank_failed_is_undone_here(monkeypatch: pytest.Mon
     with pytest.raises(LoraError, match="failed on another rank; nothing changed"):
         _apply_lora_everywhere(runner, LoraOp("load", "one", "/x", "x"), world_size=2, timeout_s=5)
     assert agreed == [0.0] and calls == [("apply", "one"), ("restore", {"before": 1})]
+
+
+def test_without_peft_the_package_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    import builtins
+
+    from fastdit.serve.lora import lora_support
+
+    real = builtins.__import__
+
+    def without_peft(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "peft":
+            raise ImportError("No module named 'peft'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", without_peft)
+    pipe = type("Loader", (), {"load_lora_weights": 0, "set_adapters": 0, "delete_adapters": 0})()
+    assert (
+        lora_support(pipe) == "LoRA adapters need the package 'peft': pip install peft (or pip install 'fastdit[lora]')"
+    )

@@ -75,7 +75,7 @@ def lora_support(pipe: Any) -> str | None:
     try:
         import peft  # noqa: F401  (diffusers loads LoRA adapters through peft)
     except ImportError:
-        return "LoRA adapters need the package 'peft': pip install peft"
+        return "LoRA adapters need the package 'peft': pip install peft (or pip install 'fastdit[lora]')"
     return None
 
 
