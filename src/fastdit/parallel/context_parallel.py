@@ -46,6 +46,7 @@ from fastdit.parallel.attention.dispatch import (
 )
 from fastdit.parallel.plan import (
     ContextParallelPlan,
+    GatherInput,
     GatherOutput,
     LeadingCount,
     LocalExtent,
@@ -203,7 +204,7 @@ class _Splitter:
         return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes, strict=True)], dim=dim)
 
 
-_Spec = SplitInput | LeadingCount | LocalExtent
+_Spec = SplitInput | LeadingCount | LocalExtent | GatherInput
 
 
 class _ArgPositions:
@@ -235,7 +236,7 @@ class _ArgPositions:
 
 def _splits_then_counts(specs: Mapping[str, _Spec]) -> tuple[dict[str, _Spec], dict[str, _Spec]]:
     """``specs`` divided into plain splits, then the items that read this forward's split record: leading-token
-    counts, local extents and segment-wise splits."""
+    counts, local extents, segment-wise splits and gathered inputs."""
     splits = {n: s for n, s in specs.items() if not s.reads_record}
     counts = {n: s for n, s in specs.items() if n not in splits}
     return splits, counts

@@ -9,6 +9,9 @@ A plan names module paths (``""`` is the transformer itself; ``"transformer_bloc
   ``segments``, an argument spanning several split inputs (a RoPE table over ``[image, text]``) is split per segment.
 * :class:`SplitOutput` — split what a sub-module *returns* (a RoPE or position-embedding module that produces
   full-length tensors inside forward).
+* :class:`GatherInput` — all-gather a split ``forward`` argument before the module runs: a module inside the loop
+  that needs every token (attention grouped by frame over a token split that need not follow frames); paired with a
+  :class:`SplitOutput` of the same module, so the loop continues on this rank's shard.
 * :class:`GatherOutput` — all-gather a module's output (or one element of a tuple output) along a dim (the output
   projection), so the transformer returns the full sequence on every rank.
 * :class:`LeadingCount` — a ``forward`` argument that counts leading tokens of a split tensor (the first frame's
@@ -40,6 +43,7 @@ import torch
 __all__ = [
     "AttentionRouting",
     "ContextParallelPlan",
+    "GatherInput",
     "GatherOutput",
     "Halo",
     "LeadingCount",
@@ -82,6 +86,8 @@ class Splitter(Protocol):
     def count(self, value: Any, of: str) -> Any: ...
 
     def extent(self, value: Any, of: str) -> Any: ...
+
+    def gather(self, tensor: Any, dim: int, expected_dims: int | None) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -184,6 +190,35 @@ class SplitOutput:
 
     def __post_init__(self) -> None:
         _check_dim("SplitOutput", self.dim, self.expected_dims)
+
+
+@dataclass(frozen=True)
+class GatherInput:
+    """All-gather a split ``forward`` argument along ``dim`` before the module runs (shards may differ in length).
+
+    For a module the loop calls between blocks that must see every token although the blocks hold a shard: Wan-Animate's
+    face adapter attends frame by frame (``query.unflatten(1, (frames, -1))``), which a token shard that does not
+    hold whole frames cannot do. The module then computes on the whole sequence, on every rank alike; a
+    :class:`SplitOutput` of the same module (same dim) gives the loop this rank's shard of its output again, with the
+    shard sizes any split of that length gets. Applied after every plain split of the same module.
+
+    Attributes:
+        dim: The sequence dim of the argument.
+        expected_dims: Gather only tensors with this many dims (others pass whole); ``None``: any tensor.
+    """
+
+    dim: int
+    expected_dims: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_dim("GatherInput", self.dim, self.expected_dims)
+
+    # Gathered after the plain splits of the same module (uneven shards read this forward's split record).
+    reads_record = True
+
+    def adjust(self, value: Any, splitter: Splitter, name: str, unit: int = 1) -> Any:
+        """``value`` gathered from every rank's shard."""
+        return splitter.gather(value, self.dim, self.expected_dims)
 
 
 @dataclass(frozen=True)
@@ -442,7 +477,8 @@ class ContextParallelPlan:
     """Where a transformer family splits and gathers its sequence under context parallelism.
 
     Attributes:
-        inputs: Module path -> argument name -> :class:`SplitInput`, :class:`LeadingCount` or :class:`LocalExtent`.
+        inputs: Module path -> argument name -> :class:`SplitInput`, :class:`LeadingCount`, :class:`LocalExtent` or
+            :class:`GatherInput`.
         outputs: Module path -> :class:`SplitOutput` or a tuple of them (one per tuple element).
         gather: Module path -> :class:`GatherOutput`.
         halo: Module path -> :class:`Halo` (modules mixing neighbouring rows of a row-split grid).
@@ -450,7 +486,9 @@ class ContextParallelPlan:
         notes: How the family's positional embeddings stay consistent with the split (for the docs).
     """
 
-    inputs: Mapping[str, Mapping[str, SplitInput | LeadingCount | LocalExtent]] = field(default_factory=dict)
+    inputs: Mapping[str, Mapping[str, SplitInput | LeadingCount | LocalExtent | GatherInput]] = field(
+        default_factory=dict
+    )
     outputs: Mapping[str, SplitOutput | tuple[SplitOutput, ...]] = field(default_factory=dict)
     gather: Mapping[str, GatherOutput] = field(default_factory=dict)
     halo: Mapping[str, Halo] = field(default_factory=dict)
@@ -468,10 +506,10 @@ class ContextParallelPlan:
                 raise ValueError(f"ContextParallelPlan.halo[{path!r}]={halo!r}: expected Halo")
         for path, args in self.inputs.items():
             for name, split in args.items():
-                if not isinstance(split, (SplitInput, LeadingCount, LocalExtent)):
+                if not isinstance(split, (SplitInput, LeadingCount, LocalExtent, GatherInput)):
                     raise ValueError(
-                        f"ContextParallelPlan.inputs[{path!r}][{name!r}]={split!r}: expected SplitInput, LeadingCount "
-                        "or LocalExtent"
+                        f"ContextParallelPlan.inputs[{path!r}][{name!r}]={split!r}: expected SplitInput, LeadingCount, "
+                        "LocalExtent or GatherInput"
                     )
         for path, splits in self.outputs.items():
             if not all(isinstance(s, SplitOutput) for s in splits):
