@@ -160,12 +160,15 @@ class _Splitter:
         self.layout.record(name, [sum(row) for row in zip(*sizes, strict=True)])
         return torch.cat(pieces, dim=dim)
 
-    def count(self, value: Any, of: str) -> Any:
-        """A count ``value`` of leading tokens of ``of``, narrowed to this rank's contiguous shard of ``of``."""
+    def count(self, value: Any, of: str, *, trailing: bool = False) -> Any:
+        """A count ``value`` of leading (or, ``trailing``, last) tokens of ``of``, narrowed to this rank's contiguous
+        shard of ``of``."""
         lens = self.layout.splits.get(of)
         if lens is None or not isinstance(value, int) or isinstance(value, bool):
             return value  # not split in this forward (tokens whole), or not a count
         start = sum(lens[: self.rank])
+        if trailing:  # the last ``value`` tokens begin at total - value
+            return min(max(start + lens[self.rank] - (sum(lens) - value), 0), lens[self.rank])
         return min(max(value - start, 0), lens[self.rank])
 
     def extent(self, value: Any, of: str) -> Any:

@@ -16,6 +16,7 @@ A plan names module paths (``""`` is the transformer itself; ``"transformer_bloc
   projection), so the transformer returns the full sequence on every rank.
 * :class:`LeadingCount` — a ``forward`` argument that counts leading tokens of a split tensor (the first frame's
   tokens), narrowed to the tokens this rank holds.
+* :class:`TrailingCount` — the same for a count of the *last* tokens (the current frames after prepended history).
 * :class:`LocalExtent` — an integer ``forward`` argument giving a grid extent (rows, frames) of a split tensor,
   replaced by this rank's share.
 * :class:`Halo` — pad a (convolution) module's input with the neighbouring ranks' edge rows, crop its output.
@@ -51,6 +52,7 @@ __all__ = [
     "SplitInput",
     "SplitOutput",
     "TokenSum",
+    "TrailingCount",
     "linear_attention_paths",
     "local_attention_paths",
     "match_modules",
@@ -83,7 +85,7 @@ class Splitter(Protocol):
         self, tensor: Any, dim: int, expected_dims: int | None, name: str, segments: tuple[str, ...]
     ) -> Any: ...
 
-    def count(self, value: Any, of: str) -> Any: ...
+    def count(self, value: Any, of: str, *, trailing: bool = False) -> Any: ...
 
     def extent(self, value: Any, of: str) -> Any: ...
 
@@ -283,6 +285,22 @@ class LeadingCount:
     def adjust(self, value: Any, splitter: Splitter, name: str, unit: int = 1) -> Any:
         """``value`` narrowed to this rank's shard of :attr:`of`."""
         return splitter.count(value, self.of)
+
+
+@dataclass(frozen=True)
+class TrailingCount(LeadingCount):
+    """A ``forward`` argument counting the *last* tokens of a split tensor, narrowed to this rank's shard.
+
+    Helios prepends history tokens to the current frames' tokens and passes the blocks ``original_context_length``,
+    the number of current tokens at the end of the sequence (``torch.split(x, [len - n, n])``, ``x[:, -n:]``). Rank
+    ``r``, holding the tokens ``[start_r, end_r)`` of a sequence of ``total``, receives how many of the last ``n``
+    tokens it holds, ``clamp(end_r - (total - n), 0, len_r)``: they are the last ones of its shard too. Otherwise as
+    :class:`LeadingCount` (same attributes, same pass-through of non-``int`` values and of an unsplit :attr:`of`).
+    """
+
+    def adjust(self, value: Any, splitter: Splitter, name: str, unit: int = 1) -> Any:
+        """``value`` narrowed to this rank's shard of :attr:`of`, counted from its end."""
+        return splitter.count(value, self.of, trailing=True)
 
 
 @dataclass(frozen=True)
