@@ -233,6 +233,9 @@ class ModelAdapter:
             ``unconditional_transformer``): CFG parallelism runs each denoiser on its branch's rank.
         tp_plan: How the family's layers split under tensor parallelism
             (:class:`~fastdit.parallel.tp_plan.TensorParallelPlan`); ``None``: tensor parallelism is unsupported.
+        example: ``module.path:function`` giving a small transformer and one call of it, ``(model, kwargs)``, for
+            ``fastdit inspect`` of a family without a tiny pipeline (one served by a pipeline fastdit does not build,
+            e.g. a diffusers ModularPipeline); ``""``: the first tiny pipeline's first transformer call is used.
     """
 
     family: str
@@ -249,6 +252,7 @@ class ModelAdapter:
     cfg_pairs_by_timestep: bool = False
     cfg_batch_dims: Mapping[str, int | None] = field(default_factory=dict)
     cfg_branch_components: Mapping[str, str] = field(default_factory=dict)
+    example: str = ""
 
     def __post_init__(self) -> None:
         if not self.family:
