@@ -114,12 +114,12 @@ ADAPTER = register(
             ),
         ),
         notes=(
-            "One run per tile (the pipeline restarts the schedule for every tile), one call per step. No context "
-            "parallelism: every self-attention builds its NABLA block mask inside the processor, from block averages "
-            "of the queries and keys over the whole sequence, before attention is dispatched, and hands flex "
-            "attention a BlockMask; a rank holding a shard would build its mask from its own tokens only, and the "
-            "context-parallel attention takes tensor masks, not BlockMasks. No CFG parallelism: the pipeline has no "
-            "guidance (one transformer call per step). The pipeline has no latent output type."
+            "One run per tile (the pipeline restarts the schedule for every tile), one call per step; the pipeline "
+            "has no latent output type. No context-parallel plan: every self-attention builds its NABLA block mask "
+            "inside the processor, from block averages of the queries and keys over the whole sequence, before "
+            "attention is dispatched, and hands flex attention a BlockMask; a rank holding a shard would build its "
+            "mask from its own tokens only, and context-parallel attention takes tensor masks, not BlockMasks. No "
+            "CFG parallelism: the pipeline has no guidance (one transformer call per step)."
         ),
     )
 )

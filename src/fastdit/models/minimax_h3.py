@@ -11,8 +11,8 @@ expert layer; the checkpoint is guidance-distilled (one forward per step, no CFG
 diffusers 0.42.1 serves this model through ``MiniMaxH3ModularPipeline`` only (a ModularPipeline: Qwen3-VL prompt
 encoding, the row-layout builder and two schedulers in blocks). fastdit's tiny-pipeline harness, component walk and
 CLI drive ``DiffusionPipeline``-like objects, so this family declares no tiny pipeline: its tests drive the bare
-transformer with the packed layout :func:`example` builds (``fastdit inspect MiniMaxH3Transformer3DModel --example
-fastdit.models.minimax_h3:example``) through the sampler loop :func:`tiny_denoise`.
+transformer with the packed layout :func:`example` builds (also what ``fastdit inspect`` traces: the adapter's
+``example``) through the sampler loop :func:`tiny_denoise`.
 """
 
 from __future__ import annotations
@@ -176,6 +176,7 @@ ADAPTER = register(
         cp_plan=CP_PLAN,
         tp_plan=TP_PLAN,
         cfg_parallel=False,
+        example="fastdit.models.minimax_h3:example",
         notes=(
             "One packed sequence [text | keyframe and target video | audio] through one block list; the text "
             "refiner (`token_refiner`) runs on the text alone before it and always computes. `timestep` holds the "
