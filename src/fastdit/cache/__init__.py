@@ -39,12 +39,14 @@ def apply_cache(
         from fastdit.cache.prune import install as install_prune
 
         engine: Any
-        engine, undo = install_prune(transformer, groups, config, plan.timestep_arg, reducer)
+        engine, undo = install_prune(transformer, groups, config, plan.timestep_arg, reducer, plan.unstepped_calls)
     else:
         from fastdit.cache.hooks import install
 
         interleaved = resolve_interleaved(transformer, plan.block_groups, plan.family)
-        engine, undo = install(transformer, groups, config, plan.timestep_arg, reducer, interleaved)
+        engine, undo = install(
+            transformer, groups, config, plan.timestep_arg, reducer, interleaved, plan.unstepped_calls
+        )
     return Applied(undo, engine)
 
 
