@@ -17,6 +17,7 @@ from fastdit.models._lazy import LazyKwargs, tiny_image
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, TrailingCount
+from fastdit.parallel.tp_plan import SplitParameter, TensorParallelPlan
 from fastdit.parallel.tp_shapes import wan_tp_plan
 
 TRANSFORMER = "diffusers.models.transformers.transformer_helios.HeliosTransformer3DModel"
@@ -47,9 +48,10 @@ def tiny_transformer(seed: int = 0):
         ffn_dim=32,
         num_layers=3,
         rope_dim=(4, 4, 4),
-        # Exercised so that the split count of current tokens is checked by the history key scaling too.
+        # Exercised so that the split count of current tokens is checked by the history key scaling too, and the
+        # per-head key scale by tensor parallelism.
         is_amplify_history=True,
-        history_scale_mode="scalar",
+        history_scale_mode="per_head",
     )
 
 
@@ -114,11 +116,18 @@ CP_PLAN = ContextParallelPlan(
     ),
 )
 
-TP_PLAN = wan_tp_plan(
-    "blocks",
+# Tensor parallelism: Wan's plan (attention by heads, QK-norms over the inner dim as ShardedNorm, FFN split) plus the
+# amplified history's key scale, which the processor reads directly and views per head (`view(1, 1, -1, 1)`): split
+# with the heads (a scalar scale, size 1, stays whole; a model without amplified history has none: optional).
+_WAN_TP = wan_tp_plan("blocks", notes="")
+_SCALE = "blocks.*.attn1"
+TP_PLAN = TensorParallelPlan(
+    layers={**_WAN_TP.layers, _SCALE: SplitParameter("history_key_scale")},
+    divide=_WAN_TP.divide,
+    optional=(*_WAN_TP.optional, _SCALE),
     notes=(
-        "Wan's plan: attention by heads, QK-norms over the inner dim as ShardedNorm, FFN split; the history patches "
-        "and the scalar history key scale whole."
+        "Wan's plan: attention by heads, QK-norms over the inner dim as ShardedNorm, FFN split; the per-head history "
+        "key scale split with the heads; the history patches whole."
     ),
 )
 
@@ -164,10 +173,7 @@ ADAPTER = register(
         notes=(
             "The blocks see [long, mid, short history, current chunk] tokens; `original_context_length` counts the "
             "current ones at the end (cross-attention and the output use only them). One run per chunk (the pyramid "
-            "pipeline: per chunk and resolution stage), so cache state never crosses chunks. Tensor parallelism "
-            "covers `history_scale_mode='scalar'` (or no amplified history); with 'per_head' the key scale holds one "
-            "value per head, a parameter the TP vocabulary cannot split with the heads yet, and the first split call "
-            "fails on its shape (loudly, never a wrong video)."
+            "pipeline: per chunk and resolution stage), so cache state never crosses chunks."
         ),
     )
 )
