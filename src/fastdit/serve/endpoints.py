@@ -1,7 +1,7 @@
 """The endpoints beyond image generation: edits, videos, LoRA adapters and the web page at ``/``.
 
 Each handler checks everything it can before queueing (fields, uploaded files, what the model takes), answers 4xx
-naming the field otherwise, and hands the pipeline work to the queue of :class:`~fastdit.serve.app.ServerState`,
+naming the field otherwise, and hands the pipeline work to the queue of :class:`~fastdit.serve.state.ServerState`,
 so edits, video jobs and LoRA changes run one at a time with the image requests, on every rank alike.
 """
 
@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from fastdit.serve import require
-from fastdit.serve.app import ServerState, _cache_report, answer, wait
 from fastdit.serve.inputs import decode_image, read_upload
 from fastdit.serve.jobs import RequestError, build_edit_job, build_video_job, check_edit_model, invalid
 from fastdit.serve.lora import LoraOp
@@ -31,6 +30,7 @@ from fastdit.serve.schemas import (
     VideoObject,
     VideoRequest,
 )
+from fastdit.serve.state import ServerState, answer, cache_report, wait
 from fastdit.serve.videos import VideoRecord, VideoStore
 from fastdit.serve.worker import JobResult
 
@@ -149,7 +149,7 @@ def _video_report(state: ServerState, pending: Any, result: JobResult) -> dict[s
             "run_s": result.run_s,
             "total_s": time.perf_counter() - pending.enqueued,
         },
-        "cache": _cache_report(result).model_dump(),
+        "cache": cache_report(result).model_dump(),
     }
 
 
