@@ -95,6 +95,46 @@ class FamilySuite:
             for branch, b in info["cache"]["branches"].items():
                 assert b["cached_steps"] == list(range(1, b["steps"])), (name, branch)
 
+    def test_magcache_threshold_zero_is_bit_identical(self, built: dict, variant: str) -> None:
+        """MagCache with ``fn=0`` (every block skippable): threshold 0 and disable leave the output bit-identical."""
+        pipe, tiny = self._pipe(built, variant)
+        baseline = run_tiny(pipe, tiny)
+        own_forward = _instance_forwards(pipe)
+        fastdit.accelerate(pipe, cache=fastdit.MagCache(threshold=0.0))
+        try:
+            cached = run_tiny(pipe, tiny)
+            stats = fastdit.summary(pipe)
+        finally:
+            fastdit.disable(pipe)
+        assert stats.num_cached_steps == 0
+        np.testing.assert_array_equal(cached, baseline)
+        np.testing.assert_array_equal(run_tiny(pipe, tiny), baseline)
+        assert _instance_forwards(pipe) == own_forward
+
+    @pytest.mark.slow
+    def test_magcache_calibrated_steps_skip_every_block(self, built: dict, variant: str) -> None:
+        """Calibrated MagCache with ``fn=0``: the calibration run computes every step (bit-identical), then every
+        step after the first reuses the residual of the whole block stack and the output stays finite."""
+        from fastdit.cache.magcache import calibrate
+
+        pipe, tiny = self._pipe(built, variant)
+        denoisers = list(fastdit.api.find_transformers(pipe))
+        if len(denoisers) > 1:
+            pytest.skip(f"denoisers {denoisers}: one MagCache calibration covers one denoiser's schedule")
+        calibration = calibrate(pipe, lambda: run_tiny(pipe, tiny), component=denoisers[0])
+        config = fastdit.MagCache(threshold=1e6, max_skip_steps=100, retention_ratio=0.0, calibration=calibration)
+        fastdit.accelerate(pipe, cache=config)
+        try:
+            out = run_tiny(pipe, tiny)
+            branches = fastdit.summary(pipe).transformers[denoisers[0]]["cache"]["branches"]
+        finally:
+            fastdit.disable(pipe)
+        assert np.isfinite(out).all()
+        assert any(b["steps"] > 1 for b in branches.values()), "no branch ran two steps: nothing was skipped"
+        for name, b in branches.items():
+            assert b["cached_steps"] == list(range(1, b["steps"])), name
+            assert b["blocks_computed"] * b["steps"] == b["blocks_total"], name  # only the first step computed
+
     @pytest.mark.slow
     def test_verify_cache_rung(self, built: dict, variant: str) -> None:
         """The cache rung of ``fastdit verify`` (the same check, called here): it passes and leaves the pipeline

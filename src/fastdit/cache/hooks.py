@@ -67,7 +67,7 @@ class BlockSlot:
 class CacheEngine:
     """The cache of one transformer: its plan, run tracker and decision settings."""
 
-    def __init__(self, config: DBCache, slots: list[BlockSlot], reducer: Reducer | None = None) -> None:
+    def __init__(self, config: Any, slots: list[BlockSlot], reducer: Reducer | None = None) -> None:
         self.config = config
         self.slots = slots
         self.reducer = reducer
@@ -96,6 +96,10 @@ class CacheEngine:
 
     def decide(self, state: BranchState, residual: torch.Tensor) -> None:
         decide(self.config, state, residual, self.reducer)
+
+    def end_call(self) -> None:
+        """End a transformer call (it may have raised)."""
+        self.tracker.end_call()
 
 
 class TransformerCacheHook(layers.LayerHook):
@@ -151,7 +155,7 @@ class TransformerCacheHook(layers.LayerHook):
             self.engine.begin_call(layers.announced_context(module), self._timestep(args, kwargs), signature)
             return inner(*args, **kwargs)
         finally:
-            self.engine.tracker.end_call()
+            self.engine.end_call()
 
     def reset(self) -> None:
         self.engine.tracker.reset()
@@ -392,6 +396,7 @@ def install(
     timestep_arg: str | None,
     reducer: Reducer | None = None,
     interleaved: Groups | None = None,
+    engine_class: type[CacheEngine] | None = None,
 ) -> tuple[CacheEngine, Callable[[], None]]:
     """Install the transformer hook and one block hook per block; return the engine and the undo.
 
@@ -402,9 +407,10 @@ def install(
         timestep_arg: The ``forward`` parameter carrying the timestep.
         reducer: Sums small tensors across the ranks that share a sample.
         interleaved: Per group, the resolved :attr:`BlockGroup.interleaved` list (or ``None``), same order.
+        engine_class: The engine deciding each step (``None``: :class:`CacheEngine`, DBCache's residual test).
     """
     slots = plan_slots(groups, config.fn, config.bn, owner=type(config).__name__)
-    engine = CacheEngine(config, slots, reducer)
+    engine = (engine_class or CacheEngine)(config, slots, reducer)
     undo = [
         layers.install(
             transformer, layers.Layer.TRACK, TRANSFORMER_HOOK, TransformerCacheHook(engine, transformer, timestep_arg)

@@ -59,6 +59,8 @@ class BranchState:
     block_memory: dict[int, Any] = field(default_factory=dict)
     # DBPrune: blocks pruned in each step.
     pruned: list[int] = field(default_factory=list)
+    # What a whole-step policy accumulates across steps (MagCache: its ratio and error since the last computed step).
+    policy: Any = None
 
     @property
     def has_cache(self) -> bool:
