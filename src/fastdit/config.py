@@ -140,9 +140,14 @@ class TaylorSeer:
         "one): smooth drift that the forecast follows no longer forces a full step.",
         False,
     )
+    variable: Literal["step", "timestep"] = _doc(
+        "What the expansion is a polynomial in: 'step' (the step index) or 'timestep' (the value the denoiser "
+        "receives; follows a schedule whose spacing is uneven, falls back to the step index without one).",
+        "step",
+    )
 
     def __post_init__(self) -> None:
-        _check_fields(self, order=_one_of(1, 2), forecast_decision=_BOOL)
+        _check_fields(self, order=_one_of(1, 2), forecast_decision=_BOOL, variable=_one_of("step", "timestep"))
 
 
 STEP_MASK_PRESETS = ("slow", "medium", "fast", "ultra")
