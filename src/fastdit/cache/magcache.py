@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -26,17 +27,19 @@ import torch
 from fastdit.cache.hooks import BlockSlot, CacheEngine
 from fastdit.cache.policy import Reducer
 from fastdit.cache.state import BranchState
-from fastdit.config import MagCache, MagCalibration
+from fastdit.config import MagCache, MagCalibration, TaylorSeer
 from fastdit.errors import FieldError
 
 __all__ = [
     "CALIBRATION_FORMAT",
+    "MAGCACHE_PRESETS",
     "MagAccumulator",
     "MagCacheEngine",
     "calibrate",
     "calibration_of",
     "load_calibration",
     "mag_decide",
+    "magcache_preset",
     "model_name",
     "reference_calibration",
     "reference_calibration_path",
@@ -319,3 +322,33 @@ def reference_calibration(num_steps: int = 28) -> MagCalibration:
         FieldError: ``num_steps`` is not the calibrated 28.
     """
     return load_calibration(reference_calibration_path(), num_steps=num_steps)
+
+
+def _settings(**values: Any) -> MappingProxyType[str, Any]:
+    # Two retained steps (0.07 of 28 rounds to 2), the accumulated error bound 0.3 (the cap binds in the middle of the
+    # run, the threshold near its end where the magnitudes move fastest), TaylorSeer order 2 over the timestep.
+    taylor = TaylorSeer(order=2, variable="timestep")
+    return MappingProxyType({"threshold": 0.3, "retention_ratio": 0.07, "taylorseer": taylor, **values})
+
+
+MAGCACHE_PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
+    {
+        "balanced": _settings(max_skip_steps=2),
+        "fast": _settings(max_skip_steps=3),
+        "ultra": _settings(max_skip_steps=4),
+    }
+)
+"""MagCache settings by name, the calibrated counterparts of the DBCache presets (``docs/cache.md`` has their
+figures on calibration and held-out seeds)."""
+
+
+def magcache_preset(name: str, calibration: MagCalibration, **overrides: Any) -> MagCache:
+    """The MagCache settings called ``name`` with the model's ``calibration`` (field ``overrides`` win).
+
+    Raises:
+        LookupError: ``name`` is not in :data:`MAGCACHE_PRESETS`.
+        FieldError: An override is invalid, or the calibration does not fit (see :class:`~fastdit.config.MagCache`).
+    """
+    if name not in MAGCACHE_PRESETS:
+        raise LookupError(f"unknown MagCache preset {name!r}; known: {', '.join(MAGCACHE_PRESETS)}")
+    return MagCache(**{**MAGCACHE_PRESETS[name], "calibration": calibration, **overrides})
