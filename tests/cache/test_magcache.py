@@ -199,3 +199,39 @@ def test_one_block_model_skips_its_only_block() -> None:
     assert stats.num_cached_steps == 5 and stats.blocks_computed_fraction == 0.5
     assert torch.isfinite(cached).all() and not torch.equal(cached, baseline)
     assert torch.equal(sample(model, steps=10), baseline)
+
+
+def test_magcache_presets_take_the_model_calibration() -> None:
+    from fastdit.cache.magcache import MAGCACHE_PRESETS, magcache_preset, reference_calibration
+
+    calibration = reference_calibration()
+    assert list(MAGCACHE_PRESETS) == ["balanced", "fast", "ultra"]
+    caps = [magcache_preset(name, calibration).max_skip_steps for name in MAGCACHE_PRESETS]
+    assert caps == sorted(caps) and len(set(caps)) == 3  # each preset skips more than the one before
+    fast = magcache_preset("fast", calibration, threshold=0.1)
+    assert fast.calibration is calibration and fast.threshold == 0.1 and fast.taylorseer.variable == "timestep"
+    with pytest.raises(LookupError, match="known: balanced, fast, ultra"):
+        magcache_preset("turbo", calibration)
+
+
+@pytest.mark.slow
+def test_fast_presets_hold_their_claims_on_held_out_seeds() -> None:
+    """The claims docs/cache.md makes for ``fast`` (DBCache) and MagCache ``fast``, on the held-out seeds."""
+    from fastdit.bench.heldout import HELDOUT, SplitBench, fastdit_variant, reference_split, transformer_blocks
+    from fastdit.cache.magcache import magcache_preset, reference_calibration
+    from fastdit.cache.presets import cache_config
+    from fastdit.session import Session, call_arguments, resolve_model
+
+    source = resolve_model(None, None)
+    session = Session.load(source, device="cpu", dtype=torch.float32)
+    kwargs = call_arguments(session.pipeline_class, source.defaults, {})
+    bench = SplitBench(session, reference_split(), kwargs, transformer_blocks(session))
+    try:
+        fast = bench.measure_part(fastdit_variant(session, "fast", cache_config("fast")), HELDOUT)
+        mag = bench.measure_part(
+            fastdit_variant(session, "mag", magcache_preset("fast", reference_calibration())), HELDOUT
+        )
+    finally:
+        bench.close()
+    assert fast.blocks_computed_fraction <= 0.38 and fast.psnr_min >= 30.0 and fast.ssim_min >= 0.9
+    assert mag.blocks_computed_fraction <= 0.30 and mag.psnr_min >= 30.0 and mag.ssim_min >= 0.9

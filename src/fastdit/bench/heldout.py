@@ -240,7 +240,8 @@ class SplitBench:
             self._baselines[part] = self._pass(part)
         return self._baselines[part]
 
-    def _row(self, variant: Variant, part: str) -> BenchRow:
+    def measure_part(self, variant: Variant, part: str) -> BenchRow:
+        """Run ``variant`` on one part; its quality is against that part's uncached outputs."""
         base, base_blocks = self.baseline(part)
         variant.install()
         try:
@@ -254,7 +255,8 @@ class SplitBench:
 
     def measure(self, variant: Variant) -> SplitRow:
         """Run ``variant`` on both parts; each row's quality is against that part's uncached outputs."""
-        return SplitRow(variant.name, variant.library, self._row(variant, CALIBRATION), self._row(variant, HELDOUT))
+        calibration, heldout = (self.measure_part(variant, part) for part in (CALIBRATION, HELDOUT))
+        return SplitRow(variant.name, variant.library, calibration, heldout)
 
     def close(self) -> None:
         """Remove the block counter."""
