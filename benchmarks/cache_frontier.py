@@ -7,7 +7,8 @@ parts side by side, and merges the rows into ``frontier.json`` in the output fol
 library and configuration, so each library can run in its own process):
 
     python benchmarks/cache_frontier.py --groups presets,magcache
-    python benchmarks/cache_frontier.py --libraries diffusers --groups anchors
+    python benchmarks/cache_frontier.py --libraries diffusers
+    PYTHONPATH=<dir with cache_dit> python benchmarks/cache_frontier.py --libraries cache-dit
 
 MagCache's calibration is the packaged one of the reference transformer (one sample: digit 0, seed 0 — a
 calibration case), recorded again with ``--recalibrate``.
@@ -124,6 +125,13 @@ def timestep_candidates(calibration: fastdit.MagCalibration) -> dict[str, Any]:
         out[f"F1B0 τ0.8 w2 cap{cap} TS2t"] = fastdit.DBCache(
             fn=1, bn=0, threshold=0.8, warmup_steps=2, max_continuous_cached_steps=cap, taylorseer=ts
         )
+    # Verified forecasting: the front residual's own forecast, checked against the computed front block.
+    forecast = fastdit.TaylorSeer(order=2, variable="timestep", forecast_decision=True)
+    for cap in (3, 4):
+        for threshold in (0.05, 0.1, 0.2):
+            out[f"F1B0 τ{threshold} w2 cap{cap} TS2t forecast"] = fastdit.DBCache(
+                fn=1, bn=0, threshold=threshold, warmup_steps=2, max_continuous_cached_steps=cap, taylorseer=forecast
+            )
     for name in ("medium", "fast", "ultra"):
         mask = fastdit.StepMask.preset(name, 28)
         out[f"F1B0 mask:{name} TS2t"] = fastdit.DBCache(fn=1, bn=0, warmup_steps=0, step_mask=mask, taylorseer=ts)
@@ -185,6 +193,13 @@ def diffusers_variants(session: Session) -> list[Variant]:
         return lambda: transformer.enable_cache(config)
 
     return [Variant(name, library, install(config), transformer.disable_cache) for name, config in configs]
+
+
+def cache_dit_variants(session: Session) -> list[Variant]:
+    """cache-dit's DBCache (F1B0, + TaylorSeer), the configurations of ``cache_reference.py``."""
+    from cache_reference import cache_dit_runs  # this script's folder is on sys.path
+
+    return [Variant(name, library, install, remove) for name, library, install, remove in cache_dit_runs(session.pipe)]
 
 
 def _diffusers_mag_ratios(session: Session) -> list[float]:
@@ -273,7 +288,9 @@ def write_rows(out: Path, rows: list[SplitRow], args: argparse.Namespace) -> Non
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--libraries", default="fastdit", help="comma list: fastdit, diffusers")
+    parser.add_argument(
+        "--libraries", default="fastdit", help="comma list: fastdit, diffusers, cache-dit (each in its own process)"
+    )
     parser.add_argument(
         "--groups", default="presets,magcache", help="fastdit groups: presets, candidates, magcache, timestep"
     )
@@ -307,6 +324,8 @@ def main() -> None:
     variants = fastdit_groups(session, set(args.groups.split(",")), calibration) if "fastdit" in libraries else []
     if "diffusers" in libraries:
         variants += diffusers_variants(session)
+    if "cache-dit" in libraries:
+        variants += cache_dit_variants(session)
     if args.only:
         variants = [v for v in variants if re.search(args.only, v.name)]
     bench = SplitBench(session, split_of(args), kwargs, transformer_blocks(session), batch=args.batch)
