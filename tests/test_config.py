@@ -12,10 +12,33 @@ from typing import Any
 import pytest
 
 import fastdit
-from fastdit.config import Attention, Compile, DBCache, DBPrune, Parallel, StepMask, TaylorSeer, config_fields
+from fastdit.config import (
+    Attention,
+    Compile,
+    DBCache,
+    DBPrune,
+    Loading,
+    Offload,
+    Parallel,
+    Quantize,
+    StepMask,
+    TaylorSeer,
+    config_fields,
+)
 from fastdit.errors import FieldError, FieldsError
 
-CONFIG_CLASSES: tuple[type, ...] = (TaylorSeer, StepMask, DBCache, DBPrune, Parallel, Compile, Attention)
+CONFIG_CLASSES: tuple[type, ...] = (
+    TaylorSeer,
+    StepMask,
+    DBCache,
+    DBPrune,
+    Parallel,
+    Compile,
+    Attention,
+    Loading,
+    Quantize,
+    Offload,
+)
 FIELDS = [(cls, f.name) for cls in CONFIG_CLASSES for f in dataclasses.fields(cls)]
 
 
@@ -36,6 +59,8 @@ FIELDS = [(cls, f.name) for cls in CONFIG_CLASSES for f in dataclasses.fields(cl
         (lambda: fastdit.Parallel(ulysses=0), r"Parallel.ulysses=0"),
         (lambda: fastdit.Parallel(cfg=3), r"Parallel.cfg=3"),
         (lambda: fastdit.Attention(backend="magic"), r"Attention.backend='magic'"),
+        (lambda: fastdit.Loading(mode="rank-0"), r"Loading.mode='rank-0': must be one of 'every-rank', 'rank0'"),
+        (lambda: fastdit.Loading(timeout_s=0), r"Loading.timeout_s=0"),
     ],
 )
 def test_bad_values_name_field_and_value(factory, message: str) -> None:
@@ -58,7 +83,8 @@ def test_fbcache_is_f1b0() -> None:
 
 def test_every_field_is_documented() -> None:
     for cls in (fastdit.DBCache, fastdit.DBPrune, fastdit.TaylorSeer, fastdit.StepMask, fastdit.Parallel,
-                fastdit.Compile, fastdit.Attention):  # fmt: skip
+                fastdit.Compile, fastdit.Attention, fastdit.Loading, fastdit.Quantize,
+                fastdit.Offload):  # fmt: skip
         for name, _, doc in config_fields(cls):
             assert doc, f"{cls.__name__}.{name} has no doc"
 
@@ -94,6 +120,8 @@ def _wrong_values(hint: Any) -> list[Any]:
         return [*wrong, True, "0.1", math.nan, math.inf, -math.inf]
     if base is str:
         return [*wrong, 1, b"sdpa"]
+    if typing.get_origin(base) is tuple and typing.get_args(base)[0] is str:  # patterns; one string is one pattern
+        return [*wrong, (1.0,), (True,), ("",), ("a", None), 3, b"a"]
     if typing.get_origin(base) is tuple:
         return [*wrong, (1.0,), (True,), ("0",), "01", 3]
     if base in (TaylorSeer, StepMask):

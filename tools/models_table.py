@@ -54,6 +54,14 @@ def transformer_classes() -> list[type]:
 
 NO_PLAN = "No context-parallel plan:"
 NO_TP_PLAN = "No tensor-parallel plan:"
+NO_CFG = "No CFG parallelism:"
+
+
+def _reason(notes: str, marker: str) -> str:
+    """The text after ``marker`` in ``notes``, up to the next reason marker (notes may record several)."""
+    rest = notes[notes.index(marker) + len(marker) :]
+    ends = [rest.index(other) for other in (NO_PLAN, NO_TP_PLAN, NO_CFG) if other != marker and other in rest]
+    return rest[: min(ends)].strip() if ends else rest.strip()
 
 
 def cp_status(adapter) -> str:
@@ -62,7 +70,7 @@ def cp_status(adapter) -> str:
         return "✅ " + (adapter.cp_plan.notes or "plan")
     notes = " ".join(adapter.notes.split())
     if NO_PLAN in notes:
-        return "❌ " + notes[notes.index(NO_PLAN) + len(NO_PLAN) :].strip()
+        return "❌ " + _reason(notes, NO_PLAN)
     return "❌ not planned yet"
 
 
@@ -74,22 +82,22 @@ def tp_status(adapter) -> str:
         return "✅ " + (plan.notes or "plan") + fallback
     notes = " ".join(adapter.notes.split())
     if NO_TP_PLAN in notes:
-        return "❌ " + notes[notes.index(NO_TP_PLAN) + len(NO_TP_PLAN) :].strip()
+        return "❌ " + _reason(notes, NO_TP_PLAN)
     return "❌ not planned yet"
-
-
-NO_CFG = "No CFG parallelism:"
 
 
 def cfg_status(adapter) -> str:
     """The CFG-parallel cell: how the family's calls are split, or the reason it opts out."""
     notes = " ".join(adapter.notes.split())
     if not adapter.cfg_parallel:
-        reason = notes[notes.index(NO_CFG) + len(NO_CFG) :].strip() if NO_CFG in notes else "opted out"
+        reason = _reason(notes, NO_CFG) if NO_CFG in notes else "opted out"
         return "❌ " + reason
     how = ["announced branches or a split batch"]
     if adapter.cfg_pairs_by_timestep:
         how.append("unannounced calls paired by timestep")
+    if adapter.cfg_branch_components:
+        parts = ", ".join(f"`{name}` {branch}" for name, branch in adapter.cfg_branch_components.items())
+        how.append(f"one denoiser per branch ({parts})")
     if adapter.cfg_batch_dims:
         dims = ", ".join(f"`{k}` {'whole' if v is None else f'dim {v}'}" for k, v in adapter.cfg_batch_dims.items())
         how.append(f"batch found in {dims}")

@@ -4,7 +4,8 @@
 before touching any module, creates the parallel runtime once, then applies :data:`fastdit.techniques.TECHNIQUES`
 in their one order:
 
-    tensor parallel → context parallel → CFG parallel → cache hooks → offload → compile → CUDA graphs
+    tensor parallel → quantization → context parallel → CFG parallel → cache hooks → offload → compile → CUDA
+    graphs
 
 (text-encoder and VAE parallelism act on their own modules). What was applied is one :class:`~fastdit.context.Context`
 per target; ``disable`` undoes its records in reverse, restoring the exact original behaviour. How the hooks of
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from fastdit.components import walk
-from fastdit.config import Attention, Compile, CudaGraph, DBCache, DBPrune, MagCache, Offload, Parallel
+from fastdit.config import Attention, Compile, CudaGraph, DBCache, DBPrune, MagCache, Offload, Parallel, Quantize
 from fastdit.context import Context, Request, attach, context_of, detach
 from fastdit.errors import ArgumentError, UnavailableError
 from fastdit.models.base import ModelAdapter
@@ -44,8 +45,18 @@ def find_transformers(
     return {c.name: (c.module, c.adapter) for c in walk(target, adapter).denoisers}
 
 
-def _request(cache: Any, parallel: Any, compile: Any, cuda_graph: Any, attention: Any, offload: Any = None) -> Request:
+def _request(
+    cache: Any,
+    parallel: Any,
+    compile: Any,
+    cuda_graph: Any,
+    attention: Any,
+    offload: Any = None,
+    quantize: Any = None,
+) -> Request:
     """Type-check the arguments and normalise them into one :class:`Request`."""
+    if quantize is not None and not isinstance(quantize, Quantize):
+        raise TypeError(f"quantize={quantize!r}: expected Quantize or None")
     if cache is not None and not isinstance(cache, (DBCache, DBPrune, MagCache)):
         raise TypeError(f"cache={cache!r}: expected DBCache, FBCache(...), MagCache, DBPrune or None")
     if parallel is not None and not isinstance(parallel, Parallel):
@@ -74,6 +85,7 @@ def _request(cache: Any, parallel: Any, compile: Any, cuda_graph: Any, attention
         cuda_graph=cuda_graph or from_compile,
         attention=attention,
         offload=offload,
+        quantize=quantize,
     )
     if attention is not None and attention != Attention() and not request.context_parallel:
         raise UnavailableError(
@@ -111,6 +123,7 @@ def accelerate(
     cuda_graph: CudaGraph | None = None,
     attention: Attention | None = None,
     offload: Offload | None = None,
+    quantize: Quantize | None = None,
     adapter: ModelAdapter | None = None,
 ) -> Any:
     """Make a pipeline (or a bare transformer) fast, in place, and return it.
@@ -125,6 +138,7 @@ def accelerate(
         attention: Attention backend selection.
         offload: An :class:`Offload` to keep transformer blocks in host memory and stream them in for their call
             (for a transformer larger than the device); the rest of the pipeline moves to the device.
+        quantize: A :class:`Quantize` to quantize the transformer's linear layers with torchao (FP8 or int8).
         adapter: Adapter for a transformer class that is not registered (third-party models).
 
     Returns:
@@ -133,7 +147,7 @@ def accelerate(
     Raises:
         TypeError, ValueError, NotImplementedError: before any module is touched, naming the argument.
     """
-    request = _request(cache, parallel, compile, cuda_graph, attention, offload)
+    request = _request(cache, parallel, compile, cuda_graph, attention, offload, quantize)
     check_request(request)
     if context_of(target) is not None:
         raise ValueError(f"{type(target).__name__} is already accelerated; call fastdit.disable first")
@@ -203,6 +217,13 @@ class Summary:
     def __str__(self) -> str:
         lines = []
         for name, info in self.transformers.items():
+            quantized = info.get("quantize")
+            if quantized:
+                lines.append(
+                    f"{name}: {quantized['num_quantized']} linear layers quantized ({quantized['mode']}), "
+                    f"{quantized['num_skipped']} skipped; their weights {quantized['bytes_before'] / 2**20:.1f} MiB "
+                    f"-> {quantized['bytes_after'] / 2**20:.1f} MiB"
+                )
             stats = info.get("cache")
             if not stats:
                 lines.append(f"{name}: no cache")
@@ -262,6 +283,9 @@ def summary(target: Any) -> Summary:
         split = context.state("tensor_parallel", item.name)
         if split is not None:
             info["tensor_parallel"] = split.stats()
+        quantized = context.state("quantize", item.name)
+        if quantized is not None:
+            info["quantize"] = quantized.stats()
         graphs = context.state("cuda_graph", item.name)
         if graphs is not None:
             info["cuda_graph"] = graphs.stats()

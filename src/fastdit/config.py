@@ -18,16 +18,21 @@ from fastdit.errors import FieldError, FieldsError
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "FP8_DYNAMIC_MODES",
+    "LOAD_MODES",
+    "QUANTIZE_MODES",
     "Attention",
     "Compile",
     "CudaGraph",
     "DBCache",
     "DBPrune",
     "FBCache",
+    "Loading",
     "MagCache",
     "MagCalibration",
     "Offload",
     "Parallel",
+    "Quantize",
     "StepMask",
     "TaylorSeer",
     "config_fields",
@@ -91,6 +96,9 @@ def _optional(rule: _Rule) -> _Rule:
 
 _BOOL = _Rule(lambda v: isinstance(v, bool), "a bool")
 _TEXT = _Rule(lambda v: isinstance(v, str) and bool(v), "a non-empty string")
+_PATTERNS = _Rule(
+    lambda v: isinstance(v, tuple) and all(isinstance(p, str) and p for p in v), "a tuple of non-empty strings"
+)
 _STEPS = _Rule(lambda v: isinstance(v, tuple) and all(_is_int(s) and s >= 0 for s in v), "non-negative integers")
 
 
@@ -473,6 +481,39 @@ class Parallel:
         return self.world_size > 1 or self.text_encoder or self.vae
 
 
+LOAD_MODES = ("every-rank", "rank0", "node-rank0")
+"""How the processes of a job get the weights (:attr:`Loading.mode`)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Loading:
+    """How the processes of a job get the weights: each reads the files, or one reads them and broadcasts.
+
+    A single process always reads the files itself, whatever the mode. See ``docs/parallel.md`` ("Loading the
+    weights") for the memory and time each mode costs.
+    """
+
+    mode: str = _doc(
+        "'every-rank': every process reads the whole checkpoint; 'rank0': global rank 0 reads it and broadcasts "
+        "every tensor to the other ranks, which build the pipeline from its configs without reading weights; "
+        "'node-rank0': each node's local rank 0 reads it and broadcasts within its node.",
+        "every-rank",
+    )
+    timeout_s: float = _doc(
+        "Seconds the other ranks wait for the reading rank (they wait in the first collective while it reads); "
+        "applies to the process group created for loading.",
+        DEFAULT_TIMEOUT_S,
+    )
+
+    def __post_init__(self) -> None:
+        _check_fields(self, mode=_one_of(*LOAD_MODES), timeout_s=_number(1))
+
+    @property
+    def broadcasts(self) -> bool:
+        """Whether one rank (per job or per node) reads the files and broadcasts the tensors."""
+        return self.mode != "every-rank"
+
+
 # torch.compile modes that capture CUDA graphs themselves.
 _GRAPHING_MODES = ("reduce-overhead", "max-autotune")
 
@@ -599,3 +640,52 @@ class CudaGraph:
         if not compile.cuda_graph:
             return None
         return cls(scope=compile.graph_scope, warmup=compile.graph_warmup, max_graphs=compile.max_graphs)
+
+
+QUANTIZE_MODES = ("fp8", "fp8_tensor", "fp8_weight", "int8_weight", "int8")
+"""The :class:`Quantize` modes: FP8 dynamic activations and weights with per-row (``fp8``) or per-tensor
+(``fp8_tensor``) scales, FP8 or int8 weight-only (``fp8_weight``, ``int8_weight``: for memory), and int8 dynamic
+activations and weights (``int8``)."""
+
+FP8_DYNAMIC_MODES = ("fp8", "fp8_tensor")
+"""The modes whose matmuls run in FP8 (CUDA compute capability 8.9 or newer)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Quantize:
+    """Quantize the transformer's linear layers with torchao (the ``torchao`` package: ``fastdit[quant]``).
+
+    By default every ``nn.Linear`` inside the transformer blocks is quantized, and nothing outside them: the
+    embedders (patch, time, text) and the final norm and projection stay in the model's dtype, which is where
+    quantization costs the most quality for the least time. ``include`` widens or narrows that set by name.
+    """
+
+    mode: str = _doc(
+        "'fp8': FP8 activations and weights, per-row scales (CUDA, compute capability >= 8.9); 'fp8_tensor': the "
+        "same with per-tensor scales; 'fp8_weight' / 'int8_weight': weights only (memory; any device); 'int8': "
+        "int8 activations and weights.",
+        "fp8",
+    )
+    include: tuple[str, ...] = _doc(
+        "Layer-name patterns (fnmatch, relative to the transformer, e.g. 'transformer_blocks.*') to quantize "
+        "(empty: every Linear inside the transformer blocks).",
+        (),
+    )
+    exclude: tuple[str, ...] = _doc(
+        "Layer-name patterns never quantized, even when included (e.g. '*.norm1.linear' keeps AdaLN modulation).", ()
+    )
+    min_size: int = _doc("Linear layers with fewer weight elements than this stay unquantized.", 0)
+
+    def __post_init__(self) -> None:
+        for name in ("include", "exclude"):
+            value = getattr(self, name)
+            if isinstance(value, str):  # one pattern given alone
+                object.__setattr__(self, name, (value,))
+            elif isinstance(value, Iterable) and not isinstance(value, bytes):
+                object.__setattr__(self, name, tuple(value))
+        _check_fields(self, mode=_one_of(*QUANTIZE_MODES), include=_PATTERNS, exclude=_PATTERNS, min_size=_integer(0))
+
+    @property
+    def dynamic_fp8(self) -> bool:
+        """Whether the matmuls run in FP8 (the mode needs a GPU of compute capability 8.9 or newer)."""
+        return self.mode in FP8_DYNAMIC_MODES

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fastdit.config import Attention, Compile, CudaGraph, DBCache, DBPrune, Offload, Parallel
+from fastdit.config import Attention, Compile, CudaGraph, DBCache, DBPrune, Offload, Parallel, Quantize
 
 if TYPE_CHECKING:
     from fastdit.components import Components
@@ -34,6 +34,7 @@ class Request:
     cuda_graph: CudaGraph | None = None
     attention: Attention | None = None
     offload: Offload | None = None
+    quantize: Quantize | None = None
 
     @property
     def context_parallel(self) -> bool:

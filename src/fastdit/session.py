@@ -44,6 +44,7 @@ import torch
 
 import fastdit
 from fastdit import pipeline_dir
+from fastdit.config import Loading
 from fastdit.errors import FieldError, NonFiniteOutputError
 from fastdit.models.registry import get_preset
 
@@ -453,6 +454,45 @@ def _from_pretrained(source: ModelSource, dtype: torch.dtype) -> Any:
         ) from error
 
 
+def _read(source: ModelSource, device: torch.device, dtype: torch.dtype) -> Any:
+    """Read the whole pipeline from its files onto ``device``."""
+    if source.reference:
+        from fastdit.reference import load_reference_pipeline
+
+        return load_reference_pipeline(device, dtype)
+    return _from_pretrained(source, dtype).to(device)
+
+
+def _build_empty(source: ModelSource, dtype: torch.dtype) -> Any:
+    """The pipeline without its weights, for a rank that receives them (:func:`build_empty_pipeline`)."""
+    from fastdit.parallel.load_broadcast import build_empty_pipeline
+
+    pipeline_class = import_pipeline_class(source.pipeline_class)
+    try:
+        return build_empty_pipeline(pipeline_class, Path(source.path), dtype)
+    except _load_errors() as error:
+        message = " ".join(f"{type(error).__name__}: {error}".split())
+        raise FieldError(
+            MODEL_OWNER,
+            source.path_field,
+            str(source.path),
+            f"cannot be built as {pipeline_class.__name__} from its configs: {message}",
+        ) from error
+
+
+def _load_pipeline(source: ModelSource, device: torch.device, dtype: torch.dtype, loading: Loading) -> Any:
+    from fastdit.process import join_process_group, process_count
+
+    if not loading.broadcasts or process_count() == 1:
+        return _read(source, device, dtype)
+    from fastdit.parallel.load_broadcast import load_broadcast
+
+    join_process_group(device, loading.timeout_s)  # a no-op when the caller (or accelerate) made one already
+    return load_broadcast(
+        lambda: _read(source, device, dtype), lambda: _build_empty(source, dtype), loading=loading, device=device
+    )
+
+
 @contextlib.contextmanager
 def _loading_bars(show: bool) -> Iterator[None]:
     """Hide diffusers' and transformers' loading bars unless ``show`` (their switches are global: restore them)."""
@@ -490,7 +530,13 @@ class Session:
 
     @classmethod
     def load(
-        cls, source: ModelSource, *, device: torch.device | str, dtype: torch.dtype, progress: bool = False
+        cls,
+        source: ModelSource,
+        *,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        progress: bool = False,
+        loading: Loading | None = None,
     ) -> Session:
         """Load ``source`` onto ``device`` in ``dtype`` (local files only).
 
@@ -499,15 +545,20 @@ class Session:
             device: Where every component goes.
             dtype: Parameter dtype.
             progress: Show the loading bars and the pipeline's progress bar over denoising steps.
+            loading: Who reads the files (default: every process). A mode that broadcasts is, under ``torchrun``
+                with more than one process, a collective: it joins (or creates) the default process group, which
+                outlives the call, and every rank must load alike (:mod:`fastdit.parallel.load_broadcast`).
+
+        Raises:
+            FieldError: The directory cannot be loaded (see the module docstring); under a broadcasting mode, on
+                every rank when the reading rank fails.
+            LoadBroadcastError: Under a broadcasting mode, on every rank, when a rank fails otherwise or the
+                ranks' pipelines differ in structure.
         """
         device = torch.device(device)
+        loading = Loading() if loading is None else loading
         with _loading_bars(progress), _quiet_pipeline_imports():
-            if source.reference:
-                from fastdit.reference import load_reference_pipeline
-
-                pipe = load_reference_pipeline(device, dtype)
-            else:
-                pipe = _from_pretrained(source, dtype).to(device)
+            pipe = _load_pipeline(source, device, dtype, loading)
         pipe.set_progress_bar_config(disable=not progress, leave=False)
         return cls(pipe, source, device)
 

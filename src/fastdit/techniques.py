@@ -4,11 +4,11 @@ Each entry declares which request field turns it on, its checks (run for every r
 module is touched) and its ``apply`` (which records an undo, and any state it keeps, in the :class:`Context`).
 :func:`fastdit.accelerate` walks the tuple in order; :func:`fastdit.disable` undoes the records in reverse.
 
-The order is the *application* order: tensor parallel → context parallel → the input check of the ranks that share
-a sample → CFG parallel → cache → offload → compile → CUDA graphs, then the text-encoder and VAE techniques on their own
-modules. Later entries may read what earlier ones recorded (the cache reads the split layout's process groups
-through the runtime, graphs key block calls on the split layout). How the hooks of different techniques *nest* on
-one module does not depend on this order: that is the layer table of :mod:`fastdit.hooks.layers`.
+The order is the *application* order: tensor parallel → quantization → context parallel → the input check of the
+ranks that share a sample → CFG parallel → cache → offload → compile → CUDA graphs, then the text-encoder and VAE
+techniques on their own modules. Later entries may read what earlier ones recorded (the cache reads the split
+layout's process groups through the runtime, graphs key block calls on the split layout). How the hooks of different
+techniques *nest* on one module does not depend on this order: that is the layer table of :mod:`fastdit.hooks.layers`.
 
 Adding a technique is one entry here plus its own module with an ``apply_<technique>(module, plan, config)``.
 """
@@ -16,6 +16,8 @@ Adding a technique is one entry here plus its own module with an ``apply_<techni
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
+
+import torch
 
 from fastdit.components.vae_technique import VaeParallel
 from fastdit.errors import ArgumentError
@@ -84,6 +86,55 @@ class _TensorParallel:
                 device=runtime.device,
                 family=item.adapter.family,
             )
+            context.add(self.name, item.name, applied.undo, applied.state)
+
+
+def _run_device(request: Request, module: torch.nn.Module) -> torch.device:
+    """Where ``module`` will compute: its parameters' device, or the accelerator tensor parallelism moves it to."""
+    param = next(module.parameters(), None)
+    device = torch.device("cpu") if param is None else param.device
+    split = request.parallel is not None and request.parallel.tp > 1
+    if split and device.type == "cpu" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())  # as the runtime places a CPU-loaded pipeline
+    return device
+
+
+class _Quantize:
+    """torchao quantization of the Linear layers in the blocks; after tensor parallelism, which splits plain weights
+    (it quantizes each rank's slice), and before compile, which traces the quantized matmuls."""
+
+    name = "quantize"
+    needs_components = True
+
+    def requested(self, request: Request) -> bool:
+        return request.quantize is not None
+
+    def check(self, request: Request, components: Components) -> None:
+        from fastdit.quantize import check_quantize
+
+        if request.offload is not None:
+            raise ArgumentError(
+                "accelerate",
+                "quantize",
+                request.quantize,
+                f"with offload={request.offload}: offload streams plain weights from pinned host memory, and the "
+                "quantized ones are torchao tensors it does not copy; use one of them (weight-only quantization "
+                "also saves memory)",
+            )
+        for item in components.denoisers:
+            dtype = next((p.dtype for p in item.module.parameters() if p.is_floating_point()), None)
+            try:
+                check_quantize(request.quantize, _run_device(request, item.module), dtype)
+            except ValueError as error:
+                raise ArgumentError("accelerate", "quantize", request.quantize, f"{item.name}: {error}") from error
+
+    def apply(self, context: Context) -> None:
+        from fastdit.quantize import apply_quantize
+
+        for item in context.components.denoisers:
+            groups = item.adapter.block_groups
+            paths = tuple(g.path for g in groups) + tuple(g.interleaved.path for g in groups if g.interleaved)
+            applied = apply_quantize(item.module, context.request.quantize, paths)
             context.add(self.name, item.name, applied.undo, applied.state)
 
 
@@ -208,11 +259,20 @@ class _CfgParallel:
 
     def apply(self, context: Context) -> None:
         from fastdit.cache.runs import reset_on_new_schedule
-        from fastdit.parallel.cfg_parallel import apply_cfg_parallel
+        from fastdit.parallel.cfg_parallel import apply_cfg_parallel, apply_cfg_parallel_branches
 
         runtime = context.runtime
         hooks = []
+        per_branch = [item for item in context.components.denoisers if item.name in item.adapter.cfg_branch_components]
+        if per_branch:  # one denoiser per guidance branch: one hook pairs their calls
+            branches = [(item.module, item.adapter.cfg_branch_components[item.name]) for item in per_branch]
+            cfg = (runtime.group("cfg"), runtime.coordinate("cfg"), runtime.size("cfg"), runtime.device)
+            for item, applied in zip(per_branch, apply_cfg_parallel_branches(branches, *cfg), strict=True):
+                context.add(self.name, item.name, applied.undo, applied.state)
+            hooks.append(applied.state)
         for item in context.components.denoisers:
+            if item.name in item.adapter.cfg_branch_components:
+                continue
             applied = apply_cfg_parallel(
                 item.module,
                 runtime.group("cfg"),
@@ -435,6 +495,7 @@ class _TextEncoderParallel:
 
 TECHNIQUES: tuple[Technique, ...] = (
     _TensorParallel(),
+    _Quantize(),
     _ContextParallel(),
     _InputCheck(),
     _CfgParallel(),

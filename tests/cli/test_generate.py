@@ -272,6 +272,10 @@ BAD_BEFORE_LOADING = [
     ),
     (["--model-path", "{tiny}", "--prompt", "a", "--cache", "prune", "--taylorseer", "1"], "--taylorseer 1"),
     (["--model-path", "{tiny}", "--prompt", "a", "--attention", "warp"], "--attention warp"),
+    (
+        ["--model-path", "{tiny}", "--prompt", "a", "--load", "rank-0"],
+        "argument --load rank-0: must be one of 'every-rank', 'rank0', 'node-rank0'",
+    ),
     (["--model-path", "{tiny}", "--prompt", "a", "--frames", "9"], "--frames 9"),
     (["--model-path", "{tiny}", "--prompt", "a", "--out", "{out}/x.gif"], "an image needs one of the suffixes"),
     (["--model-path", "{tiny}", "--prompt", "a", "--prompt", "b", "--out", "{out}/x.png"], "--out"),
@@ -560,3 +564,36 @@ def test_reference_pipeline_compares_by_default(tmp_path: Path, capsys: Any) -> 
     assert payload["blocks_computed_fraction"] < 0.6
     assert payload["psnr_min"] > 30 and payload["ssim_min"] > 0.9
     assert load_image(out).shape == (32, 32, 3)
+
+
+def test_quantize_int8_weight_with_summary_and_compare(tiny_flux_dir: Path, capsys: Any) -> None:
+    pytest.importorskip("torchao")
+    code, stdout, err = _run(
+        capsys,
+        "--model-path",
+        str(tiny_flux_dir),
+        "--prompt",
+        "a cat",
+        *TINY,
+        "--quantize",
+        "int8_weight,exclude=*.norm1.linear",
+        "--summary",
+        "--compare",
+        "--json",
+    )
+    assert code == 0, err
+    payload = _last_json(stdout)
+    assert payload["acceleration"]["quantize"]["mode"] == "int8_weight"
+    report = payload["quantized"]["transformer"]
+    assert report["num_quantized"] > 0 and report["bytes_after"] < report["bytes_before"] / 1.8
+    assert payload["psnr"] >= 35, payload["psnr"]
+    assert "linear layers quantized (int8_weight)" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine may run FP8")
+def test_quantize_fp8_on_cpu_names_the_flag(tiny_flux_dir: Path, capsys: Any) -> None:
+    pytest.importorskip("torchao")
+    code, _, err = _run(capsys, "--model-path", str(tiny_flux_dir), "--prompt", "a cat", *TINY, "--quantize", "fp8")
+    assert code == 2
+    (line,) = _error_lines(err)
+    assert line.startswith("fastdit: error: argument --quantize fp8: ") and "compute capability 8.9" in line

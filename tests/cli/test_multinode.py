@@ -1,6 +1,7 @@
 """A job over two "nodes" on one machine: two ``torchrun --nnodes 2`` launches meeting by c10d rendezvous on
-loopback (gloo), as they would on two hosts. The image equals one process; rank 0 alone writes; the layout and
-which groups cross nodes are reported; a node that never joins ends the other with an error, not a hang."""
+loopback (gloo), as they would on two hosts. The image equals one process, whether every rank reads the weights or
+one rank of the job (or of each node) reads and broadcasts them; rank 0 alone writes; the layout and which groups
+cross nodes are reported; a node that never joins ends the other with an error, not a hang."""
 
 from __future__ import annotations
 
@@ -51,14 +52,23 @@ def _launch(port: int, nproc: int, argv: list[str], *extra: str) -> subprocess.P
 
 
 @pytest.mark.parametrize(
-    ("nproc", "parallel"), [(1, "ulysses=2"), pytest.param(2, "ulysses=2,ring=2", marks=pytest.mark.slow)]
+    ("nproc", "parallel", "load"),
+    [
+        (1, "ulysses=2", "every-rank"),
+        # Rank 0 reads the weights and broadcasts them to the other node (the worker-pool tests of
+        # tests/parallel/test_load_broadcast.py cover the same in the default suite).
+        pytest.param(1, "ulysses=2", "rank0", marks=pytest.mark.slow),
+        pytest.param(2, "ulysses=2,ring=2", "every-rank", marks=pytest.mark.slow),
+        # Each node's local rank 0 reads and broadcasts within its node.
+        pytest.param(2, "ulysses=2,ring=2", "node-rank0", marks=pytest.mark.slow),
+    ],
 )
 def test_two_nodes_on_loopback_match_one_process(
-    tiny_flux_dir: Path, tmp_path: Path, nproc: int, parallel: str
+    tiny_flux_dir: Path, tmp_path: Path, nproc: int, parallel: str, load: str
 ) -> None:
     out = tmp_path / "cat.png"
     argv = ["--model-path", str(tiny_flux_dir), "--prompt", "a cat", *TINY, "--parallel", parallel]
-    argv += ["--compare", "--out", str(out), "--json"]
+    argv += ["--compare", "--out", str(out), "--json", "--load", load]
     port = _free_port()
     nodes = [_launch(port, nproc, argv), _launch(port, nproc, argv)]
     results = [node.communicate(timeout=300) for node in nodes]
@@ -68,6 +78,7 @@ def test_two_nodes_on_loopback_match_one_process(
     assert len(lines) == 1, "rank 0 of the job alone reports"
     payload = json.loads(lines[0])
     assert payload["world_size"] == 2 * nproc
+    assert payload["load"] == load
     assert payload["psnr_min"] == "inf" or payload["psnr_min"] > 100
     assert [p.name for p in tmp_path.iterdir()] == ["cat.png"]
     topology = payload["parallel"]["topology"]

@@ -10,8 +10,15 @@ from typing import Any
 import pytest
 
 from fastdit.cli import CLIError, build_parser, main
-from fastdit.cli.options import cache_from_spec, check_cache_fits, field_error_message, parse_parallel, parse_value
-from fastdit.config import DBCache, DBPrune, Parallel, StepMask, TaylorSeer
+from fastdit.cli.options import (
+    cache_from_spec,
+    check_cache_fits,
+    field_error_message,
+    parse_parallel,
+    parse_quantize,
+    parse_value,
+)
+from fastdit.config import DBCache, DBPrune, Parallel, Quantize, StepMask, TaylorSeer
 from fastdit.errors import FieldError, FieldsError
 from fastdit.testing.pipelines import build_tiny
 
@@ -166,3 +173,37 @@ def test_offload_spec_reads_the_config_fields() -> None:
         parse_config_fields(Offload, "prefetch=-1", "--offload")
     with pytest.raises(CLIError, match=r"prefetch is given twice"):
         parse_config_fields(Offload, "prefetch=1,prefetch=2", "--offload")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("fp8", Quantize(mode="fp8")),
+        ("int8_weight,min_size=4096", Quantize(mode="int8_weight", min_size=4096)),
+        (
+            "mode=fp8_tensor,exclude=*.norm1.linear,*.ff.*",
+            Quantize(mode="fp8_tensor", exclude=("*.norm1.linear", "*.ff.*")),
+        ),
+        ("int8,include=*,exclude=proj_out", Quantize(mode="int8", include=("*",), exclude=("proj_out",))),
+        ("min-size=8", Quantize(min_size=8)),
+    ],
+)
+def test_parse_quantize(text: str, expected: Quantize) -> None:
+    assert parse_quantize(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("fp4", "argument --quantize mode=fp4: Quantize.mode='fp4': must be one of 'fp8'"),
+        ("fp8,bits=4", "'bits=4' in 'fp8,bits=4' is not MODE"),
+        ("fp8,mode=int8", "mode is given twice"),
+        ("int8,min_size=-1", "argument --quantize min_size=-1: Quantize.min_size=-1"),
+        ("int8,min_size=big", "'min_size=big' in 'int8,min_size=big': expected an integer"),
+        ("", "empty specification"),
+    ],
+)
+def test_parse_quantize_rejects(text: str, needle: str) -> None:
+    with pytest.raises(CLIError, match="--quantize") as info:
+        parse_quantize(text)
+    assert needle in str(info.value)

@@ -103,6 +103,7 @@ BUILDERS: dict[str, Callable[[], torch.nn.Module]] = {
     "Gemma3ForConditionalGeneration": _llm("gemma3", "gemma3_model"),
     "GlmModel": _llm("glm", "glm_model"),
     "Mistral3ForConditionalGeneration": _llm("mistral3", "mistral3_model"),
+    "Mistral3Model": lambda: _llm("mistral3", "mistral3_model")().model,
     "Qwen2VLForConditionalGeneration": _llm("qwen2_vl", "qwen2_vl_model"),
     "Qwen2_5_VLForConditionalGeneration": lambda: _rebuilt(enc.qwen2_5_vl_model(hidden_size=64)[0], 2),
     "Qwen2_5_VLTextModel": _qwen2_5_vl_text,

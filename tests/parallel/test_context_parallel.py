@@ -678,17 +678,27 @@ class _CountingModel(torch.nn.Module):
         return hidden_states
 
 
-def _leading_counts(rank: int, world_size: int, at_root: bool, n: int) -> tuple[torch.Tensor, list[Any]]:
+def _leading_counts(
+    rank: int, world_size: int, at_root: bool, n: int, trailing: bool = False
+) -> tuple[torch.Tensor, list[Any]]:
     from fastdit.parallel.attention.dispatch import ForwardLayout
     from fastdit.parallel.context_parallel import _install_hooks, _Splitter
-    from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, LeadingCount, SplitInput
+    from fastdit.parallel.plan import (
+        AttentionRouting,
+        ContextParallelPlan,
+        GatherOutput,
+        LeadingCount,
+        SplitInput,
+        TrailingCount,
+    )
 
     tokens = SplitInput(dim=1, expected_dims=3)
+    count = TrailingCount if trailing else LeadingCount
     if at_root:  # split and count at the root: the blocks receive the rank's count
-        inputs = {"": {"n": LeadingCount(of="hidden_states"), "hidden_states": tokens}}
+        inputs = {"": {"n": count(of="hidden_states"), "hidden_states": tokens}}
     else:  # counts listed before the split they read: they must still run after it
         inputs = {
-            "blocks.*": {"num_tokens": LeadingCount(of="hidden_states", position=2)},
+            "blocks.*": {"num_tokens": count(of="hidden_states", position=2)},
             "blocks.0": {"hidden_states": tokens},
         }
     plan = ContextParallelPlan(
@@ -714,6 +724,17 @@ def test_leading_count_is_narrowed_per_rank(dist2: WorkerPool, dist3: WorkerPool
         results = pool.run(_leading_counts, at_root, n)
         for rank, (out, seen) in enumerate(results):
             assert torch.equal(out, full)  # gathered at the last block (element 0 of its tuple output)
+            assert seen == [counts[rank], counts[rank], None]
+
+
+@pytest.mark.distributed
+def test_trailing_count_is_narrowed_per_rank(dist2: WorkerPool, dist3: WorkerPool) -> None:
+    full = torch.arange(7.0).reshape(1, 7, 1) + 3
+    # 7 tokens: [4, 3] over 2 ranks, [3, 2, 2] over 3; rank r holds how many of the last n: clamp(end_r - (7 - n)).
+    for pool, n, counts in [(dist2, 4, [1, 3]), (dist2, 6, [3, 3]), (dist3, 4, [0, 2, 2]), (dist3, 9, [3, 2, 2])]:
+        results = pool.run(_leading_counts, False, n, True)
+        for rank, (out, seen) in enumerate(results):
+            assert torch.equal(out, full)
             assert seen == [counts[rank], counts[rank], None]
 
 

@@ -9,6 +9,7 @@ from fastdit.models.flux import CP_PLAN
 from fastdit.parallel.plan import (
     AttentionRouting,
     ContextParallelPlan,
+    GatherInput,
     GatherOutput,
     Halo,
     LeadingCount,
@@ -349,6 +350,8 @@ def test_gather_output_index() -> None:
         (lambda: AttentionRouting(linear={"blocks.*.attn1": ()}), r"AttentionRouting.linear\['blocks.\*.attn1'\]"),
         (lambda: _plan(halo={"blocks.0.conv": GatherOutput(1)}), r"halo\['blocks.0.conv'\]"),
         (lambda: _plan(inputs={"": {"height": LocalExtent(of="img")}}), r"LocalExtent\.of='img' is not a split"),
+        (lambda: GatherInput(dim="1"), "GatherInput.dim"),
+        (lambda: _plan(inputs={"": {"hidden_states": GatherOutput(1)}}), "expected SplitInput, LeadingCount"),
     ],
 )
 def test_invalid_token_mixing_items_raise(make, match: str) -> None:
@@ -420,3 +423,12 @@ def test_split_input_segments() -> None:
     ]:
         with pytest.raises(ValueError, match=f"segment '{segment}' is not another plain SplitInput of the same path"):
             _segment_plan(**block)
+
+
+def test_gather_input_follows_the_splits_of_its_module() -> None:
+    """A gathered input reads this forward's split record, so it is applied after the module's plain splits."""
+    from fastdit.parallel.context_parallel import _splits_then_counts
+
+    specs = {"hidden_states": GatherInput(1, 3), "encoder_hidden_states": SplitInput(1, 3)}
+    splits, later = _splits_then_counts(specs)
+    assert list(splits) == ["encoder_hidden_states"] and list(later) == ["hidden_states"]

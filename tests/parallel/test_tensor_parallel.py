@@ -335,3 +335,36 @@ def test_local_slice_picks_the_dim_by_the_tensor_layout(dist2: WorkerPool) -> No
     for rank, (f, h) in enumerate(dist2.run(_slice_tables)):
         assert torch.equal(f, features[..., rank * 6 : (rank + 1) * 6])
         assert torch.equal(h, heads[:, rank * 3 : (rank + 1) * 3])
+
+
+# --- SplitParameter: a per-head parameter the model's code reads directly ---
+
+
+class _PerHeadScale(torch.nn.Module):
+    def __init__(self, heads: int) -> None:
+        super().__init__()
+        self.attn = torch.nn.Module()
+        self.attn.scale = torch.nn.Parameter(torch.ones(heads))
+        self.attn.proj = torch.nn.Linear(8, 8)
+
+
+def test_split_parameter_is_checked_on_meta() -> None:
+    from fastdit.parallel.tensor_parallel import planned_bytes
+    from fastdit.parallel.tp_plan import Colwise, SplitParameter, TensorParallelPlan, validate_tp_plan
+
+    plan = TensorParallelPlan(layers={"attn": SplitParameter("scale"), "attn.proj": Colwise()})
+    with torch.device("meta"):
+        per_head, scalar = _PerHeadScale(4), _PerHeadScale(1)
+    validate_tp_plan(per_head, plan, 2, "toy")
+    with pytest.raises(ValueError, match=r"attn.scale = 4 is not divisible by tp=3"):
+        validate_tp_plan(per_head, plan, 3, "toy")
+    validate_tp_plan(scalar, TensorParallelPlan(layers={"attn": SplitParameter("scale")}), 3, "toy")  # broadcast
+    assert planned_bytes(per_head, plan, 2)["split_bytes"] == 4 * 4 + (8 * 8 + 8) * 4
+    assert planned_bytes(scalar, plan, 2)["replicated_bytes"] == 4  # the scalar stays whole
+    missing = TensorParallelPlan(layers={"attn": SplitParameter("gain")})
+    with pytest.raises(ValueError, match="has no parameter 'gain'"):
+        validate_tp_plan(per_head, missing, 2, "toy")
+    optional = TensorParallelPlan(layers={"attn": SplitParameter("gain")}, optional=("attn",))
+    validate_tp_plan(per_head, optional, 2, "toy")
+    with pytest.raises(ValueError, match=r"SplitParameter\.name"):
+        SplitParameter("attn.scale")

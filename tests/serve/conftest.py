@@ -58,8 +58,9 @@ def reference_runner() -> Any:
 
 
 @contextlib.contextmanager
-def serving(runner: Any, **limits: Any) -> Iterator[LiveServer]:
-    """``create_app`` over ``runner`` with ``limits``, served by uvicorn in a thread; requires :data:`API_KEY`."""
+def serving(runner: Any, app_options: dict[str, Any] | None = None, **limits: Any) -> Iterator[LiveServer]:
+    """``create_app`` over ``runner`` with ``limits`` (and ``app_options``: ``create_app``'s keywords), served by
+    uvicorn in a thread; requires :data:`API_KEY`."""
     import uvicorn
 
     from fastdit.serve.app import create_app
@@ -68,7 +69,7 @@ def serving(runner: Any, **limits: Any) -> Iterator[LiveServer]:
     from fastdit.serve.worker import Driver
 
     spec = ModelSpec.of(runner.session, runner.default_cache)
-    app = create_app(Driver(runner), spec, limits=Limits(**limits), api_key=API_KEY)
+    app = create_app(Driver(runner), spec, limits=Limits(**limits), api_key=API_KEY, **(app_options or {}))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -83,6 +84,17 @@ def serving(runner: Any, **limits: Any) -> Iterator[LiveServer]:
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def tiny_runner(family: str, variant: str, name: str, defaults: dict[str, Any], options: dict | None = None) -> Any:
+    """A runner over the tiny pipeline ``variant`` of ``family``, served as model ``name`` with call ``defaults``."""
+    from fastdit.serve.worker import Runner
+    from fastdit.session import ModelSource, Session
+    from fastdit.testing.pipelines import build_tiny
+
+    pipe, _ = build_tiny(family, variant)
+    source = ModelSource(name, f"diffusers.{type(pipe).__name__}", defaults=defaults)
+    return Runner(Session(pipe, source, "cpu"), options or {}, "none")
 
 
 @pytest.fixture(scope="package")

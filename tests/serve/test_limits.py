@@ -30,7 +30,7 @@ class FakeEngine:
         self.stopped_early = threading.Event()
         self.jobs: list[Job] = []
 
-    def run(self, job: Job, should_stop: Callable[[], bool] | None = None) -> JobResult:
+    def run(self, job: Job, should_stop: Callable[[], bool] | None = None, progress: Any = None) -> JobResult:
         self.jobs.append(job)
         while not self.release.wait(0.01):
             if should_stop is not None and should_stop():
@@ -43,6 +43,12 @@ class FakeEngine:
 
     def heartbeat(self) -> None:
         pass
+
+    def lora(self, op: Any) -> list[dict[str, Any]]:
+        raise AssertionError("no LoRA in these tests")
+
+    def lora_refusal(self, fuse: bool = True) -> str | None:
+        return "a stand-in engine"
 
     def stop(self) -> None:
         self.release.set()
@@ -113,6 +119,19 @@ def test_a_missing_prompt_and_another_model(make_client: Callable[..., Any]) -> 
     assert missing.status_code == 422 and missing.json()["error"]["param"] == "prompt"
     other = _post(client, model="dall-e-3")
     assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
+
+
+def test_a_body_that_is_not_json_names_no_field(make_client: Callable[..., Any]) -> None:
+    response = make_client().post(
+        "/v1/images/generations", content=b"{prompt: nope", headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == 422
+    assert response.json()["error"] == {
+        "message": "the body is not valid JSON",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "invalid_json",
+    }
 
 
 def test_limits_are_configurable(make_client: Callable[..., Any]) -> None:

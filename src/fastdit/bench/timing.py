@@ -18,6 +18,7 @@ import torch
 
 import fastdit
 from fastdit.bench.memory import MemoryTracker
+from fastdit.config import Loading
 from fastdit.errors import FieldError
 from fastdit.process import synchronize
 from fastdit.session import Case, ModelSource, Session
@@ -135,11 +136,17 @@ def time_calls(
 
 
 def timed_load(
-    source: ModelSource, *, device: torch.device | str, dtype: torch.dtype, progress: bool = False
+    source: ModelSource,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    progress: bool = False,
+    loading: Loading | None = None,
 ) -> tuple[Session, float]:
-    """:meth:`Session.load` and its wall time (weights and the move to ``device``)."""
+    """:meth:`Session.load` and its wall time (weights and the move to ``device``; under a broadcasting
+    ``loading``, until this rank received every tensor)."""
     start = time.perf_counter()
-    session = Session.load(source, device=device, dtype=dtype, progress=progress)
+    session = Session.load(source, device=device, dtype=dtype, progress=progress, loading=loading)
     return session, time.perf_counter() - start
 
 

@@ -40,7 +40,7 @@ def apply_cache(
         from fastdit.cache.prune import install as install_prune
 
         engine: Any
-        engine, undo = install_prune(transformer, groups, config, plan.timestep_arg, reducer)
+        engine, undo = install_prune(transformer, groups, config, plan.timestep_arg, reducer, plan.unstepped_calls)
     else:
         from fastdit.cache.hooks import install
 
@@ -50,7 +50,9 @@ def apply_cache(
 
             engine_class = MagCacheEngine
         interleaved = resolve_interleaved(transformer, plan.block_groups, plan.family)
-        engine, undo = install(transformer, groups, config, plan.timestep_arg, reducer, interleaved, engine_class)
+        engine, undo = install(
+            transformer, groups, config, plan.timestep_arg, reducer, interleaved, plan.unstepped_calls, engine_class
+        )
     return Applied(undo, engine)
 
 

@@ -15,7 +15,7 @@ reads ``transformer_blocks`` still finds the original modules.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,10 +109,18 @@ class TransformerCacheHook(layers.LayerHook):
     global timestep and shapes and counts steps alike.
     """
 
-    def __init__(self, engine: Any, module: torch.nn.Module, timestep_arg: str | None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        module: torch.nn.Module,
+        timestep_arg: str | None,
+        unstepped: Mapping[str, tuple[Any, ...]] | None = None,
+    ) -> None:
         self.engine = engine
         self.timestep_arg = timestep_arg
         self._reader = ForwardArgs(module, (timestep_arg,) if timestep_arg else ())
+        self._unstepped = dict(unstepped or {})
+        self._marks = ForwardArgs(module, tuple(self._unstepped))
         self._owner = type(module).__name__
         self._last: float | None = None
         self._repeats = 0
@@ -149,7 +157,18 @@ class TransformerCacheHook(layers.LayerHook):
                 stacklevel=2,
             )
 
+    def _is_unstepped(self, args: tuple, kwargs: dict) -> bool:
+        """Whether the call is no denoising step (:attr:`ModelAdapter.unstepped_calls`): read on the host, global."""
+        for name, values in self._unstepped.items():
+            value = self._marks.get(name, args, kwargs)
+            if not isinstance(value, torch.Tensor) and value in values:  # marks are plain values (a mode string)
+                return True
+        return False
+
     def around(self, inner: Callable[..., Any], module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if self._unstepped and self._is_unstepped(args, kwargs):
+            # No call begins: the block hooks find no active step and compute, and no step, branch or run counts it.
+            return inner(*args, **kwargs)
         signature = tuple(tuple(a.shape) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
         try:  # a refused call ends too: no block hook may think it runs inside it
             self.engine.begin_call(layers.announced_context(module), self._timestep(args, kwargs), signature)
@@ -398,6 +417,7 @@ def install(
     timestep_arg: str | None,
     reducer: Reducer | None = None,
     interleaved: Groups | None = None,
+    unstepped: Mapping[str, tuple[Any, ...]] | None = None,
     engine_class: type[CacheEngine] | None = None,
 ) -> tuple[CacheEngine, Callable[[], None]]:
     """Install the transformer hook and one block hook per block; return the engine and the undo.
@@ -409,13 +429,17 @@ def install(
         timestep_arg: The ``forward`` parameter carrying the timestep.
         reducer: Sums small tensors across the ranks that share a sample.
         interleaved: Per group, the resolved :attr:`BlockGroup.interleaved` list (or ``None``), same order.
+        unstepped: Arguments marking calls that are no denoising step (:attr:`ModelAdapter.unstepped_calls`).
         engine_class: The engine deciding each step (``None``: :class:`CacheEngine`, DBCache's residual test).
     """
     slots = plan_slots(groups, config.fn, config.bn, owner=type(config).__name__)
     engine = (engine_class or CacheEngine)(config, slots, reducer)
     undo = [
         layers.install(
-            transformer, layers.Layer.TRACK, TRANSFORMER_HOOK, TransformerCacheHook(engine, transformer, timestep_arg)
+            transformer,
+            layers.Layer.TRACK,
+            TRANSFORMER_HOOK,
+            TransformerCacheHook(engine, transformer, timestep_arg, unstepped),
         )
     ]
     blocks = [block for _, group_blocks in groups for block in group_blocks]

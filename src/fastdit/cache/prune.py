@@ -7,7 +7,7 @@ residual re-added. Front and back blocks always compute, as in DBCache.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,11 +117,12 @@ def install(
     config: DBPrune,
     timestep_arg: str | None,
     reducer: Reducer | None = None,
+    unstepped: Mapping[str, tuple[Any, ...]] | None = None,
 ) -> tuple[PruneEngine, Callable[[], None]]:
     """Install the transformer hook and one prune hook per block; return the engine and the undo."""
     slots = plan_slots(groups, config.fn, config.bn, owner=type(config).__name__)
     engine = PruneEngine(config, slots, reducer)
-    track = TransformerCacheHook(engine, transformer, timestep_arg)
+    track = TransformerCacheHook(engine, transformer, timestep_arg, unstepped)
     undo = [layers.install(transformer, layers.Layer.TRACK, TRANSFORMER_HOOK, track)]
     blocks = [block for _, group_blocks in groups for block in group_blocks]
     for slot, block in zip(slots, blocks, strict=True):

@@ -87,6 +87,19 @@ def _run(args: argparse.Namespace) -> int:
         return _error(non_finite_message(error))
 
 
+# Loggers of optional packages that announce, as warnings, at import time, what the machine lacks: torchao's CUDA
+# extensions on a CPU-only torch, diffusers' torchao checkpoint types, torch's pytree notes on torchao's enums. They
+# are not about the command's work, and they would bury its one-line errors; errors still come through.
+_IMPORT_CHATTER = ("torchao", "diffusers.quantizers.torchao.torchao_quantizer", "torch.utils._pytree")
+
+
+def _quiet_import_chatter() -> None:
+    import logging
+
+    for name in _IMPORT_CHATTER:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the ``fastdit`` command line.
 
@@ -96,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         The exit code: 0 on success, 2 on bad input or usage errors, 130 after Ctrl-C, or what the command returns.
     """
+    _quiet_import_chatter()
     try:
         parser = build_parser()
         try:

@@ -39,14 +39,28 @@ from fastdit.cli.options import (
     output_path,
     parse_config_fields,
     parse_parallel,
+    parse_quantize,
     resolve_device,
     resolve_dtype,
     resolve_source,
 )
-from fastdit.config import ATTENTION_BACKENDS, Attention, Compile, CudaGraph, DBCache, DBPrune, Offload
+from fastdit.config import (
+    ATTENTION_BACKENDS,
+    DEFAULT_TIMEOUT_S,
+    QUANTIZE_MODES,
+    Attention,
+    Compile,
+    CudaGraph,
+    DBCache,
+    DBPrune,
+    Loading,
+    Offload,
+    Parallel,
+)
 from fastdit.errors import FieldError
 from fastdit.io import IMAGE_SUFFIXES, VIDEO_SUFFIXES, check_writable
 from fastdit.parallel.failures import CollectiveError, collective_failures
+from fastdit.parallel.load_broadcast import LoadBroadcastError
 from fastdit.process import is_main_process, process_count, process_group_scope
 from fastdit.session import (
     Case,
@@ -67,6 +81,7 @@ __all__ = [
     "add_acceleration_arguments",
     "add_parser",
     "execute",
+    "loading_options",
     "plan_from_args",
     "run",
 ]
@@ -100,8 +115,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def add_acceleration_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--parallel``, ``--dist-timeout``, ``--compile``, ``--cuda-graph``, ``--attention`` and ``--offload``
-    (shared with ``serve``)."""
+    """Add ``--parallel``, ``--dist-timeout``, ``--load``, ``--compile``, ``--cuda-graph``, ``--attention``,
+    ``--offload`` and ``--quantize`` (shared with ``serve``)."""
     group = parser.add_argument_group("parallelism and compilation")
     group.add_argument(
         "--parallel",
@@ -110,6 +125,14 @@ def add_acceleration_arguments(parser: argparse.ArgumentParser) -> None:
         "their product must equal the number of processes (torchrun)",
     )
     add_timeout_argument(group)
+    group.add_argument(
+        "--load",
+        metavar="MODE",
+        default="every-rank",
+        help="who reads the weights under torchrun: every-rank (default: each process reads the whole checkpoint), "
+        "rank0 (global rank 0 reads it and broadcasts every tensor to the others), node-rank0 (each node's local "
+        "rank 0 reads it and broadcasts within its node)",
+    )
     group.add_argument("--compile", action="store_true", help="torch.compile the transformer blocks")
     group.add_argument(
         "--cuda-graph",
@@ -126,6 +149,13 @@ def add_acceleration_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep transformer blocks in host memory and stream them in for their call (a model larger than the "
         "GPU); optional fields, e.g. resident_blocks=20,prefetch=2 (keys: resident_blocks, prefetch, device, "
         "pin_memory)",
+    )
+    group.add_argument(
+        "--quantize",
+        metavar="SPEC",
+        help=f"quantize the transformer blocks' linear layers with torchao (pip install 'fastdit[quant]'): MODE "
+        f"({', '.join(QUANTIZE_MODES)}) and optional key=value pairs (keys: include, exclude, min_size), e.g. fp8 "
+        "or int8_weight,exclude=*.norm1.linear; fp8 and fp8_tensor need a CUDA GPU of compute capability >= 8.9",
     )
 
 
@@ -177,6 +207,7 @@ class GeneratePlan:
         outputs: Where each output is saved (empty: nothing is saved).
         video: Whether the pipeline makes videos.
         num_steps: Denoising steps per call (``None`` if the pipeline does not say).
+        loading: Who reads the weights (``--load``).
     """
 
     source: ModelSource
@@ -192,6 +223,19 @@ class GeneratePlan:
     outputs: list[Path] = field(default_factory=list)
     video: bool = False
     num_steps: int | None = None
+    loading: Loading = field(default_factory=Loading)
+
+
+def loading_options(args: argparse.Namespace, parallel: Parallel | None) -> Loading:
+    """The :class:`Loading` that ``--load`` asks for, waiting ``--dist-timeout`` for the reading rank if given.
+
+    Raises:
+        CLIError: A mode that does not exist, naming the flag.
+    """
+    try:
+        return Loading(mode=args.load, timeout_s=parallel.timeout_s if parallel is not None else DEFAULT_TIMEOUT_S)
+    except FieldError as error:
+        raise CLIError(f"argument --load {args.load}: {error.requirement}") from None
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
@@ -236,6 +280,8 @@ def acceleration_options(args: argparse.Namespace, num_steps: int | None) -> dic
         options["compile"] = Compile()
     if args.cuda_graph:  # graphs without dynamo unless --compile is given too
         options["cuda_graph"] = CudaGraph()
+    if args.quantize is not None:
+        options["quantize"] = parse_quantize(args.quantize)
     if args.attention is not None:
         try:
             options["attention"] = Attention(backend=args.attention)
@@ -297,6 +343,7 @@ def plan_from_args(args: argparse.Namespace) -> GeneratePlan:
     num_steps = default_steps(pipeline_class, kwargs)
     cases = _cases(args, source, pipeline_class)
     acceleration = acceleration_options(args, num_steps)
+    loading = loading_options(args, acceleration.get("parallel"))
     _check_step_mask(acceleration.get("cache"), num_steps)
     compare = args.compare if args.compare is not None else source.reference and bool(acceleration)
     if compare and not acceleration:
@@ -319,6 +366,7 @@ def plan_from_args(args: argparse.Namespace) -> GeneratePlan:
         outputs=_outputs(args, len(cases), video),
         video=video,
         num_steps=num_steps,
+        loading=loading,
     )
 
 
@@ -329,6 +377,8 @@ def _accelerate(session: Session, plan: GeneratePlan) -> None:
     except FieldError:
         raise  # fastdit.cli.main names the flags that set the field (or argument), from the parsed arguments
     except (NotImplementedError, ValueError) as error:  # about the model, not a value the user chose
+        raise CLIError(f"cannot accelerate {plan.source.name}: {error}") from None
+    except ImportError as error:  # an optional package a technique needs (torchao for --quantize)
         raise CLIError(f"cannot accelerate {plan.source.name}: {error}") from None
 
 
@@ -351,7 +401,12 @@ class GenerateRun:
 
 def execute(plan: GeneratePlan, *, progress: bool, track_memory: bool) -> GenerateRun:
     """Load, check sizes and the acceleration, then run (interleaved with the baseline under ``plan.compare``)."""
-    session, load_seconds = timed_load(plan.source, device=plan.device, dtype=plan.dtype, progress=progress)
+    try:
+        session, load_seconds = timed_load(
+            plan.source, device=plan.device, dtype=plan.dtype, progress=progress, loading=plan.loading
+        )
+    except LoadBroadcastError as error:  # raised on every rank alike, before any weight moved
+        raise CLIError(f"argument --load {plan.loading.mode}: {error}") from None
     check_size(session.pipe, plan.kwargs)
     if plan.acceleration:
         _accelerate(session, plan)  # fail fast, before spending time on any run
@@ -361,6 +416,16 @@ def execute(plan: GeneratePlan, *, progress: bool, track_memory: bool) -> Genera
         session, variants, plan.cases, plan.kwargs, warmup=plan.warmup, repeat=plan.repeat, track_memory=track_memory
     )
     return GenerateRun(session, load_seconds, results[-1], results[0] if plan.compare else None)
+
+
+def _quantized(summary: Any) -> dict[str, dict[str, Any]]:
+    """Per transformer that was quantized: the mode, layer counts and weight bytes (the per-layer lists left out)."""
+    out = {}
+    for name, info in summary.transformers.items() if summary is not None else ():
+        stats = info.get("quantize")
+        if stats:
+            out[name] = {k: v for k, v in stats.items() if k not in ("quantized", "skipped")}
+    return out
 
 
 def _layout(summary: Any) -> dict | None:
@@ -392,6 +457,7 @@ def _payload(plan: GeneratePlan, done: GenerateRun) -> dict:
         "dtype": str(plan.dtype).removeprefix("torch."),
         "world_size": process_count(),
         "acceleration": plain_options(plan.acceleration),
+        "load": plan.loading.mode,
         "load_seconds": done.load_seconds,
         "warmup_seconds": result.warmup_seconds,
         "repeat": plan.repeat,
@@ -401,6 +467,9 @@ def _payload(plan: GeneratePlan, done: GenerateRun) -> dict:
     layout = _layout(result.summary)
     if layout is not None:
         payload["parallel"] = layout
+    quantized = _quantized(result.summary)
+    if quantized:
+        payload["quantized"] = quantized
     if "num_frames" in plan.kwargs:
         payload["frames"] = plan.kwargs["num_frames"]
     if result.cache is not None and "cache" in plan.acceleration:

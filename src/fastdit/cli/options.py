@@ -29,11 +29,13 @@ from fastdit.cache.presets import CACHE_PRESETS, DEFAULT_CACHE_PRESET, NO_CACHE,
 from fastdit.cli import CLIError
 from fastdit.cli.fields import CALL_FLAGS, cli_error, field_message
 from fastdit.config import (
+    QUANTIZE_MODES,
     STEP_MASK_PRESETS,
     DBCache,
     DBPrune,
     Offload,
     Parallel,
+    Quantize,
     StepMask,
     TaylorSeer,
     config_fields,
@@ -61,6 +63,7 @@ __all__ = [
     "field_error_message",
     "output_path",
     "parse_parallel",
+    "parse_quantize",
     "parse_value",
     "resolve_device",
     "resolve_dtype",
@@ -459,6 +462,49 @@ def parse_config_fields(cls: type, text: str, option: str) -> Any:
         raise CLIError(f"argument {option} {text}: {error}") from None
 
 
+def _quantize_value(key: str, text: str) -> Any:
+    if key in ("include", "exclude"):  # patterns, comma-separated (a piece without '=' continues the value)
+        return tuple(part.strip() for part in text.split(",") if part.strip())
+    return parse_value(typing.get_type_hints(Quantize)[key], text)
+
+
+def parse_quantize(text: str) -> Quantize:
+    """Read ``--quantize MODE[,key=value...]`` or ``--quantize key=value,...`` (keys: :class:`Quantize` fields).
+
+    ``include`` and ``exclude`` take comma-separated patterns (``exclude=*.norm1.linear,*.ff.*``).
+
+    Raises:
+        CLIError: On bad syntax, an unknown or repeated key, or a value :class:`Quantize` refuses.
+    """
+    names = [name for name, _default, _doc in config_fields(Quantize)]
+    pieces = _assignments(text)
+    if pieces and "=" not in pieces[0]:
+        pieces[0] = f"mode={pieces[0]}"
+    values: dict[str, Any] = {}
+    given: dict[str, str] = {}
+    for piece in pieces:
+        key, sep, value = piece.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in names:
+            raise CLIError(
+                f"argument --quantize: {piece!r} in {text!r} is not MODE ({', '.join(QUANTIZE_MODES)}) first or "
+                f"key=value with a key in: {', '.join(names)}"
+            )
+        if key in values:
+            raise CLIError(f"argument --quantize: {piece!r} in {text!r}: {key} is given twice ({given[key]!r})")
+        try:
+            values[key] = _quantize_value(key, value)
+        except ValueError as error:
+            raise CLIError(f"argument --quantize: {piece!r} in {text!r}: {error}") from None
+        given[key] = piece
+    if not values:
+        raise CLIError(f"argument --quantize: empty specification {text!r}; give a mode: {', '.join(QUANTIZE_MODES)}")
+    try:
+        return Quantize(**values)
+    except FieldError as error:
+        raise CLIError(f"argument --quantize {given.get(error.field, text)}: {error}") from None
+
+
 # Fields set by the acceleration flags of ``generate`` (cli/generate.py builds Compile, CudaGraph and Attention
 # from them).
 _ACCELERATION_FIELD_FLAGS: Mapping[tuple[str, str], str] = MappingProxyType(
@@ -469,6 +515,7 @@ _ACCELERATION_FIELD_FLAGS: Mapping[tuple[str, str], str] = MappingProxyType(
         **{("CudaGraph", name): "--cuda-graph" for name in ("device", "scope", "warmup", "max_graphs")},
         ("Attention", "backend"): "--attention",
         **{("Offload", name): "--offload" for name, _default, _doc in config_fields(Offload)},
+        **{("Quantize", name): "--quantize" for name, _default, _doc in config_fields(Quantize)},
         # fastdit.accelerate's own refusals of a whole argument (errors.ArgumentError)
         ("accelerate", "cache"): "--cache",
         ("accelerate", "parallel"): "--parallel",
@@ -476,6 +523,7 @@ _ACCELERATION_FIELD_FLAGS: Mapping[tuple[str, str], str] = MappingProxyType(
         ("accelerate", "cuda_graph"): "--cuda-graph",
         ("accelerate", "attention"): "--attention",
         ("accelerate", "offload"): "--offload",
+        ("accelerate", "quantize"): "--quantize",
     }
 )
 
@@ -489,6 +537,7 @@ _CONFIG_FLAGS: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "CudaGraph": ("--cuda-graph",),
         "Attention": ("--attention",),
         "Offload": ("--offload",),
+        "Quantize": ("--quantize",),
     }
 )
 

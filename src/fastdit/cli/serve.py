@@ -1,8 +1,10 @@
 """``fastdit serve [MODEL]``: serve an accelerated pipeline over an OpenAI-compatible HTTP API.
 
-``POST /v1/images/generations`` (the ``openai`` client's ``images.generate``), ``GET /v1/models``, ``GET /health``
-and ``GET /metrics`` (Prometheus). Without MODEL the built-in reference pipeline is served, offline. Requests run one
-at a time; under ``torchrun`` with ``--parallel`` rank 0 serves HTTP and every rank runs each request together.
+``POST /v1/images/generations`` and ``/v1/images/edits`` (the ``openai`` client's ``images.generate`` and
+``images.edit``), ``POST /v1/videos`` and ``GET /v1/videos[/{id}[/content]]`` (asynchronous video jobs),
+``/v1/loras`` (LoRA adapters, from ``--lora-dir``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``
+(Prometheus) and a web page at ``/``. Without MODEL the built-in reference pipeline is served, offline. Requests run
+one at a time; under ``torchrun`` with ``--parallel`` rank 0 serves HTTP and every rank runs each request together.
 Binds to 127.0.0.1 unless ``--host`` says otherwise; with ``--api-key`` (or FASTDIT_API_KEY) ``/v1/*`` needs
 ``Authorization: Bearer KEY``. See docs/serve.md.
 """
@@ -13,12 +15,13 @@ import argparse
 import os
 import sys
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from fastdit.cache.presets import DEFAULT_CACHE_PRESET, NO_CACHE, cache_config
 from fastdit.cli import CLIError
 from fastdit.cli.distributed import EXIT_FAILED, report_stop
-from fastdit.cli.generate import acceleration_options, add_acceleration_arguments
+from fastdit.cli.generate import acceleration_options, add_acceleration_arguments, loading_options
 from fastdit.cli.options import (
     add_cache_arguments,
     add_model_arguments,
@@ -35,7 +38,8 @@ from fastdit.errors import FieldError
 from fastdit.parallel.failures import CollectiveError, collective_failures
 from fastdit.process import is_main_process, join_process_group, process_count, process_group_scope
 from fastdit.serve.limits import Limits, limit_fields
-from fastdit.session import Session, call_arguments, is_video_pipeline
+from fastdit.session import Session, call_arguments
+from fastdit.session import check_size as check_call_size
 
 __all__ = ["API_KEY_ENV", "add_parser", "run"]
 
@@ -71,6 +75,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="N",
         help="runs at the default size before serving (first-call compilation, CUDA graphs, allocator); default 0",
     )
+    parser.add_argument(
+        "--warmup-sizes",
+        metavar="WxH,...",
+        help="also warm up at each of these sizes (e.g. 1024x1024,768x1344), and at each batch size of --max-batch; "
+        "/health answers warming_up until done",
+    )
     add_cache_arguments(parser)
     add_acceleration_arguments(parser)
     _add_server_arguments(parser)
@@ -91,6 +101,18 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"), help="server log"
+    )
+    group.add_argument(
+        "--lora-dir", metavar="DIR", help="POST /v1/loras may load LoRA files from under DIR (default: LoRA off)"
+    )
+    group.add_argument(
+        "--video-dir", metavar="DIR", help="where finished videos are kept (default: a temporary directory)"
+    )
+    group.add_argument(
+        "--video-ttl-s", type=float, default=3600.0, metavar="S", help="seconds a finished video is kept (default 3600)"
+    )
+    group.add_argument(
+        "--max-videos", type=int, default=100, metavar="N", help="video jobs kept, finished or not (default 100)"
     )
     limits = parser.add_argument_group("request limits")
     for name, kind, default, doc in limit_fields():
@@ -117,14 +139,49 @@ def _cache_name(args: argparse.Namespace, options: dict[str, Any]) -> str:
     return preset if cache == cache_config(preset) else "custom"
 
 
+def warmup_sizes(text: str | None, max_side: int) -> list[tuple[int, int]]:
+    """``--warmup-sizes``: ``WxH`` entries separated by commas, each within ``--max-side``.
+
+    Raises:
+        CLIError: Naming the flag and the entry at fault.
+    """
+    from fastdit.serve.schemas import parse_size
+
+    if text is None:
+        return []
+    sizes = []
+    for entry in text.split(","):
+        try:
+            width, height = parse_size(entry)
+        except ValueError as error:
+            raise CLIError(f"argument --warmup-sizes {text}: {entry.strip() or '(empty)'!r}: {error}") from None
+        if max(width, height) > max_side:
+            raise CLIError(f"argument --warmup-sizes {text}: {entry.strip()!r} exceeds --max-side {max_side}")
+        sizes.append((width, height))
+    return sizes
+
+
+def _directory(flag: str, value: str | None) -> Path | None:
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if not path.is_dir():
+        raise CLIError(f"argument {flag} {value}: no such directory")
+    return path
+
+
 def _plan(args: argparse.Namespace) -> dict[str, Any]:
-    """Everything that can be checked before loading: model, defaults, acceleration, limits, key."""
+    """Everything that can be checked before loading: model, defaults, acceleration, limits, key, warm-up sizes."""
     check_positive("--steps", args.steps)
     check_positive("--warmup", args.warmup, allow_zero=True)
     check_positive("--port", args.port, allow_zero=True)
+    check_positive("--video-ttl-s", args.video_ttl_s)
+    check_positive("--max-videos", args.max_videos)
+    limits = _limits(args)
+    sizes = warmup_sizes(args.warmup_sizes, limits.max_side)
+    lora_dir = _directory("--lora-dir", args.lora_dir)
+    video_dir = _directory("--video-dir", args.video_dir)
     source, pipeline_class = resolve_source(args)
-    if is_video_pipeline(pipeline_class):
-        raise CLIError(f"MODEL {source.name}: {pipeline_class.__name__} makes videos; the server serves images only")
     overrides = {} if args.steps is None else {"num_inference_steps": args.steps}
     try:
         defaults = call_arguments(pipeline_class, source.defaults, overrides)
@@ -138,11 +195,15 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "source": replace(source, defaults=defaults),
         "options": options,
+        "loading": loading_options(args, options.get("parallel")),
         "cache_name": _cache_name(args, options),
         "device": device,
         "dtype": resolve_dtype(args.dtype, device),
-        "limits": _limits(args),
+        "limits": limits,
         "api_key": args.api_key or os.environ.get(API_KEY_ENV) or None,
+        "warmup_sizes": sizes,
+        "lora_dir": lora_dir,
+        "video_dir": video_dir,
     }
 
 
@@ -155,25 +216,29 @@ def _warn_exposed(host: str, api_key: str | None) -> None:
         )
 
 
-def _load(plan: dict[str, Any], warmup: int) -> Any:
-    from fastdit.serve.worker import DEFAULT_CACHE, Job, Runner
-    from fastdit.session import Case
+def _load(plan: dict[str, Any]) -> Any:
+    from fastdit.parallel.load_broadcast import LoadBroadcastError
+    from fastdit.serve.worker import Runner
 
-    session = Session.load(plan["source"], device=plan["device"], dtype=plan["dtype"])
+    try:
+        session = Session.load(plan["source"], device=plan["device"], dtype=plan["dtype"], loading=plan["loading"])
+    except LoadBroadcastError as error:  # raised on every rank alike, before any weight moved
+        raise CLIError(f"argument --load {plan['loading'].mode}: {error}") from None
     check_size(session.pipe, plan["source"].defaults)
+    for width, height in plan["warmup_sizes"]:  # loaded: the model's size unit is known, still before serving
+        try:
+            check_call_size(session.pipe, {"width": width, "height": height})
+        except FieldError as error:
+            raise CLIError(f"argument --warmup-sizes {width}x{height}: {error.requirement}") from None
     check_cache_fits(session.pipe, plan["options"].get("cache"))
-    runner = Runner(session, plan["options"], plan["cache_name"])
-    # Every rank runs the same warm-up job before rank 0 serves, so they stay in lockstep without a broadcast.
-    job = Job("warmup", (Case("warm-up", 0),), plan["source"].defaults, DEFAULT_CACHE)
-    for _ in range(warmup):
-        runner.run(job)
-    return runner
+    return Runner(session, plan["options"], plan["cache_name"])
 
 
 def _serve(args: argparse.Namespace, plan: dict[str, Any], runner: Any, timeout_s: float) -> int:
     uvicorn = _require("uvicorn")
     from fastdit.serve.app import create_app
-    from fastdit.serve.jobs import ModelSpec
+    from fastdit.serve.jobs import ModelSpec, warmup_jobs
+    from fastdit.serve.videos import VideoStore
     from fastdit.serve.worker import Driver
 
     failures: list[BaseException] = []
@@ -185,7 +250,24 @@ def _serve(args: argparse.Namespace, plan: dict[str, Any], runner: Any, timeout_
 
     driver = Driver(runner, process_count(), timeout_s)
     spec = ModelSpec.of(runner.session, plan["options"].get("cache"), name=args.model_name)
-    app = create_app(driver, spec, limits=plan["limits"], api_key=plan["api_key"], on_fatal=on_fatal)
+    # Warm-up runs through the driver like requests, after the port opened: /health says warming_up meanwhile,
+    # and under torchrun every rank runs it in lockstep.
+    warmup = warmup_jobs(spec, plan["limits"], plan["warmup_sizes"], args.warmup)
+    videos = None
+    if spec.video:
+        _require("imageio")
+        _require("imageio_ffmpeg")
+        videos = VideoStore(plan["video_dir"], ttl_s=args.video_ttl_s, max_videos=args.max_videos)
+    app = create_app(
+        driver,
+        spec,
+        limits=plan["limits"],
+        api_key=plan["api_key"],
+        on_fatal=on_fatal,
+        warmup=warmup,
+        lora_dir=plan["lora_dir"],
+        videos=videos,
+    )
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
     _warn_exposed(args.host, plan["api_key"])
     server.run()
@@ -227,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
         # acceleration, which must find the group rather than end it.
         with process_group_scope(), collective_failures(timeout_s):
             join_process_group(plan["device"], timeout_s)
-            runner = _load(plan, args.warmup)
+            runner = _load(plan)
             if not is_main_process():
                 from fastdit.serve.worker import worker_loop
 

@@ -85,6 +85,7 @@ _KNOWN: tuple[tuple[str, str, str], ...] = (
     (TEXT_ENCODER, "gemma3", f"{_T}.gemma3.modeling_gemma3.Gemma3ForConditionalGeneration"),
     (TEXT_ENCODER, "glm", f"{_T}.glm.modeling_glm.GlmModel"),
     (TEXT_ENCODER, "mistral3", f"{_T}.mistral3.modeling_mistral3.Mistral3ForConditionalGeneration"),
+    (TEXT_ENCODER, "mistral3", f"{_T}.mistral3.modeling_mistral3.Mistral3Model"),
     (TEXT_ENCODER, "qwen2_vl", f"{_T}.qwen2_vl.modeling_qwen2_vl.Qwen2VLForConditionalGeneration"),
     (TEXT_ENCODER, "qwen2_5_vl", f"{_T}.qwen2_5_vl.modeling_qwen2_5_vl.Qwen2_5_VLForConditionalGeneration"),
     (TEXT_ENCODER, "qwen2_5_vl", f"{_T}.qwen2_5_vl.modeling_qwen2_5_vl.Qwen2_5_VLTextModel"),

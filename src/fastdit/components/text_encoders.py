@@ -244,6 +244,12 @@ _FROM_TRANSFORMERS: dict[str, _FromTransformers] = {
     f"{_T}.mistral3.modeling_mistral3.Mistral3ForConditionalGeneration": _FromTransformers(
         f"{_T}.mistral.configuration_mistral.MistralConfig", _LM, reason="Mistral Small 3's text config is a Mistral's"
     ),
+    # The bare model (ERNIE-Image's pipeline reads its hidden states): the same language model, one level up.
+    f"{_T}.mistral3.modeling_mistral3.Mistral3Model": _FromTransformers(
+        f"{_T}.mistral.configuration_mistral.MistralConfig",
+        "language_model.",
+        reason="Mistral Small 3's text config is a Mistral's",
+    ),
     f"{_T}.qwen2_vl.modeling_qwen2_vl.Qwen2VLForConditionalGeneration": _FromTransformers(
         f"{_T}.qwen2_vl.configuration_qwen2_vl.Qwen2VLTextConfig", _LM
     ),
@@ -283,6 +289,7 @@ _WHOLE = {
     "Gemma3ForConditionalGeneration": "vision tower and projector whole",
     "LlavaForConditionalGeneration": "vision tower and projector whole",
     "Mistral3ForConditionalGeneration": "vision tower and projector whole",
+    "Mistral3Model": "vision tower and projector whole",
     "Qwen2VLForConditionalGeneration": "vision tower whole",
     "Qwen2_5_VLForConditionalGeneration": "vision tower whole",
     "Qwen3VLModel": "vision tower whole",

@@ -20,7 +20,7 @@ from typing import Any
 from fastdit.config import Compile, DBCache, Offload, Parallel, StepMask
 from fastdit.diagnostics.verify import Rung, Status, Thresholds, VerifyRuntime, fixed_rung, verify_ladder
 from fastdit.models.registry import get_family
-from fastdit.testing.pipelines import build_tiny
+from fastdit.testing.pipelines import build_tiny, scaled_steps
 
 __all__ = [
     "EXACT",
@@ -58,10 +58,11 @@ def cached_call_overrides(family: str, variant: str) -> dict[str, Any]:
     """Call arguments giving each transformer 3 denoising steps: step 0 computed, steps 1-2 from a forced cache.
 
     A tiny run denoises 2 steps per transformer; it asks for 4 where img2img strength 0.5 or a Wan 2.2 expert
-    boundary halves them. 3/2 of the declared count gives 3 per transformer either way.
+    boundary halves them. 3/2 of the declared count gives 3 per transformer either way (per stage, for a pipeline
+    that counts its steps per resolution stage: Helios' pyramid).
     """
-    steps = get_family(family).tiny(variant).call_kwargs["num_inference_steps"] * 3 // 2
-    return {"num_inference_steps": steps, **_SCHEDULE_OVERRIDES.get((family, variant), {})}
+    steps = scaled_steps(get_family(family).tiny(variant), 3, 2)
+    return {**steps, **_SCHEDULE_OVERRIDES.get((family, variant), {})}
 
 
 @dataclass(frozen=True)

@@ -142,4 +142,6 @@ def forward_setup(target: Target, example: str | None = None) -> ForwardSetup:
         return example_setup(example, target)
     if target.adapter is not None and target.adapter.tiny_pipelines:
         return capture_tiny(target.adapter)
+    if target.adapter is not None and target.adapter.example:
+        return example_setup(target.adapter.example, target)  # a family without a tiny pipeline
     return synthesize(target.cls, target.config)

@@ -198,11 +198,13 @@ class CachePlan:
         family: Family name (for messages).
         block_groups: The block lists, in execution order.
         timestep_arg: The transformer ``forward`` parameter carrying the timestep (``None``: not read).
+        unstepped_calls: As :attr:`ModelAdapter.unstepped_calls`.
     """
 
     family: str
     block_groups: tuple[BlockGroup, ...]
     timestep_arg: str | None = "timestep"
+    unstepped_calls: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -228,8 +230,18 @@ class ModelAdapter:
             them, and use neither call's output before the other call: CFG parallelism pairs them by timestep.
         cfg_batch_dims: Forward arguments whose batch is not their dim 0 (arg → dim; ``None``: no batch dim), for
             batched CFG parallelism.
+        cfg_branch_components: The family's pipelines compute each guidance branch with its own denoiser, called once
+            per step each (pipeline component name → ``"cond"`` / ``"uncond"``; Ideogram 4's ``transformer`` and
+            ``unconditional_transformer``): CFG parallelism runs each denoiser on its branch's rank.
         tp_plan: How the family's layers split under tensor parallelism
             (:class:`~fastdit.parallel.tp_plan.TensorParallelPlan`); ``None``: tensor parallelism is unsupported.
+        unstepped_calls: ``forward`` arguments whose value marks a call that is no denoising step, argument name ->
+            the values that mark it: Wan-Animate-2's reference pass (``kv_cache_mode="extract"``) fills a KV cache
+            that every step then reads, at the first step's timestep. Such a call computes every block (the cache
+            never serves it) and step caching does not count it: no step, branch or run of its own.
+        example: ``module.path:function`` giving a small transformer and one call of it, ``(model, kwargs)``, for
+            ``fastdit inspect`` of a family without a tiny pipeline (one served by a pipeline fastdit does not build,
+            e.g. a diffusers ModularPipeline); ``""``: the first tiny pipeline's first transformer call is used.
     """
 
     family: str
@@ -245,6 +257,9 @@ class ModelAdapter:
     cfg_parallel: bool = True
     cfg_pairs_by_timestep: bool = False
     cfg_batch_dims: Mapping[str, int | None] = field(default_factory=dict)
+    cfg_branch_components: Mapping[str, str] = field(default_factory=dict)
+    unstepped_calls: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
+    example: str = ""
 
     def __post_init__(self) -> None:
         if not self.family:
@@ -260,7 +275,12 @@ class ModelAdapter:
     @property
     def cache_plan(self) -> CachePlan:
         """The part of this adapter step caching reads."""
-        return CachePlan(family=self.family, block_groups=self.block_groups, timestep_arg=self.timestep_arg)
+        return CachePlan(
+            family=self.family,
+            block_groups=self.block_groups,
+            timestep_arg=self.timestep_arg,
+            unstepped_calls=self.unstepped_calls,
+        )
 
     def tiny(self, name: str | None = None) -> TinyPipeline:
         """Return the tiny pipeline called ``name`` (the first one if ``None``)."""

@@ -17,8 +17,7 @@ from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelP
 from fastdit.models.registry import register
 from fastdit.parallel.plan import SplitOutput
 from fastdit.parallel.plan_shapes import mmdit_root_plan
-from fastdit.parallel.tp_plan import Colwise, Rowwise, TensorParallelPlan
-from fastdit.parallel.tp_shapes import feed_forward, joint_attention, modulation, under
+from fastdit.parallel.tp_shapes import flux1_tp_plan
 
 TRANSFORMER = "diffusers.models.transformers.transformer_bria_fibo.BriaFiboTransformer2DModel"
 
@@ -112,25 +111,7 @@ CP_PLAN = mmdit_root_plan(
 # half overwritten by a caption projection, with the root's ``inner_dim``) is on whole-width block outputs, so the
 # caption projections and the root's ``inner_dim`` stay whole. The single block's proj_out reads
 # cat([attn_out, mlp_hidden]): each stream is split on its own.
-TP_PLAN = TensorParallelPlan(
-    layers={
-        **under("transformer_blocks.*", joint_attention()),
-        **under("transformer_blocks.*", feed_forward("ff")),
-        **under("transformer_blocks.*", feed_forward("ff_context")),
-        **under("transformer_blocks.*", modulation("norm1.linear", "norm1_context.linear")),
-        **under(
-            "single_transformer_blocks.*",
-            {
-                "attn.to_q": Colwise(),
-                "attn.to_k": Colwise(),
-                "attn.to_v": Colwise(),
-                "proj_mlp": Colwise(),
-                "proj_out": Rowwise(segments=("attn.inner_dim", "mlp_hidden_dim")),
-                **modulation("norm.linear"),
-            },
-        ),
-    },
-    divide=("transformer_blocks.*.attn.heads", "single_transformer_blocks.*.attn.heads"),
+TP_PLAN = flux1_tp_plan(
     notes="FLUX.1's split plus per-block AdaLN modulation split with a gathered output; caption projections, "
     "embedders and QK-norms (per head) replicated.",
 )

@@ -13,8 +13,7 @@ from fastdit.models._lazy import LazyKwargs, tiny_image
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan_shapes import mmdit_root_plan
-from fastdit.parallel.tp_plan import Colwise, Rowwise, TensorParallelPlan
-from fastdit.parallel.tp_shapes import feed_forward, joint_attention, under
+from fastdit.parallel.tp_shapes import flux1_tp_plan
 
 TRANSFORMER = "diffusers.models.transformers.transformer_chroma.ChromaTransformer2DModel"
 
@@ -88,25 +87,10 @@ CP_PLAN = mmdit_root_plan(
 # QK-norms are per head). Chroma prunes the per-block AdaLN linears: every block reads its modulation from the shared
 # approximator (distilled_guidance_layer), which stays replicated with the embedders and the output layers. The single
 # block's proj_out reads cat([attn_out, mlp_hidden]): each stream is split on its own.
-TP_PLAN = TensorParallelPlan(
-    layers={
-        **under("transformer_blocks.*", joint_attention()),
-        **under("transformer_blocks.*", feed_forward("ff")),
-        **under("transformer_blocks.*", feed_forward("ff_context")),
-        **under(
-            "single_transformer_blocks.*",
-            {
-                "attn.to_q": Colwise(),
-                "attn.to_k": Colwise(),
-                "attn.to_v": Colwise(),
-                "proj_mlp": Colwise(),
-                "proj_out": Rowwise(segments=("attn.inner_dim", "mlp_hidden_dim")),
-            },
-        ),
-    },
-    divide=("transformer_blocks.*.attn.heads", "single_transformer_blocks.*.attn.heads"),
+TP_PLAN = flux1_tp_plan(
     notes="FLUX.1's attention/FFN split; no per-block AdaLN linears (pruned: the shared approximator stays "
     "replicated); QK-norms are per head (replicated).",
+    modulated=False,
 )
 
 _CALL = {

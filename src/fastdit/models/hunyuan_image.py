@@ -13,8 +13,7 @@ from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelP
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitOutput
 from fastdit.parallel.plan_shapes import streams
-from fastdit.parallel.tp_plan import Colwise, Rowwise, TensorParallelPlan
-from fastdit.parallel.tp_shapes import feed_forward, joint_attention, modulation, under
+from fastdit.parallel.tp_shapes import flux1_tp_plan
 
 TRANSFORMER = "diffusers.models.transformers.transformer_hunyuanimage.HunyuanImageTransformer2DModel"
 
@@ -141,27 +140,10 @@ CP_PLAN = ContextParallelPlan(
 # the block keeps no MLP width attribute: the MLP part is read off proj_mlp. The text token refiner, the ByT5
 # projection (context_embedder_2), the embedders and the output layers run once per call outside the blocks and stay
 # whole.
-TP_PLAN = TensorParallelPlan(
-    layers={
-        **under("transformer_blocks.*", joint_attention()),
-        **under("transformer_blocks.*", feed_forward("ff")),
-        **under("transformer_blocks.*", feed_forward("ff_context")),
-        **under("transformer_blocks.*", modulation("norm1.linear", "norm1_context.linear")),
-        **under(
-            "single_transformer_blocks.*",
-            {
-                "attn.to_q": Colwise(),
-                "attn.to_k": Colwise(),
-                "attn.to_v": Colwise(),
-                "proj_mlp": Colwise(),
-                "proj_out": Rowwise(segments=("attn.inner_dim", "proj_mlp.out_features")),
-                **modulation("norm.linear"),
-            },
-        ),
-    },
-    divide=("transformer_blocks.*.attn.heads", "single_transformer_blocks.*.attn.heads"),
+TP_PLAN = flux1_tp_plan(
     notes="FLUX.1's split plus per-block AdaLN modulation split with a gathered output; token refiner, ByT5 "
     "projection, embedders and QK-norms (per head) replicated.",
+    mlp_width="proj_mlp.out_features",
 )
 
 ADAPTER = register(

@@ -11,8 +11,7 @@ from fastdit.models._lazy import LazyKwargs, tiny_image
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan_shapes import mmdit_root_plan
-from fastdit.parallel.tp_plan import Colwise, Rowwise, TensorParallelPlan
-from fastdit.parallel.tp_shapes import feed_forward, joint_attention, modulation, under
+from fastdit.parallel.tp_shapes import flux1_tp_plan
 
 TRANSFORMER = "diffusers.models.transformers.transformer_longcat_image.LongCatImageTransformer2DModel"
 
@@ -118,25 +117,7 @@ CP_PLAN = mmdit_root_plan(
 # (replicated). The per-block AdaLN linears (dim -> 6·dim per stream and dual block, dim -> 3·dim per single block) are
 # split with a gathered output, as for FLUX.1; embedders and the output layers stay whole. The single block's proj_out
 # reads cat([attn_out, mlp_hidden]): each stream is split on its own.
-TP_PLAN = TensorParallelPlan(
-    layers={
-        **under("transformer_blocks.*", joint_attention()),
-        **under("transformer_blocks.*", feed_forward("ff")),
-        **under("transformer_blocks.*", feed_forward("ff_context")),
-        **under("transformer_blocks.*", modulation("norm1.linear", "norm1_context.linear")),
-        **under(
-            "single_transformer_blocks.*",
-            {
-                "attn.to_q": Colwise(),
-                "attn.to_k": Colwise(),
-                "attn.to_v": Colwise(),
-                "proj_mlp": Colwise(),
-                "proj_out": Rowwise(segments=("attn.inner_dim", "mlp_hidden_dim")),
-                **modulation("norm.linear"),
-            },
-        ),
-    },
-    divide=("transformer_blocks.*.attn.heads", "single_transformer_blocks.*.attn.heads"),
+TP_PLAN = flux1_tp_plan(
     notes="FLUX.1's split plus per-block AdaLN modulation split with a gathered output; embedders, output layers "
     "and QK-norms (per head) replicated.",
 )

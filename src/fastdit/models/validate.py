@@ -120,6 +120,12 @@ def _check_timestep_arg(transformer: torch.nn.Module, adapter: ModelAdapter) -> 
             f"{adapter.family}: timestep_arg={adapter.timestep_arg!r} is not a parameter of "
             f"{type(transformer).__name__}.forward {names}; name the one that carries the timestep (or None)"
         )
+    for name in adapter.unstepped_calls:
+        if name not in params:
+            raise AdapterError(
+                f"{adapter.family}: unstepped_calls names {name!r}, which is not a parameter of "
+                f"{type(transformer).__name__}.forward {list(params)[1:]}"
+            )
 
 
 def bind_block_args(block: torch.nn.Module, args: tuple, kwargs: dict) -> inspect.BoundArguments:

@@ -14,6 +14,9 @@ transformer) serves both, deciding per call from the ``cache_context`` the pipel
   Pipelines that announce no branch but call the transformer twice per step (Chroma, Krea-2, Z-Image, ...) are
   paired by timestep (the two calls of a step share it, the first is rank 0's) where the family declares it safe:
   a pipeline that uses the first call's output before the second call (Cosmos Predict2) would read the placeholder.
+  What a pipeline does to the placeholder before the second call without reading its values (a cast to float32, a
+  slice) is recorded and replayed once it is filled (:class:`PendingOutput`); reading its values (``.item()``,
+  ``bool()``) raises :class:`CfgParallelError`.
 * **Batched** (one call over ``[uncond; cond]`` concatenated on the batch: SD3, PixArt, Sana, LTX, ...): each rank
   computes its part of the batch and the parts are all-gathered — data parallelism over the call, exact for any
   batch the degree divides (a batch it does not divide runs whole on every rank).
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +41,15 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from fastdit.hooks.layers import Layer, LayerHook, announced_context, install
 from fastdit.hooks.state import Applied
 
-__all__ = ["BRANCHES", "CfgParallelError", "CfgParallelHook", "CfgParallelStats", "apply_cfg_parallel"]
+__all__ = [
+    "BRANCHES",
+    "CfgParallelError",
+    "CfgParallelHook",
+    "CfgParallelStats",
+    "PendingOutput",
+    "apply_cfg_parallel",
+    "apply_cfg_parallel_branches",
+]
 
 # The names pipelines announce the sequential branches by (diffusers' guiders: "pred_cond" / "pred_uncond"), mapped
 # to the CFG rank that computes them.
@@ -64,6 +75,106 @@ class CfgParallelStats:
         return dict(self.__dict__)
 
 
+# Tensor methods that read metadata only: allowed on a placeholder before it is filled (everything else that returns
+# no tensor reads its values).
+_METADATA = frozenset(
+    {
+        "__get__",
+        "__len__",
+        "__hash__",
+        "size",
+        "dim",
+        "ndimension",
+        "numel",
+        "nelement",
+        "stride",
+        "storage_offset",
+        "is_contiguous",
+        "is_floating_point",
+        "is_complex",
+        "element_size",
+        "get_device",
+        "data_ptr",
+    }
+)
+
+
+class _Replay:
+    """What a pipeline did to one pair's placeholders before they were filled, replayed once they are."""
+
+    def __init__(self) -> None:
+        self.filled = False
+        self.ops: list[tuple[Callable[..., Any], tuple, dict, list[torch.Tensor]]] = []
+
+    def pending(self, tensor: torch.Tensor) -> PendingOutput:
+        """``tensor`` as a placeholder of this replay (the same object if it is one already)."""
+        if isinstance(tensor, PendingOutput):
+            return tensor  # an op that returned its input (in place, or a cast to the dtype it has)
+        out = tensor.as_subclass(PendingOutput)
+        out._fastdit_replay = self
+        return out
+
+    def record(self, func: Callable[..., Any], args: tuple, kwargs: dict, result: Any) -> Any:
+        """Note an op applied to a placeholder (its tensor results become placeholders), or refuse a read."""
+        leaves, tree = tree_flatten(result)
+        if not any(isinstance(t, torch.Tensor) for t in leaves):
+            name = getattr(func, "__name__", "")
+            if name == "__setitem__":  # a write into a placeholder: redone after the fill
+                self.ops.append((func, args, kwargs, []))
+            if name in _METADATA or name == "__setitem__":
+                return result
+            raise CfgParallelError(
+                f"CFG parallelism (cfg=2): the pipeline read the values of a guidance branch's output "
+                f"({func.__name__}) before the step's other transformer call, but another rank computes that branch "
+                "and its values arrive only then; run it without cfg=2"
+            )
+        wrapped = [self.pending(t) if isinstance(t, torch.Tensor) else t for t in leaves]
+        self.ops.append((func, args, kwargs, [t for t in wrapped if isinstance(t, torch.Tensor)]))
+        return tree_unflatten(wrapped, tree)
+
+    def fill(self, slots: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Write the other rank's output into the placeholders, then redo every recorded op into its result."""
+        with torch._C.DisableTorchFunctionSubclass():
+            for slot, value in zip(slots, values, strict=True):
+                slot.copy_(value)
+            for func, args, kwargs, results in self.ops:
+                fresh = [t for t in tree_flatten(func(*args, **kwargs))[0] if isinstance(t, torch.Tensor)]
+                for target, value in zip(results, fresh, strict=True):
+                    if not _same_view(target, value):  # a view or an in-place op is up to date already
+                        target.copy_(value)
+        self.filled = True
+        self.ops = []
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+
+
+class PendingOutput(torch.Tensor):
+    """A placeholder for a guidance branch's output that the other CFG rank computes, filled at the step's other call.
+
+    Until then, torch operations on it (or on tensors derived from it) return tensors of the right shape and dtype
+    and are recorded; filling the placeholder replays them in order into their results, so a pipeline that casts or
+    slices the first call's output before the second call (``out.float()``, ``out[:, n:].to(torch.float32)``) gets
+    the right values where a copy of an unfilled placeholder would keep garbage. Reading the values before the fill
+    raises :class:`CfgParallelError`. Once filled, operations run as on a plain tensor.
+    """
+
+    _fastdit_replay: _Replay
+
+    @classmethod
+    def __torch_function__(cls, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        replay = next(
+            (t._fastdit_replay for t in tree_flatten((args, kwargs))[0] if isinstance(t, PendingOutput)), None
+        )
+        with torch._C.DisableTorchFunctionSubclass():
+            result = func(*args, **kwargs)
+        if replay is None or replay.filled:
+            return result
+        return replay.record(func, args, kwargs, result)
+
+
 @dataclass
 class _Spec:
     """The structure of a transformer output: its pytree and each tensor leaf's shape and dtype."""
@@ -76,9 +187,14 @@ class _Spec:
         leaves, tree = tree_flatten(output)
         return cls(tree, [(t.shape, t.dtype) if isinstance(t, torch.Tensor) else t for t in leaves])
 
-    def placeholder(self, device: torch.device) -> tuple[Any, list[torch.Tensor]]:
-        leaves = [torch.empty(s[0], dtype=s[1], device=device) if isinstance(s, tuple) else s for s in self.leaves]
-        return tree_unflatten(leaves, self.tree), [t for t in leaves if isinstance(t, torch.Tensor)]
+    def placeholder(self, device: torch.device) -> tuple[Any, list[torch.Tensor], _Replay]:
+        """An output of this structure whose tensors are unfilled :class:`PendingOutput` s, and their replay."""
+        replay = _Replay()
+        leaves = [
+            replay.pending(torch.empty(s[0], dtype=s[1], device=device)) if isinstance(s, tuple) else s
+            for s in self.leaves
+        ]
+        return tree_unflatten(leaves, self.tree), [t for t in leaves if isinstance(t, torch.Tensor)], replay
 
 
 def _announced(module: torch.nn.Module, name: str) -> contextlib.AbstractContextManager:
@@ -98,6 +214,7 @@ class _Pair:
     first: int | None = None  # the branch of the pair's first call
     computed: Any = None  # this rank's output of the pair's first call, when it computed it
     placeholder: list[torch.Tensor] = field(default_factory=list)  # to fill when this rank skipped the first call
+    replay: _Replay | None = None  # what the pipeline did to the placeholder before it was filled
     warm: bool = False  # both branches' structure known: later pairs are split
 
 
@@ -115,7 +232,9 @@ class CfgParallelHook(LayerHook):
         batch_dims: Mapping[str, int | None] | None = None,
         timestep_arg: str | None = None,
         pairs_by_timestep: bool = False,
+        branch_of: Mapping[int, str] | None = None,
     ) -> None:
+        self.branch_of = dict(branch_of or {})  # id(denoiser) -> its branch, for one denoiser per branch
         self.pairs_by_timestep = pairs_by_timestep
         self.batch_dims = dict(batch_dims or {})
         self.timestep_arg = timestep_arg
@@ -130,7 +249,7 @@ class CfgParallelHook(LayerHook):
         self.batched = False  # read by the cache's reducer during a call
 
     def around(self, inner: Callable[..., Any], module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        name = announced_context(module)
+        name = self.branch_of.get(id(module)) or announced_context(module)
         if name in BRANCHES:
             return self._sequential(name, inner, args, kwargs)
         bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
@@ -206,7 +325,7 @@ class CfgParallelHook(LayerHook):
             else:
                 self.stats.warmup_calls += 1
             return output
-        output, pair.placeholder = self.specs[branch].placeholder(self.device)
+        output, pair.placeholder, pair.replay = self.specs[branch].placeholder(self.device)
         self.stats.skipped_calls += 1
         return output
 
@@ -223,9 +342,8 @@ class CfgParallelHook(LayerHook):
             output = inner(*args, **kwargs)
             self.stats.computed_calls += 1
             theirs = self._exchange(_tensors(output), 1 - branch)
-            for slot, value in zip(pair.placeholder, theirs, strict=True):
-                slot.copy_(value)
-            pair.placeholder = []
+            pair.replay.fill(pair.placeholder, theirs)
+            pair.placeholder, pair.replay = [], None
             return output
         theirs = self._exchange(_tensors(pair.computed), branch)
         pair.computed = None
@@ -326,3 +444,30 @@ def apply_cfg_parallel(
         raise ValueError(f"CFG parallelism: degree={degree}: exactly 2 (one rank per guidance branch)")
     hook = CfgParallelHook(group, rank, degree, device, batch_dims, timestep_arg, pairs_by_timestep)
     return Applied(install(transformer, Layer.BRANCH, "cfg_parallel", hook), hook)
+
+
+def apply_cfg_parallel_branches(
+    branches: Sequence[tuple[torch.nn.Module, str]],
+    group: dist.ProcessGroup,
+    rank: int,
+    degree: int,
+    device: torch.device,
+) -> list[Applied]:
+    """Install CFG parallelism on a pipeline that computes each guidance branch with its own denoiser.
+
+    ``branches`` pairs each denoiser with its branch (``"cond"`` / ``"uncond"``): Ideogram 4 runs ``transformer`` on
+    the prompt and ``unconditional_transformer`` without it, once each per step. One hook, installed on both, pairs
+    a step's two calls across them exactly as two announced calls of one denoiser: after the warm-up pair each rank
+    runs only its branch's denoiser, and the outputs (of different shapes: the branches see different sequences) are
+    exchanged at the pair's second call.
+
+    Returns:
+        One :class:`Applied` per denoiser, in ``branches`` order, all holding the shared hook.
+    """
+    if degree != 2:
+        raise ValueError(f"CFG parallelism: degree={degree}: exactly 2 (one rank per guidance branch)")
+    names = sorted(name for _, name in branches)
+    if len(branches) != 2 or {BRANCHES.get(n) for n in names} != {0, 1}:
+        raise ValueError(f"CFG parallelism: branches {names}: one denoiser for each of a cond and an uncond branch")
+    hook = CfgParallelHook(group, rank, degree, device, branch_of={id(m): name for m, name in branches})
+    return [Applied(install(module, Layer.BRANCH, "cfg_parallel", hook), hook) for module, _ in branches]

@@ -46,6 +46,7 @@ from fastdit.parallel.attention.dispatch import (
 )
 from fastdit.parallel.plan import (
     ContextParallelPlan,
+    GatherInput,
     GatherOutput,
     LeadingCount,
     LocalExtent,
@@ -54,6 +55,7 @@ from fastdit.parallel.plan import (
     linear_attention_paths,
     local_attention_paths,
     match_modules,
+    passes_whole,
     sdpa_call_paths,
     validate_plan,
 )
@@ -93,11 +95,21 @@ class _Splitter:
         self._log = log
         self._logged: set[tuple[str, int]] = set()
 
-    def split(self, tensor: Any, dim: int, expected_dims: int | None, name: str, unit: int = 1) -> Any:
+    def split(
+        self,
+        tensor: Any,
+        dim: int,
+        expected_dims: int | None,
+        name: str,
+        unit: int = 1,
+        keep_singleton: bool | None = None,
+    ) -> Any:
         if isinstance(tensor, (tuple, list)):  # e.g. a (cos, sin) RoPE pair passed as one argument
-            return type(tensor)(self.split(t, dim, expected_dims, name, unit) for t in tensor)
+            return type(tensor)(self.split(t, dim, expected_dims, name, unit, keep_singleton) for t in tensor)
         if not isinstance(tensor, torch.Tensor) or (expected_dims is not None and tensor.ndim != expected_dims):
             return tensor
+        if self.degree > 1 and passes_whole(tensor, dim, keep_singleton):
+            return tensor  # one row broadcast against the split tokens: every rank needs it whole (not recorded)
         total = tensor.shape[dim]
         if unit < 1 or total % unit:  # global sizes: every rank raises alike
             raise ShardError(
@@ -148,12 +160,15 @@ class _Splitter:
         self.layout.record(name, [sum(row) for row in zip(*sizes, strict=True)])
         return torch.cat(pieces, dim=dim)
 
-    def count(self, value: Any, of: str) -> Any:
-        """A count ``value`` of leading tokens of ``of``, narrowed to this rank's contiguous shard of ``of``."""
+    def count(self, value: Any, of: str, *, trailing: bool = False) -> Any:
+        """A count ``value`` of leading (or, ``trailing``, last) tokens of ``of``, narrowed to this rank's contiguous
+        shard of ``of``."""
         lens = self.layout.splits.get(of)
         if lens is None or not isinstance(value, int) or isinstance(value, bool):
             return value  # not split in this forward (tokens whole), or not a count
         start = sum(lens[: self.rank])
+        if trailing:  # the last ``value`` tokens begin at total - value
+            return min(max(start + lens[self.rank] - (sum(lens) - value), 0), lens[self.rank])
         return min(max(value - start, 0), lens[self.rank])
 
     def extent(self, value: Any, of: str) -> Any:
@@ -192,7 +207,7 @@ class _Splitter:
         return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes, strict=True)], dim=dim)
 
 
-_Spec = SplitInput | LeadingCount | LocalExtent
+_Spec = SplitInput | LeadingCount | LocalExtent | GatherInput
 
 
 class _ArgPositions:
@@ -224,7 +239,7 @@ class _ArgPositions:
 
 def _splits_then_counts(specs: Mapping[str, _Spec]) -> tuple[dict[str, _Spec], dict[str, _Spec]]:
     """``specs`` divided into plain splits, then the items that read this forward's split record: leading-token
-    counts, local extents and segment-wise splits."""
+    counts, local extents, segment-wise splits and gathered inputs."""
     splits = {n: s for n, s in specs.items() if not s.reads_record}
     counts = {n: s for n, s in specs.items() if n not in splits}
     return splits, counts
@@ -279,10 +294,12 @@ class _OutputHook(layers.LayerHook):
         for spec in self.splits:
             name = self.path if spec.index is None else f"{self.path}[{spec.index}]"
             if spec.index is None:
-                output = self.splitter.split(output, spec.dim, spec.expected_dims, name)
+                output = self.splitter.split(output, spec.dim, spec.expected_dims, name, 1, spec.keep_singleton)
             else:
                 items = list(output)
-                items[spec.index] = self.splitter.split(items[spec.index], spec.dim, spec.expected_dims, name)
+                items[spec.index] = self.splitter.split(
+                    items[spec.index], spec.dim, spec.expected_dims, name, 1, spec.keep_singleton
+                )
                 output = type(output)(items) if isinstance(output, tuple) else items
         if self.gather is not None:
             spec = self.gather

@@ -9,10 +9,14 @@ A plan names module paths (``""`` is the transformer itself; ``"transformer_bloc
   ``segments``, an argument spanning several split inputs (a RoPE table over ``[image, text]``) is split per segment.
 * :class:`SplitOutput` — split what a sub-module *returns* (a RoPE or position-embedding module that produces
   full-length tensors inside forward).
+* :class:`GatherInput` — all-gather a split ``forward`` argument before the module runs: a module inside the loop
+  that needs every token (attention grouped by frame over a token split that need not follow frames); paired with a
+  :class:`SplitOutput` of the same module, so the loop continues on this rank's shard.
 * :class:`GatherOutput` — all-gather a module's output (or one element of a tuple output) along a dim (the output
   projection), so the transformer returns the full sequence on every rank.
 * :class:`LeadingCount` — a ``forward`` argument that counts leading tokens of a split tensor (the first frame's
   tokens), narrowed to the tokens this rank holds.
+* :class:`TrailingCount` — the same for a count of the *last* tokens (the current frames after prepended history).
 * :class:`LocalExtent` — an integer ``forward`` argument giving a grid extent (rows, frames) of a split tensor,
   replaced by this rank's share.
 * :class:`Halo` — pad a (convolution) module's input with the neighbouring ranks' edge rows, crop its output.
@@ -40,6 +44,7 @@ import torch
 __all__ = [
     "AttentionRouting",
     "ContextParallelPlan",
+    "GatherInput",
     "GatherOutput",
     "Halo",
     "LeadingCount",
@@ -47,9 +52,11 @@ __all__ = [
     "SplitInput",
     "SplitOutput",
     "TokenSum",
+    "TrailingCount",
     "linear_attention_paths",
     "local_attention_paths",
     "match_modules",
+    "passes_whole",
     "validate_plan",
 ]
 
@@ -64,15 +71,25 @@ def _check_dim(owner: str, dim: Any, expected_dims: Any) -> None:
 class Splitter(Protocol):
     """What an input spec's ``adjust`` uses: the context-parallel splitter of the current forward."""
 
-    def split(self, tensor: Any, dim: int, expected_dims: int | None, name: str, unit: int = 1) -> Any: ...
+    def split(
+        self,
+        tensor: Any,
+        dim: int,
+        expected_dims: int | None,
+        name: str,
+        unit: int = 1,
+        keep_singleton: bool | None = None,
+    ) -> Any: ...
 
     def split_segments(
         self, tensor: Any, dim: int, expected_dims: int | None, name: str, segments: tuple[str, ...]
     ) -> Any: ...
 
-    def count(self, value: Any, of: str) -> Any: ...
+    def count(self, value: Any, of: str, *, trailing: bool = False) -> Any: ...
 
     def extent(self, value: Any, of: str) -> Any: ...
+
+    def gather(self, tensor: Any, dim: int, expected_dims: int | None) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -96,8 +113,10 @@ class SplitInput:
         unit: Names of integer arguments of the same ``forward`` whose product is the split granularity: shards hold
             whole multiples of it (``("width",)``: whole rows of a flattened ``(height, width)`` grid, as a
             convolution over the grid needs). The size along ``dim`` must be a multiple of it. ``()``: single tokens.
-        keep_singleton: A tensor argument of size 1 along ``dim`` passes whole: it broadcasts over the tokens (a
-            per-sample modulation where another variant of the model passes one per token).
+        keep_singleton: Whether a tensor of size 1 along ``dim`` passes whole, broadcasting over the tokens (a RoPE
+            table of one row, a per-sample modulation where another variant of the model passes one per token):
+            ``True`` always, ``False`` never (it is refused as too short for the ranks), ``None`` (default) unless
+            it is laid out like a token stream (see :func:`passes_whole`).
         segments: Names of plain (unsegmented) :class:`SplitInput` s of the same path whose concatenation this
             argument spans; ``()``: one contiguous split.
     """
@@ -106,7 +125,7 @@ class SplitInput:
     expected_dims: int | None = None
     index: int | None = None
     unit: tuple[str, ...] = ()
-    keep_singleton: bool = False
+    keep_singleton: bool | None = None
     segments: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -125,20 +144,34 @@ class SplitInput:
 
     def adjust(self, value: Any, splitter: Splitter, name: str, unit: int = 1) -> Any:
         """``value`` split per this spec; with :attr:`index`, only that element of a tuple/list argument."""
-        tensor = isinstance(value, torch.Tensor) and -value.ndim <= self.dim < value.ndim
-        if self.keep_singleton and tensor and value.shape[self.dim] == 1:
-            return value  # broadcast over the tokens: every rank needs it whole
 
         def split(item: Any, label: str) -> Any:
             if self.segments:
                 return splitter.split_segments(item, self.dim, self.expected_dims, label, self.segments)
-            return splitter.split(item, self.dim, self.expected_dims, label, unit)
+            return splitter.split(item, self.dim, self.expected_dims, label, unit, self.keep_singleton)
 
         if self.index is None or not isinstance(value, (tuple, list)):
             return split(value, name)
         items = list(value)
         items[self.index] = split(items[self.index], f"{name}[{self.index}]")
         return type(value)(items)
+
+
+def passes_whole(tensor: torch.Tensor, dim: int, keep_singleton: bool | None) -> bool:
+    """Whether ``tensor``, of size 1 along its split dim ``dim``, is passed whole to every rank instead of split.
+
+    One row along the split dim cannot be shared by two or more ranks. A table or vector of one row that the model
+    broadcasts against the split stream (a one-row RoPE table, a per-sample timestep) is right whole on every rank.
+    A token stream of one token is not: every rank would add that token to the joint sequence, and attention would
+    weigh it once per rank. With ``keep_singleton=None`` a ``(B, S, D)`` tensor split on its token dim (3 dims, dim
+    1 or -2: the layout of a stream, e.g. the text of a one-word prompt) is therefore still refused; every other
+    layout broadcasts. The decision reads global sizes only, so every rank takes it alike.
+    """
+    if tensor.shape[dim] != 1:
+        return False
+    if keep_singleton is not None:
+        return keep_singleton
+    return not (tensor.ndim == 3 and dim % 3 == 1)
 
 
 @dataclass(frozen=True)
@@ -149,14 +182,45 @@ class SplitOutput:
         dim: The sequence dim of the output.
         expected_dims: As for :class:`SplitInput`.
         index: Element of a tuple/list output to split; ``None`` if the output is a tensor.
+        keep_singleton: As for :class:`SplitInput` (a RoPE module returning one row that broadcasts).
     """
 
     dim: int
     expected_dims: int | None = None
     index: int | None = None
+    keep_singleton: bool | None = None
 
     def __post_init__(self) -> None:
         _check_dim("SplitOutput", self.dim, self.expected_dims)
+
+
+@dataclass(frozen=True)
+class GatherInput:
+    """All-gather a split ``forward`` argument along ``dim`` before the module runs (shards may differ in length).
+
+    For a module the loop calls between blocks that must see every token although the blocks hold a shard: Wan-Animate's
+    face adapter attends frame by frame (``query.unflatten(1, (frames, -1))``), which a token shard that does not
+    hold whole frames cannot do. The module then computes on the whole sequence, on every rank alike; a
+    :class:`SplitOutput` of the same module (same dim) gives the loop this rank's shard of its output again, with the
+    shard sizes any split of that length gets. Applied after every plain split of the same module.
+
+    Attributes:
+        dim: The sequence dim of the argument.
+        expected_dims: Gather only tensors with this many dims (others pass whole); ``None``: any tensor.
+    """
+
+    dim: int
+    expected_dims: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_dim("GatherInput", self.dim, self.expected_dims)
+
+    # Gathered after the plain splits of the same module (uneven shards read this forward's split record).
+    reads_record = True
+
+    def adjust(self, value: Any, splitter: Splitter, name: str, unit: int = 1) -> Any:
+        """``value`` gathered from every rank's shard."""
+        return splitter.gather(value, self.dim, self.expected_dims)
 
 
 @dataclass(frozen=True)
@@ -221,6 +285,22 @@ class LeadingCount:
     def adjust(self, value: Any, splitter: Splitter, name: str, unit: int = 1) -> Any:
         """``value`` narrowed to this rank's shard of :attr:`of`."""
         return splitter.count(value, self.of)
+
+
+@dataclass(frozen=True)
+class TrailingCount(LeadingCount):
+    """A ``forward`` argument counting the *last* tokens of a split tensor, narrowed to this rank's shard.
+
+    Helios prepends history tokens to the current frames' tokens and passes the blocks ``original_context_length``,
+    the number of current tokens at the end of the sequence (``torch.split(x, [len - n, n])``, ``x[:, -n:]``). Rank
+    ``r``, holding the tokens ``[start_r, end_r)`` of a sequence of ``total``, receives how many of the last ``n``
+    tokens it holds, ``clamp(end_r - (total - n), 0, len_r)``: they are the last ones of its shard too. Otherwise as
+    :class:`LeadingCount` (same attributes, same pass-through of non-``int`` values and of an unsplit :attr:`of`).
+    """
+
+    def adjust(self, value: Any, splitter: Splitter, name: str, unit: int = 1) -> Any:
+        """``value`` narrowed to this rank's shard of :attr:`of`, counted from its end."""
+        return splitter.count(value, self.of, trailing=True)
 
 
 @dataclass(frozen=True)
@@ -415,7 +495,8 @@ class ContextParallelPlan:
     """Where a transformer family splits and gathers its sequence under context parallelism.
 
     Attributes:
-        inputs: Module path -> argument name -> :class:`SplitInput`, :class:`LeadingCount` or :class:`LocalExtent`.
+        inputs: Module path -> argument name -> :class:`SplitInput`, :class:`LeadingCount`, :class:`LocalExtent` or
+            :class:`GatherInput`.
         outputs: Module path -> :class:`SplitOutput` or a tuple of them (one per tuple element).
         gather: Module path -> :class:`GatherOutput`.
         halo: Module path -> :class:`Halo` (modules mixing neighbouring rows of a row-split grid).
@@ -423,7 +504,9 @@ class ContextParallelPlan:
         notes: How the family's positional embeddings stay consistent with the split (for the docs).
     """
 
-    inputs: Mapping[str, Mapping[str, SplitInput | LeadingCount | LocalExtent]] = field(default_factory=dict)
+    inputs: Mapping[str, Mapping[str, SplitInput | LeadingCount | LocalExtent | GatherInput]] = field(
+        default_factory=dict
+    )
     outputs: Mapping[str, SplitOutput | tuple[SplitOutput, ...]] = field(default_factory=dict)
     gather: Mapping[str, GatherOutput] = field(default_factory=dict)
     halo: Mapping[str, Halo] = field(default_factory=dict)
@@ -441,10 +524,10 @@ class ContextParallelPlan:
                 raise ValueError(f"ContextParallelPlan.halo[{path!r}]={halo!r}: expected Halo")
         for path, args in self.inputs.items():
             for name, split in args.items():
-                if not isinstance(split, (SplitInput, LeadingCount, LocalExtent)):
+                if not isinstance(split, (SplitInput, LeadingCount, LocalExtent, GatherInput)):
                     raise ValueError(
-                        f"ContextParallelPlan.inputs[{path!r}][{name!r}]={split!r}: expected SplitInput, LeadingCount "
-                        "or LocalExtent"
+                        f"ContextParallelPlan.inputs[{path!r}][{name!r}]={split!r}: expected SplitInput, LeadingCount, "
+                        "LocalExtent or GatherInput"
                     )
         for path, splits in self.outputs.items():
             if not all(isinstance(s, SplitOutput) for s in splits):

@@ -34,6 +34,7 @@ from fastdit.parallel.tp_plan import (
     Colwise,
     LocalSlice,
     ShardedNorm,
+    SplitParameter,
     Style,
     TensorParallelPlan,
     divided_attributes,
@@ -115,8 +116,15 @@ def planned_bytes(
     plan = resolve_tp_plan(transformer, plan, degree, family)
     split = replicated = 0
     split_modules: set[int] = set()
+    split_params: set[int] = set()
     for _, module, style in plan_layers(transformer, plan):
         if isinstance(style, LocalSlice):
+            continue
+        if isinstance(style, SplitParameter):
+            param = style.parameter(module)
+            if param is not None and style.splits(param):
+                split_params.add(id(param))
+                split += _bytes(param)
             continue
         split_modules.add(id(module))
         for name, param in module.named_parameters(recurse=False):
@@ -132,7 +140,7 @@ def planned_bytes(
         if id(module) in split_modules:
             continue
         for param in module.parameters(recurse=False):
-            if id(param) not in seen:
+            if id(param) not in seen and id(param) not in split_params:
                 seen.add(id(param))
                 replicated += _bytes(param)
     return {
@@ -349,6 +357,24 @@ def _slice_output(module: torch.nn.Module, style: LocalSlice, mesh: DeviceMesh, 
     return module.register_forward_hook(hook).remove
 
 
+def _split_parameter(
+    module: torch.nn.Module, style: SplitParameter, mesh: DeviceMesh, device: torch.device
+) -> tuple[Undo, int, list[torch.nn.Parameter]]:
+    """Keep this rank's part of one parameter along ``style.dim``; return its undo, original bytes and the slice."""
+    param = style.parameter(module)
+    if param is None or not style.splits(param):  # absent (optional) or broadcast: left whole
+        return (lambda: None), 0, []
+    size = param.shape[style.dim]
+    module._parameters[style.name] = _plain(param, device, style.dim, [size], mesh)
+    offload = _keep_on_cpu({style.name: param})
+
+    def undo() -> None:
+        offload()
+        module._parameters[style.name] = param
+
+    return undo, _bytes(param), [module._parameters[style.name]]
+
+
 def _split_norm(
     transformer: torch.nn.Module,
     path: str,
@@ -480,6 +506,12 @@ def apply_tensor_parallel(
         for name, module, style in plan_layers(transformer, plan):
             if isinstance(style, LocalSlice):
                 undos.append(_slice_output(module, style, mesh, name))
+                continue
+            if isinstance(style, SplitParameter):
+                undo, nbytes, params = _split_parameter(module, style, mesh, device)
+                undos.append(undo)
+                split.update(id(p) for p in params)
+                state.split_bytes += nbytes
                 continue
             owner, _ = parent_of(transformer, name)
             sizes = segment_sizes(owner, module, style, name)  # before any attribute is divided

@@ -21,13 +21,14 @@ import torch.distributed as dist
 
 from fastdit.config import Parallel
 
-__all__ = ["CHATTY_DIMS", "Topology", "better_layout", "gather_topology"]
+__all__ = ["CHATTY_DIMS", "Topology", "better_layout", "gather_topology", "node_key"]
 
 # The dims whose collectives run inside every layer or attention: crossing nodes costs the most there.
 CHATTY_DIMS: tuple[str, ...] = ("ulysses", "tp")
 
 
-def _node_key() -> int:
+def node_key() -> int:
+    """This process's node as an integer: the same on every rank of one node, different across nodes (no collective)."""
     host = zlib.crc32(socket.gethostname().encode())
     return host * 4096 + int(os.environ.get("GROUP_RANK", "0"))
 
@@ -79,7 +80,7 @@ def gather_topology(mesh: torch.Tensor, dims: tuple[str, ...], device: torch.dev
         dims: The mesh's dim names.
         device: This rank's device (NCCL gathers device tensors).
     """
-    mine = torch.tensor([_node_key()], dtype=torch.int64, device=device)
+    mine = torch.tensor([node_key()], dtype=torch.int64, device=device)
     keys = torch.empty(dist.get_world_size(), dtype=torch.int64, device=device)
     # torch 2.13 renamed the collective; the range we support (>= 2.7) has one or the other.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -14,6 +14,9 @@ A :class:`TensorParallelPlan` maps module paths of a transformer (``*`` matches 
   dim): its weight is split like the features and its statistics are summed over the ranks, instead of a silently
   wrong local norm.
 
+* :class:`SplitParameter` — a parameter the model's code reads directly, with one entry per head (Helios' per-head
+  history key scale): each rank keeps its heads' entries.
+
 * :class:`LocalSlice` — a module that computes a table for *all* heads or features (a RoPE module returning
   ``(S, heads, d)`` or ``(B, S, inner_dim)`` cos/sin): each rank keeps its slice of every output tensor.
 
@@ -47,6 +50,7 @@ __all__ = [
     "LocalSlice",
     "Rowwise",
     "ShardedNorm",
+    "SplitParameter",
     "Style",
     "TensorParallelPlan",
     "divided_attributes",
@@ -174,7 +178,39 @@ class LocalSlice:
         return dict(self.dim).get(ndim)
 
 
-Style = Colwise | Rowwise | ShardedNorm | LocalSlice
+@dataclass(frozen=True)
+class SplitParameter:
+    """Split one parameter of the module (not a layer: a tensor the model's code reads, e.g. one scale per head).
+
+    Rank ``r`` keeps the ``r``-th of ``degree`` equal contiguous parts along :attr:`dim`, as a plain local tensor, so
+    code that reshapes it with the divided head count (``view(1, 1, -1, 1)``) finds its heads. A parameter of size 1
+    along :attr:`dim` broadcasts over the heads and stays whole (a scalar variant of the same model); a module
+    without the parameter is skipped when its pattern is in :attr:`TensorParallelPlan.optional`.
+
+    Attributes:
+        name: The parameter's attribute name on the module (``"history_key_scale"``).
+        dim: The dim to split.
+    """
+
+    name: str
+    dim: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name or "." in self.name:
+            raise ValueError(f"SplitParameter.name={self.name!r}: the parameter's attribute name on the module")
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int):
+            raise ValueError(f"SplitParameter.dim={self.dim!r}: must be an integer")
+
+    def parameter(self, module: torch.nn.Module) -> torch.nn.Parameter | None:
+        """The module's parameter, or ``None`` if it has none of that name."""
+        return module._parameters.get(self.name)
+
+    def splits(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is split (not a size-1, broadcast, dim)."""
+        return param.shape[self.dim] != 1
+
+
+Style = Colwise | Rowwise | ShardedNorm | LocalSlice | SplitParameter
 
 # The layer types Colwise / Rowwise split, by exact type: Linear through DTensor, convolutions by channel slices.
 LINEAR_TYPES = (torch.nn.Linear,)
@@ -207,10 +243,10 @@ class TensorParallelPlan:
         if not self.layers:
             raise ValueError("TensorParallelPlan.layers={}: name at least one layer")
         for path, style in self.layers.items():
-            if not isinstance(style, (Colwise, Rowwise, ShardedNorm, LocalSlice)):
+            if not isinstance(style, (Colwise, Rowwise, ShardedNorm, LocalSlice, SplitParameter)):
                 raise ValueError(
-                    f"TensorParallelPlan.layers[{path!r}]={style!r}: expected Colwise, Rowwise, ShardedNorm or "
-                    "LocalSlice"
+                    f"TensorParallelPlan.layers[{path!r}]={style!r}: expected Colwise, Rowwise, ShardedNorm, "
+                    "LocalSlice or SplitParameter"
                 )
         known = {*self.layers, *(path.rpartition(".")[0] for path in self.divide)}
         for path in self.optional:
@@ -369,6 +405,13 @@ def validate_tp_plan(transformer: torch.nn.Module, plan: TensorParallelPlan, deg
     for name, module, style in plan_layers(transformer, plan):
         if isinstance(style, LocalSlice):
             continue  # any module; its output's sizes are checked when it runs
+        if isinstance(style, SplitParameter):
+            param = style.parameter(module)
+            if param is None and not any(name in {n for n, _ in match_modules(transformer, p)} for p in plan.optional):
+                raise ValueError(f"tensor-parallel plan of {family!r}: {name!r} has no parameter {style.name!r}")
+            if param is not None and style.splits(param):
+                sizes.append((f"{name}.{style.name}", param.shape[style.dim]))
+            continue
         _check_layer_type(name, module, style, family)
         owner, _ = parent_of(transformer, name)
         segments = segment_sizes(owner, module, style, name)

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 from fastdit.parallel.tp_plan import Colwise, Rowwise, ShardedNorm, Style, TensorParallelPlan
 
-__all__ = ["attention", "feed_forward", "joint_attention", "modulation", "under", "wan_tp_plan"]
+__all__ = ["attention", "feed_forward", "flux1_tp_plan", "joint_attention", "modulation", "under", "wan_tp_plan"]
 
 
 def under(prefix: str, layers: Mapping[str, Style]) -> dict[str, Style]:
@@ -47,6 +47,37 @@ def feed_forward(
 def modulation(*linears: str) -> dict[str, Style]:
     """AdaLN modulation linears split column-wise with a gathered output (every rank needs the whole vector)."""
     return {path: Colwise(gather_output=True) for path in linears}
+
+
+def flux1_tp_plan(*, notes: str, modulated: bool = True, mlp_width: str = "mlp_hidden_dim") -> TensorParallelPlan:
+    """FLUX.1's block lists: MMDiT ``transformer_blocks`` and parallel-attention ``single_transformer_blocks``.
+
+    Joint attention and both FFNs of a double block split Megatron-style; a single block's q/k/v and ``proj_mlp``
+    column-wise and its ``proj_out``, which reads ``cat([attn_out, mlp_hidden])``, row-wise with each part split on
+    its own. The processors reshape with ``attn.heads``, which is divided; QK-norms are per head (replicated).
+
+    Args:
+        notes: The family's own words for the plan (what it keeps whole).
+        modulated: The blocks carry their own AdaLN linears (``norm1.linear`` / ``norm1_context.linear``,
+            ``norm.linear``), split with a gathered output.
+        mlp_width: Attribute path (on the single block) of the MLP part's width in ``proj_out``'s input.
+    """
+    double = {**joint_attention(), **feed_forward("ff"), **feed_forward("ff_context")}
+    single = {
+        "attn.to_q": Colwise(),
+        "attn.to_k": Colwise(),
+        "attn.to_v": Colwise(),
+        "proj_mlp": Colwise(),
+        "proj_out": Rowwise(segments=("attn.inner_dim", mlp_width)),
+    }
+    if modulated:
+        double.update(modulation("norm1.linear", "norm1_context.linear"))
+        single.update(modulation("norm.linear"))
+    return TensorParallelPlan(
+        layers={**under("transformer_blocks.*", double), **under("single_transformer_blocks.*", single)},
+        divide=("transformer_blocks.*.attn.heads", "single_transformer_blocks.*.attn.heads"),
+        notes=notes,
+    )
 
 
 def _wan_block(prefix: str) -> tuple[dict[str, Style], tuple[str, ...]]:

@@ -9,9 +9,15 @@ Layers, each importable without the ones above it:
   ranks of a ``torchrun`` job);
 - :mod:`fastdit.serve.jobs`: :func:`~fastdit.serve.jobs.build_job`, the checks that need the model (size unit,
   limits, parameters the pipeline takes), and which jobs may share a batched call;
+- :mod:`fastdit.serve.lora`: :class:`~fastdit.serve.lora.LoraSet`, the LoRA adapters of a pipeline through
+  diffusers' LoRA API (all fused or all unfused; a failed change leaves them as they were);
+- :mod:`fastdit.serve.inputs`: uploaded images, read and checked before queueing;
+- :mod:`fastdit.serve.videos`: :class:`~fastdit.serve.videos.VideoStore`, video jobs and their mp4 files, bounded
+  by age and count;
 - :mod:`fastdit.serve.metrics`: the Prometheus metrics of one server;
 - :mod:`fastdit.serve.app`: :func:`create_app`, the FastAPI application: auth, the bounded queue, the one consumer
-  that runs jobs one at a time (or batched), errors as OpenAI's error object.
+  that runs the warm-up, then jobs and LoRA changes one at a time (or batched), errors as OpenAI's error object;
+- :mod:`fastdit.serve.endpoints`: edits, video jobs, LoRA adapters and the web page (``static/index.html``).
 
 The HTTP packages are an optional extra (``pip install fastdit[serve]``); :func:`require` names the one missing.
 """
@@ -29,6 +35,8 @@ _PACKAGES = {
     "uvicorn": "uvicorn",
     "prometheus_client": "prometheus_client",
     "multipart": "python-multipart",
+    "imageio": "imageio",
+    "imageio_ffmpeg": "imageio-ffmpeg",
 }
 
 

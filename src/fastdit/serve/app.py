@@ -21,11 +21,13 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Protocol
 
 from fastdit.serve import require
 from fastdit.serve.jobs import ModelSpec, RequestError, build_job, compatible, invalid, merge, request_field
 from fastdit.serve.limits import Limits
+from fastdit.serve.lora import LoraError, LoraOp
 from fastdit.serve.metrics import Metrics
 from fastdit.serve.schemas import (
     CacheReport,
@@ -38,7 +40,8 @@ from fastdit.serve.schemas import (
     RunReport,
     Timings,
 )
-from fastdit.serve.worker import Job, JobResult, JobTimeoutError
+from fastdit.serve.videos import VideoStore
+from fastdit.serve.worker import Job, JobResult, JobTimeoutError, Progress
 
 __all__ = ["Engine", "ServerState", "create_app"]
 
@@ -54,7 +57,13 @@ class Engine(Protocol):
     @property
     def heartbeat_s(self) -> float | None: ...
 
-    def run(self, job: Job, should_stop: Callable[[], bool] | None = None) -> JobResult: ...
+    def run(
+        self, job: Job, should_stop: Callable[[], bool] | None = None, progress: Progress | None = None
+    ) -> JobResult: ...
+
+    def lora(self, op: LoraOp) -> list[dict[str, Any]]: ...
+
+    def lora_refusal(self, fuse: bool = True) -> str | None: ...
 
     def heartbeat(self) -> None: ...
 
@@ -63,11 +72,13 @@ class Engine(Protocol):
 
 @dataclass
 class _Pending:
-    job: Job
+    job: Job | LoraOp  # a LoRA operation waits in the same queue: it must not run while a job does
     future: asyncio.Future
     enqueued: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
     started: float | None = None
+    on_start: Callable[[], None] | None = None
+    progress: Progress | None = None
 
 
 class _JobQueue(asyncio.Queue):
@@ -107,12 +118,26 @@ class ServerState:
         spec: The served model.
         limits: Request and queue limits.
         on_fatal: Called once, from the event loop, with an error after which no job can run (a lost rank).
+        warmup: Jobs run before the first request (the server reports ``warming_up`` until they are done).
+        videos: The video jobs' store (video models only).
     """
 
     def __init__(
-        self, engine: Engine, spec: ModelSpec, limits: Limits, on_fatal: Callable[[BaseException], None] | None = None
+        self,
+        engine: Engine,
+        spec: ModelSpec,
+        limits: Limits,
+        on_fatal: Callable[[BaseException], None] | None = None,
+        warmup: list[Job] | None = None,
+        videos: VideoStore | None = None,
     ) -> None:
         self.engine, self.spec, self.limits, self.on_fatal = engine, spec, limits, on_fatal
+        self.warmup = list(warmup or [])
+        self.warmed = 0  # warm-up jobs done
+        self.videos = videos
+        self.tasks: set[asyncio.Task] = set()  # video jobs being awaited (kept referenced until done)
+        self.lora_dir: Path | None = None
+        self.lora_cards: list[dict[str, Any]] = []  # the adapters loaded, as the last LoRA operation reported
         self.metrics = Metrics()
         self.created = int(time.time())
         self.queue = _JobQueue()
@@ -127,10 +152,28 @@ class ServerState:
         per_job = self.run_s_average or 1.0
         return max(1, math.ceil(per_job * max(self.outstanding, 1)))
 
-    def submit(self, job: Job) -> _Pending:
-        """Queue ``job``, or refuse it (429 when the queue is full, 503 once the server failed)."""
+    @property
+    def warming(self) -> bool:
+        """Whether warm-up jobs are still to run."""
+        return self.warmed < len(self.warmup)
+
+    def submit(self, job: Job | LoraOp, **hooks: Any) -> _Pending:
+        """Queue ``job``, or refuse it (429 when the queue is full, 503 while warming up or once the server failed).
+
+        Args:
+            job: A job, or a LoRA operation.
+            hooks: ``on_start`` (called when it starts running) and ``progress`` (after each step).
+        """
         if self.failure is not None:
             raise RequestError(503, "the server is shutting down after a failure", type="server_error")
+        if self.warming:
+            raise RequestError(
+                503,
+                f"the server is warming up ({self.warmed} of {len(self.warmup)} warm-up runs done); retry later",
+                type="server_error",
+                code="warming_up",
+                headers={"Retry-After": str(self.retry_after())},
+            )
         if self.outstanding >= self.limits.queue_size + 1:  # queue_size may wait while one runs
             raise RequestError(
                 429,
@@ -139,20 +182,29 @@ class ServerState:
                 code="queue_full",
                 headers={"Retry-After": str(self.retry_after())},
             )
-        pending = _Pending(job, asyncio.get_running_loop().create_future())
+        pending = _Pending(job, asyncio.get_running_loop().create_future(), **hooks)
         self.outstanding += 1
         self.queue.put_nowait(pending)
         return pending
 
     async def consume(self) -> None:
-        """Run queued jobs one at a time until cancelled or until a fatal error; ping workers when idle."""
+        """Run the warm-up, then queued jobs one at a time until cancelled or a fatal error; ping workers when idle."""
         loop = asyncio.get_running_loop()
+        if not await self._warm_up(loop):
+            return
         while True:
             try:
                 first = await asyncio.wait_for(self.queue.get(), timeout=self.engine.heartbeat_s)
             except asyncio.TimeoutError:
                 if not await self._guarded(loop, self.engine.heartbeat):
                     return
+                continue
+            if isinstance(first.job, LoraOp):
+                try:
+                    if not first.future.done() and not await self._control(loop, first):
+                        return
+                finally:
+                    self.outstanding -= 1
                 continue
             batch = [first, *self._companions(first)]
             try:
@@ -162,6 +214,36 @@ class ServerState:
             finally:
                 self.outstanding -= len(batch)
 
+    async def _warm_up(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """Run the warm-up jobs in order (on every rank, like requests); a failure ends the server."""
+        for job in self.warmup[self.warmed :]:
+            start = time.perf_counter()
+            try:
+                await loop.run_in_executor(self.executor, self.engine.run, job)
+            except Exception as error:
+                logger.error("warm-up %s failed", job.id, exc_info=error)
+                self._fail(error)
+                return False
+            logger.info("warm-up %s: %.2f s", job.id, time.perf_counter() - start)
+            self.warmed += 1
+        return True
+
+    async def _control(self, loop: asyncio.AbstractEventLoop, pending: _Pending) -> bool:
+        """Run a LoRA operation between jobs; ``False`` after a fatal error."""
+        pending.started = time.perf_counter()
+        try:
+            result = await loop.run_in_executor(self.executor, self.engine.lora, pending.job)
+        except Exception as error:
+            if not pending.future.done():
+                pending.future.set_exception(error)
+            if isinstance(error, _fatal_errors()):
+                self._fail(error)
+                return False
+            return True
+        if not pending.future.done():
+            pending.future.set_result(result)
+        return True
+
     def _companions(self, first: _Pending) -> list[_Pending]:
         """Queued jobs that can share ``first``'s pipeline calls, within :attr:`Limits.max_batch` images."""
         room = self.limits.max_batch - len(first.job.cases)
@@ -170,7 +252,9 @@ class ServerState:
 
         def fits(other: _Pending) -> bool:
             nonlocal room
-            if other.future.done() or len(other.job.cases) > room or not compatible(first.job, other.job):
+            if not isinstance(other.job, Job) or other.future.done():
+                return False
+            if len(other.job.cases) > room or not compatible(first.job, other.job):
                 return False
             room -= len(other.job.cases)
             return True
@@ -194,8 +278,12 @@ class ServerState:
         def should_stop() -> bool:  # a shared call stops only once every request in it timed out
             return all(pending.cancelled.is_set() for pending in batch)
 
+        for pending in batch:
+            if pending.on_start is not None:
+                pending.on_start()
+        progress = batch[0].progress if len(batch) == 1 else None
         try:
-            result = await loop.run_in_executor(self.executor, self.engine.run, job, should_stop)
+            result = await loop.run_in_executor(self.executor, self.engine.run, job, should_stop, progress)
         except Exception as error:
             for pending in batch:
                 if not pending.future.done():
@@ -228,11 +316,13 @@ class ServerState:
             self.on_fatal(error)
 
     def close(self) -> None:
-        """Stop the workers (after the running job) and the worker thread."""
-        if self.failure is None:
+        """Stop the workers (after the running job) and the worker thread; remove the video files."""
+        if self.failure is None or not isinstance(self.failure, _fatal_errors()):  # e.g. a failed warm-up run
             with contextlib.suppress(Exception):  # a worker that is already gone: nothing left to stop
                 self.executor.submit(self.engine.stop).result(timeout=60)
         self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.videos is not None:
+            self.videos.close()
 
 
 def _error_response(error: RequestError) -> Any:
@@ -248,6 +338,8 @@ def _job_error(error: BaseException) -> RequestError:
 
     if isinstance(error, RequestError):
         return error
+    if isinstance(error, LoraError):
+        return RequestError(error.status, error.message, param=error.param, code="lora_error")
     if isinstance(error, FieldError):
         param = request_field(error)
         if param is not None:
@@ -298,8 +390,8 @@ def _response(
     report = RunReport(
         model=state.spec.name,
         seeds=[case.seed for case in pending.job.cases],
-        width=kwargs.get("width"),
-        height=kwargs.get("height"),
+        width=int(result.outputs[0].shape[-2]) if result.outputs else kwargs.get("width"),
+        height=int(result.outputs[0].shape[-3]) if result.outputs else kwargs.get("height"),
         num_inference_steps=kwargs.get("num_inference_steps"),
         batched_with=result.images_per_call,
         timings=timings,
@@ -312,11 +404,10 @@ def _response(
     return ImageResponse(created=int(time.time()), data=data, fastdit=report)
 
 
-async def _generate(state: ServerState, body: ImageRequest) -> ImageResponse:
-    job = build_job(body, state.spec, state.limits, uuid.uuid4().hex)
-    pending = state.submit(job)
+async def wait(state: ServerState, pending: _Pending) -> Any:
+    """The result of a queued job or LoRA operation, or the error to answer (504 past the timeout)."""
     try:
-        result = await asyncio.wait_for(pending.future, timeout=state.limits.timeout_s)
+        return await asyncio.wait_for(pending.future, timeout=state.limits.timeout_s)
     except asyncio.TimeoutError:
         pending.cancelled.set()  # a running job stops at its next step (single process)
         raise RequestError(
@@ -326,8 +417,18 @@ async def _generate(state: ServerState, body: ImageRequest) -> ImageResponse:
         raise RequestError(504, "the request timed out", type="server_error", code="timeout") from None
     except Exception as error:
         raise _job_error(error) from None
+
+
+async def answer(state: ServerState, body: ImageRequest, job: Job) -> ImageResponse:
+    """Queue an image job, wait for it, and encode the response."""
+    pending = state.submit(job)
+    result = await wait(state, pending)
     images, encode_s = await asyncio.to_thread(_encode, result)
     return _response(state, body, pending, result, images, encode_s)
+
+
+async def _generate(state: ServerState, body: ImageRequest) -> ImageResponse:
+    return await answer(state, body, build_job(body, state.spec, state.limits, uuid.uuid4().hex))
 
 
 def _auth(api_key: str | None) -> Callable[..., None]:
@@ -356,6 +457,8 @@ def _install_handlers(app: Any) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(_request: Request, error: RequestValidationError) -> Any:
         first = error.errors()[0] if error.errors() else {}
+        if first.get("type") == "json_invalid":  # its location is a character offset, not a field
+            return _error_response(RequestError(422, "the body is not valid JSON", code="invalid_json"))
         location = [str(part) for part in first.get("loc", ()) if part != "body"]
         param = ".".join(location) or None
         message = first.get("msg", "invalid request").removeprefix("Value error, ")
@@ -368,18 +471,18 @@ def _install_handlers(app: Any) -> None:
 
 
 def _install_metrics_middleware(app: Any, state: ServerState) -> None:
-    known = {"/v1/images/generations", "/v1/models", "/health", "/metrics"}
-
     @app.middleware("http")
     async def count(request: Request, call_next: Callable[[Request], Any]) -> Any:
         start = time.perf_counter()
-        endpoint = request.url.path if request.url.path in known else "other"  # bounded label values
         status = 500
         try:
             response = await call_next(request)
             status = response.status_code
             return response
         finally:
+            # The route's template (/v1/videos/{video_id}), never the raw path: label values stay bounded.
+            route = request.scope.get("route")
+            endpoint = getattr(route, "path", None) or "other"
             state.metrics.observe(endpoint, status, time.perf_counter() - start)
 
 
@@ -399,14 +502,20 @@ def _install_routes(app: Any, state: ServerState, api_key: str | None) -> None:
 
     @app.get("/health")
     async def health() -> Any:
-        ok = state.failure is None
-        body = {"status": "ok" if ok else "failed", "model": state.spec.name, "queue": state.outstanding}
-        return JSONResponse(body, status_code=200 if ok else 503)
+        status = "failed" if state.failure is not None else "warming_up" if state.warming else "ok"
+        body: dict[str, Any] = {"status": status, "model": state.spec.name, "queue": state.outstanding}
+        if state.warmup:
+            body["warmup"] = {"done": state.warmed, "total": len(state.warmup)}
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
         text, content_type = state.metrics.render()
         return Response(text, media_type=content_type)
+
+    from fastdit.serve import endpoints
+
+    endpoints.install(app, state, authorized)
 
 
 def create_app(
@@ -416,6 +525,9 @@ def create_app(
     limits: Limits | None = None,
     api_key: str | None = None,
     on_fatal: Callable[[BaseException], None] | None = None,
+    warmup: list[Job] | None = None,
+    lora_dir: Any = None,
+    videos: VideoStore | None = None,
 ) -> Any:
     """Build the FastAPI application.
 
@@ -425,13 +537,26 @@ def create_app(
         limits: Request and queue limits (default :class:`Limits`).
         api_key: When set, ``/v1/*`` needs ``Authorization: Bearer <api_key>`` (401 otherwise).
         on_fatal: Called with the error after which the server cannot run jobs (a lost rank): stop serving.
+        warmup: Jobs to run before serving (:func:`fastdit.serve.jobs.warmup_jobs`); ``/health`` answers 503
+            ``warming_up`` until they are done.
+        lora_dir: The directory ``POST /v1/loras`` may load from (``None``: LoRA loading is off).
+        videos: Where video jobs are kept (video models; default: a temporary directory, one hour, 100 jobs).
 
     Returns:
         The application; its :class:`ServerState` is ``app.state.server``.
+
+    Raises:
+        ImportError: A package the server needs is missing (named): the HTTP stack, or imageio and imageio-ffmpeg
+            for a video model.
     """
     fastapi = require("fastapi")
     require("prometheus_client")
-    state = ServerState(engine, spec, limits or Limits(), on_fatal)
+    if spec.video:
+        require("imageio")
+        require("imageio_ffmpeg")
+        videos = VideoStore() if videos is None else videos  # (an empty store is falsy: it has a length)
+    state = ServerState(engine, spec, limits or Limits(), on_fatal, warmup, videos)
+    state.lora_dir = None if lora_dir is None else Path(lora_dir).resolve()
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Any) -> AsyncIterator[None]:

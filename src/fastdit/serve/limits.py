@@ -27,6 +27,9 @@ class Limits:
     max_prompt_chars: int = _doc("Longest prompt (and negative prompt) in characters.", 4000)
     queue_size: int = _doc("Requests that may wait for the pipeline; one more is answered 429.", 16)
     timeout_s: float = _doc("Seconds a request may wait and run before it is answered 504.", 300.0)
+    max_frames: int = _doc("Most video frames one request may ask for (num_frames, or seconds times fps).", 257)
+    max_images: int = _doc("Most input images one edit request may upload.", 4)
+    max_upload_mb: float = _doc("Largest uploaded image file in megabytes.", 20.0)
     max_batch: int = _doc(
         "Most images of compatible queued requests (same size, steps, guidance, negative prompt) run as one "
         "pipeline call; only requests without a step cache are batched; 1: none.",

@@ -23,15 +23,23 @@ from fastdit.session import MAX_SEED  # noqa: E402
 
 __all__ = [
     "CacheReport",
+    "EditRequest",
     "ErrorBody",
     "ErrorResponse",
     "ImageData",
     "ImageRequest",
     "ImageResponse",
+    "LoraCard",
+    "LoraList",
+    "LoraRequest",
     "ModelCard",
     "ModelList",
     "RunReport",
     "Timings",
+    "VideoError",
+    "VideoList",
+    "VideoObject",
+    "VideoRequest",
     "parse_size",
 ]
 
@@ -81,6 +89,122 @@ class ImageRequest(BaseModel):
         if self.size is None or self.size.strip().lower() == "auto":
             return None
         return parse_size(self.size)
+
+
+class EditRequest(ImageRequest):
+    """``POST /v1/images/edits`` (multipart form): the generation fields plus ``strength`` for image-to-image
+    pipelines; the image files travel as form files (``image``, or ``image[]`` for several, and ``mask``)."""
+
+    strength: float | None = Field(default=None, gt=0, le=1, description="how far from the input image (img2img)")
+
+
+class VideoRequest(BaseModel):
+    """``POST /v1/videos`` (multipart form, as the ``openai`` client sends it, or JSON): OpenAI's fields plus
+    fastdit's extensions; ``input_reference`` (an image file) goes to image-to-video pipelines."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    prompt: str = Field(min_length=1)
+    model: str | None = None
+    size: str | None = Field(default=None, description="WIDTHxHEIGHT; default: the model's")
+    seconds: float | None = Field(default=None, gt=0, allow_inf_nan=False, description="length; frames = seconds*fps")
+    num_frames: int | None = Field(default=None, ge=1, description="frames (wins over seconds)")
+    fps: float = Field(default=16.0, gt=0, le=120, allow_inf_nan=False, description="frame rate of the mp4")
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    num_inference_steps: int | None = Field(default=None, ge=1)
+    guidance_scale: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    negative_prompt: str | None = None
+    cache: str | None = None
+
+    n: Literal[1] = 1  # one video per job; a field so that the image checks apply unchanged
+
+    @field_validator("size")
+    @classmethod
+    def _size(cls, value: str | None) -> str | None:
+        if value is not None and value.strip().lower() != "auto":
+            parse_size(value)
+        return value
+
+    def dimensions(self) -> tuple[int, int] | None:
+        """``(width, height)`` asked for, or ``None`` for the model's default."""
+        if self.size is None or self.size.strip().lower() == "auto":
+            return None
+        return parse_size(self.size)
+
+
+class VideoError(BaseModel):
+    """Why a video job failed: OpenAI's ``code`` and ``message`` (never a traceback or a path)."""
+
+    code: str
+    message: str
+    param: str | None = None
+
+
+class VideoObject(BaseModel):
+    """A video job as ``GET /v1/videos/{id}`` shows it (OpenAI's ``Video``), plus fastdit's report when done."""
+
+    id: str
+    object: Literal["video"] = "video"
+    model: str
+    status: Literal["queued", "in_progress", "completed", "failed"]
+    progress: int = 0
+    created_at: int
+    completed_at: int | None = None
+    expires_at: int | None = None
+    prompt: str | None = None
+    seconds: str
+    size: str
+    error: VideoError | None = None
+    fastdit: dict[str, Any] | None = None
+
+
+class VideoList(BaseModel):
+    """``GET /v1/videos``: a cursor page (``after`` = the last id of the previous page)."""
+
+    object: Literal["list"] = "list"
+    data: list[VideoObject]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+
+class LoraRequest(BaseModel):
+    """``POST /v1/loras``: load the LoRA at ``path`` (under the server's ``--lora-dir``) as adapter ``name``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$", description="letters, digits, _ and -")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        import torch
+
+        # peft keeps adapters in ModuleDicts under their names: a name of a Module attribute cannot be one.
+        if hasattr(torch.nn.Module, value):
+            raise ValueError(f"{value!r} is reserved (a torch.nn.Module attribute); choose another name")
+        return value
+
+    path: str = Field(min_length=1, max_length=1000, description="a file or directory, relative to --lora-dir")
+    scale: float = Field(default=1.0, ge=-10, le=10, allow_inf_nan=False)
+    fuse: bool = False
+
+
+class LoraCard(BaseModel):
+    """One loaded adapter."""
+
+    name: str
+    path: str
+    scale: float
+    fused: bool
+    components: list[str]
+
+
+class LoraList(BaseModel):
+    """``GET /v1/loras``."""
+
+    object: Literal["list"] = "list"
+    data: list[LoraCard]
 
 
 class Timings(BaseModel):

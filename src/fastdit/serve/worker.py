@@ -7,6 +7,8 @@ group) before running it, and every other rank waits in :func:`worker_loop` for 
 - ``run``: a :class:`Job`; every rank runs it in lockstep, only rank 0 keeps the outputs;
 - ``ping``: sent by an idle server at a fraction of the group timeout, answered by an all-reduce: it keeps idle
   workers from timing out in their wait, and finds a rank that died or hangs within one timeout;
+- ``lora``: a :class:`~fastdit.serve.lora.LoraOp`; every rank loads or deletes the adapter, then all of them agree
+  (an all-reduce of a failure flag) so that an adapter is in effect on every rank or on none;
 - ``stop``: the server is shutting down; the workers return.
 
 A collective that lost a rank raises :class:`~fastdit.parallel.failures.CollectiveError` on the ranks still
@@ -30,6 +32,7 @@ import fastdit
 from fastdit.cache.presets import NO_CACHE, cache_config
 from fastdit.config import DBCache, DBPrune
 from fastdit.errors import FieldError, NonFiniteOutputError
+from fastdit.serve.lora import LoraError, LoraOp, LoraSet
 from fastdit.session import Case, Session, call_parameters
 
 __all__ = [
@@ -38,6 +41,7 @@ __all__ = [
     "Job",
     "JobResult",
     "JobTimeoutError",
+    "Progress",
     "Runner",
     "cache_counts",
     "worker_loop",
@@ -48,11 +52,15 @@ logger = logging.getLogger("fastdit.serve")
 DEFAULT_CACHE = "default"
 """The :attr:`Job.cache` key of the cache the server was started with (``--cache`` and its field flags)."""
 
-_RUN, _PING, _STOP = "run", "ping", "stop"
+_RUN, _PING, _STOP, _LORA = "run", "ping", "stop", "lora"
 
 
 class JobTimeoutError(Exception):
     """A job stopped between two steps because its request timed out (single process only)."""
+
+
+Progress = Callable[[int, int], None]
+"""Called on rank 0 after each denoising step with ``(steps done, steps in all)`` over the job's calls."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +141,7 @@ class Runner:
         self.default_cache: DBCache | DBPrune | None = options.get("cache")
         self.default_name = cache_name if self.default_cache is not None else NO_CACHE
         self._installed: str | None = None
+        self.loras = LoraSet(session.pipe)
         self._install(DEFAULT_CACHE)
 
     @property
@@ -177,7 +186,9 @@ class Runner:
             raise FieldError("request", "cache", key, f"cannot be applied to this model: {error}") from error
         self._installed = key
 
-    def run(self, job: Job, should_stop: Callable[[], bool] | None = None) -> JobResult:
+    def run(
+        self, job: Job, should_stop: Callable[[], bool] | None = None, progress: Progress | None = None
+    ) -> JobResult:
         """Run the cases of ``job``, :attr:`Job.batch` per pipeline call, each call from a clean cache.
 
         Args:
@@ -185,6 +196,8 @@ class Runner:
             should_stop: Checked after each denoising step (pipelines that take ``callback_on_step_end``); ``True``
                 stops the job with :class:`JobTimeoutError`. Only for a single process: ranks that stop at different
                 steps would leave the others waiting.
+            progress: Told after each denoising step (pipelines that take ``callback_on_step_end``); it only
+                observes, so every rank may run with or without one.
 
         Raises:
             FieldError: A cache the model cannot take, or call arguments it refuses.
@@ -194,11 +207,12 @@ class Runner:
         start = time.perf_counter()
         self._install(job.cache)
         kwargs = dict(job.kwargs)
-        if should_stop is not None and "callback_on_step_end" in call_parameters(self.session.pipeline_class):
-            kwargs["callback_on_step_end"] = _stopper(should_stop)
+        chunks = [job.cases[i : i + job.batch] for i in range(0, len(job.cases), max(job.batch, 1))]
+        if (should_stop or progress) and "callback_on_step_end" in call_parameters(self.session.pipeline_class):
+            total = len(chunks) * int(kwargs.get("num_inference_steps") or 0)
+            kwargs["callback_on_step_end"] = _StepCallback(should_stop, progress, total)
         outputs: list[np.ndarray] = []
         counts: dict[str, int] = {}
-        chunks = [job.cases[i : i + job.batch] for i in range(0, len(job.cases), max(job.batch, 1))]
         for chunk in chunks:
             fastdit.reset(self.session.pipe)  # nothing of the last request carries over, even after a failed call
             outputs.extend(self.session.call_batch(chunk, kwargs))
@@ -206,14 +220,48 @@ class Runner:
         largest = max(len(chunk) for chunk in chunks)
         return JobResult(outputs, time.perf_counter() - start, counts, self.cache_name(job.cache), largest)
 
+    def apply_lora(self, op: LoraOp) -> None:
+        """Load or delete a LoRA adapter on the plain pipeline, then accelerate it again as it was.
 
-def _stopper(should_stop: Callable[[], bool]) -> Callable[..., dict[str, Any]]:
-    def callback(_pipe: Any, _step: int, _timestep: Any, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
-        if should_stop():
+        The acceleration is undone first: compiled blocks were traced through the old layers (a LoRA swaps linear
+        layers for adapter layers, fusing changes weights that CUDA graphs captured), and hooks hold state of
+        the old model. Re-applying it gives a fresh cache and recompiles.
+
+        Raises:
+            LoraError: The operation was refused or failed; the adapters are as they were before it.
+        """
+        key = self._installed or DEFAULT_CACHE
+        self.session.disable()
+        self._installed = None
+        try:
+            self.loras.apply(op)
+        finally:
+            self._install(key)
+
+    def restore_loras(self, adapters: Any) -> None:
+        """Put the adapters back to ``adapters`` (:meth:`LoraSet.snapshot`): another rank failed an operation."""
+        key = self._installed or DEFAULT_CACHE
+        self.session.disable()
+        self._installed = None
+        try:
+            self.loras.restore(adapters)
+        finally:
+            self._install(key)
+
+
+class _StepCallback:
+    """``callback_on_step_end``: stops the job when its request timed out, and reports progress (rank 0)."""
+
+    def __init__(self, should_stop: Callable[[], bool] | None, progress: Progress | None, total: int) -> None:
+        self.should_stop, self.progress, self.total, self.done = should_stop, progress, total, 0
+
+    def __call__(self, _pipe: Any, _step: int, _timestep: Any, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
+        if self.should_stop is not None and self.should_stop():
             raise JobTimeoutError
+        self.done += 1
+        if self.progress is not None:
+            self.progress(self.done, max(self.total, self.done))
         return callback_kwargs
-
-    return callback
 
 
 def _collectives() -> Any:
@@ -253,15 +301,44 @@ class Driver:
         device = self.runner.session.device
         return device if device.type == "cuda" else None
 
-    def run(self, job: Job, should_stop: Callable[[], bool] | None = None) -> JobResult:
+    def run(
+        self, job: Job, should_stop: Callable[[], bool] | None = None, progress: Progress | None = None
+    ) -> JobResult:
         """Run ``job`` on every rank; ``should_stop`` applies on a single process only (see :meth:`Runner.run`)."""
         self._send(_RUN, job)
         if self.world_size > 1:
             from fastdit.parallel.failures import collective_failures
 
             with collective_failures(self.timeout_s):
-                return self.runner.run(job)
-        return self.runner.run(job, should_stop)
+                return self.runner.run(job, progress=progress)
+        return self.runner.run(job, should_stop, progress)
+
+    def lora(self, op: LoraOp) -> list[dict[str, Any]]:
+        """Apply ``op`` on every rank, in lockstep; return the adapters now loaded (:meth:`LoraSet.describe`).
+
+        Raises:
+            LoraError: It was refused or failed here or on another rank; every rank is as it was before.
+        """
+        self._send(_LORA, op)
+        _apply_lora_everywhere(self.runner, op, self.world_size, self.timeout_s)
+        return self.runner.loras.describe()
+
+    def lora_refusal(self, fuse: bool = True) -> str | None:
+        """Why this server cannot take a LoRA adapter (``None``: it can), fused into the weights or not (``fuse``).
+
+        Tensor parallelism shards the linear layers a LoRA wraps (and with ``text_encoder`` the text encoders'),
+        so a sharded layer would get a whole adapter: refused rather than computed wrong. Quantization would
+        quantize an unfused adapter's own small layers too; a fused adapter is merged into the float weights
+        before they are quantized.
+        """
+        parallel = self.runner.base.get("parallel")
+        if parallel is not None and (parallel.tp > 1 or parallel.text_encoder):
+            return "tensor parallelism (--parallel tp=N or text_encoder) shards the layers a LoRA adapts"
+        if self.runner.base.get("quantize") is not None and not fuse:
+            return "its layers are quantized (--quantize): load the adapter with fuse: true (merged, then quantized)"
+        from fastdit.serve.lora import lora_support
+
+        return lora_support(self.runner.session.pipe)
 
     def heartbeat(self) -> None:
         """Ping every rank and wait for all of them (raises CollectiveError when one is gone)."""
@@ -273,6 +350,31 @@ class Driver:
     def stop(self) -> None:
         """Tell the workers to return from :func:`worker_loop`."""
         self._send(_STOP)
+
+
+def _apply_lora_everywhere(runner: Runner, op: LoraOp, world_size: int, timeout_s: float) -> None:
+    """Apply ``op`` here, then agree with the other ranks: if it failed on any rank, every rank undoes it.
+
+    Every rank calls the all-reduce whatever happened locally, so the collective never depends on a rank's own
+    outcome (a file one rank cannot read must not leave the others waiting).
+    """
+    before = runner.loras.snapshot()
+    error: LoraError | None = None
+    try:
+        runner.apply_lora(op)
+    except LoraError as caught:
+        error = caught
+    if world_size > 1:
+        from fastdit.parallel.failures import collective_failures
+        from fastdit.process import max_across_processes
+
+        with collective_failures(timeout_s):
+            failed = max_across_processes(1.0 if error is not None else 0.0, runner.session.device) > 0
+        if failed and error is None:
+            runner.restore_loras(before)
+            error = LoraError(500, f"LoRA {op.name!r}: the operation failed on another rank; nothing changed")
+    if error is not None:
+        raise error
 
 
 def _answer_ping(runner: Runner, timeout_s: float) -> None:
@@ -307,6 +409,12 @@ def worker_loop(runner: Runner, timeout_s: float) -> None:
             return
         if kind == _PING:
             _answer_ping(runner, timeout_s)
+            continue
+        if kind == _LORA:
+            try:
+                _apply_lora_everywhere(runner, job, _collectives().get_world_size(), timeout_s)
+            except LoraError as error:
+                logger.info("LoRA operation on %s failed on this rank as on rank 0: %s", job.name, error)
             continue
         try:
             with collective_failures(timeout_s):

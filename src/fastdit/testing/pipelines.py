@@ -10,7 +10,7 @@ import torch
 from fastdit.models.base import TinyPipeline
 from fastdit.models.registry import get_family
 
-__all__ = ["build_tiny", "run_tiny", "save_tiny"]
+__all__ = ["build_tiny", "run_tiny", "save_tiny", "scaled_steps"]
 
 
 def build_tiny(family: str, variant: str | None = None) -> tuple[Any, TinyPipeline]:
@@ -33,6 +33,23 @@ def run_tiny(pipe: Any, tiny: TinyPipeline, *, seed: int = 0, **overrides: Any) 
         result = pipe(**kwargs, generator=torch.Generator().manual_seed(seed))
     out = next(getattr(result, name) for name in ("frames", "images", "image") if hasattr(result, name))
     return np.asarray(out, dtype=np.float32)
+
+
+def scaled_steps(tiny: TinyPipeline, numerator: int, denominator: int = 1) -> dict[str, Any]:
+    """The tiny call's step counts times ``numerator / denominator`` (rounded down), as call overrides.
+
+    A step count is ``num_inference_steps``, or a list of per-stage counts named ``*num_inference_steps_list``
+    (Helios' pyramid pipeline takes no ``num_inference_steps``, only ``pyramid_num_inference_steps_list``).
+    """
+    scaled: dict[str, Any] = {}
+    for name, value in tiny.call_kwargs.items():
+        if name == "num_inference_steps":
+            scaled[name] = value * numerator // denominator
+        elif name.endswith("num_inference_steps_list"):
+            scaled[name] = [steps * numerator // denominator for steps in value]
+    if not scaled:
+        raise KeyError(f"tiny pipeline {tiny.name!r} declares no step count (num_inference_steps)")
+    return scaled
 
 
 def save_tiny(family: str, directory: str, variant: str | None = None) -> str:

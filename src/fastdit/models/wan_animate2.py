@@ -1,0 +1,203 @@
+"""Wan-Animate-2 (character animation with an in-context reference): ``WanAnimate2Transformer3DModel``.
+
+Not a variant of Wan-Animate (``wan_animate.py``): its own blocks, attention and conditioning. Blocks (diffusers
+0.42.1): one list ``blocks`` of ``WanAnimate2TransformerBlock``, called as ``block(hidden_states, kv_cache=...,
+**block_kwargs)`` with ``encoder_hidden_states`` by keyword, returning ``hidden_states`` (pattern 2). A segment runs
+the transformer twice over: once with ``kv_cache_mode="extract"`` on the driving video (every block stores its
+pre-RoPE keys and values in a ``WanAnimate2KVCache``), at the first step's timestep; then once per step and branch
+with ``kv_cache_mode="cached"``, where each block's self-attention packs the generation tokens and the cached reference
+tokens into one buffer laid out by frame and runs flex attention with a ``BlockMask`` (every generation frame sees all
+generation tokens and the reference tokens of its own frame). The unconditional branch passes ``is_uncondtion=True``,
+and the loop then skips block 9.
+
+Cache: the reference pass is declared an unstepped call (``unstepped_calls``): it computes every block, so the KV
+cache is filled in full, and it is no step of either branch. Block 9 missing from the unconditional calls is a middle
+block for every usual ``fn`` / ``bn`` (the segment's residual spans what the branch computed); a cache plan whose
+front, back or segment-last block is block 9 would lose that role on the unconditional branch.
+
+diffusers 0.42.1 serves this model through ``WanAnimate2ModularPipeline`` only, which fastdit's tiny-pipeline harness
+does not drive: the tests run the bare transformer through :func:`tiny_animate`, the modular loop's calls.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter
+from fastdit.models.registry import register
+from fastdit.parallel.tp_plan import Colwise, Rowwise, ShardedNorm, Style, TensorParallelPlan
+from fastdit.parallel.tp_shapes import attention, under
+
+TRANSFORMER = "diffusers.models.transformers.transformer_wan_animate_2.WanAnimate2Transformer3DModel"
+
+_LAYERS = 12  # block 9, which the unconditional branch skips, is a middle block under fn=1 with bn 0 or 1
+_TEXT_DIM = 16
+_CLIP_DIM = 1280  # img_emb's input width is fixed by the model
+_LATENT = 16
+_GRID = (8, 8)  # latent height, width: 4 x 4 tokens a frame
+_REFERENCE_FRAMES = 2
+_ORIGIN_LEN = 8  # pixel frames of the segment: (8 // 4 + 1) = 3 generation latent frames
+
+
+def tiny_transformer(seed: int = 0):
+    """A 12-block ``WanAnimate2Transformer3DModel``, 2 heads of 12, with the CLIP image branch."""
+    from diffusers import WanAnimate2Transformer3DModel
+
+    from fastdit.testing.components.encoders import build
+
+    return build(
+        WanAnimate2Transformer3DModel,
+        seed=seed,
+        patch_size=(1, 2, 2),
+        text_len=8,
+        in_dim=2 * _LATENT + 4,
+        dim=24,
+        ffn_dim=32,
+        freq_dim=16,
+        text_dim=_TEXT_DIM,
+        out_dim=_LATENT,
+        num_heads=2,
+        num_layers=_LAYERS,
+    )
+
+
+def _inputs(seed: int) -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(seed + 1)
+    frames = _ORIGIN_LEN // 4 + 1
+    height, width = _GRID
+
+    def noise(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator)
+
+    return {
+        "reference": noise(_LATENT, _REFERENCE_FRAMES, height, width),
+        "reference_condition": noise(_LATENT + 4, _REFERENCE_FRAMES, height, width),
+        "latents": noise(_LATENT, frames, height, width),
+        "condition": noise(_LATENT + 4, frames, height, width),
+        "prompt": noise(5, _TEXT_DIM),
+        "negative": noise(3, _TEXT_DIM),
+        "clip": noise(1, 4, _CLIP_DIM),
+        "grid_ref": torch.tensor([[_REFERENCE_FRAMES, height // 2, width // 2]]),
+    }
+
+
+def _extract(transformer: torch.nn.Module, inputs: dict[str, Any], timestep: torch.Tensor, kv_cache: Any) -> None:
+    """The reference pass: fills ``kv_cache`` from the driving video (the first step's timestep, as the loop does)."""
+    transformer(
+        [inputs["reference"]],
+        timestep=timestep,
+        encoder_hidden_states=[inputs["prompt"]],
+        encoder_hidden_states_image=inputs["clip"],
+        condition_latents=[inputs["reference_condition"]],
+        kv_cache=kv_cache,
+        kv_cache_mode="extract",
+        seq_len=inputs["reference"][0].numel() // 4,
+        offset_grid_sizes=inputs["grid_ref"],
+    )
+
+
+def _step_call(inputs: dict[str, Any], latents: torch.Tensor, timestep: torch.Tensor, kv_cache: Any, uncond: bool):
+    return {
+        "hidden_states": [latents],
+        "timestep": timestep,
+        "encoder_hidden_states": [inputs["negative" if uncond else "prompt"]],
+        "encoder_hidden_states_image": inputs["clip"],
+        "condition_latents": [inputs["condition"]],
+        "kv_cache": kv_cache,
+        "kv_cache_mode": "cached",
+        "seq_len": latents[0].numel() // 4,
+        "reference_grid_sizes": inputs["grid_ref"],
+        "origin_len": _ORIGIN_LEN,
+        "origin_area": [8 * _GRID[0], 8 * _GRID[1]],
+        "is_uncondtion": uncond,
+        "return_dict": False,
+    }
+
+
+def example(seed: int = 0) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """A tiny transformer, its KV cache filled, and one conditional step call (for ``fastdit inspect``)."""
+    from diffusers.models.transformers.transformer_wan_animate_2 import WanAnimate2KVCache
+
+    transformer = tiny_transformer(seed)
+    inputs = _inputs(seed)
+    kv_cache = WanAnimate2KVCache(_LAYERS)
+    with torch.no_grad():
+        _extract(transformer, inputs, torch.tensor([1000.0]), kv_cache)
+    return transformer, _step_call(inputs, inputs["latents"], torch.tensor([1000.0]), kv_cache, uncond=False)
+
+
+def tiny_animate(transformer: torch.nn.Module, steps: int = 3, seed: int = 0, guidance: float = 3.0) -> torch.Tensor:
+    """One segment as the modular loop runs it: a reference pass, then per step a conditional and an unconditional
+    call (unannounced), combined with classifier-free guidance, Euler steps from 1000 down."""
+    from diffusers.models.transformers.transformer_wan_animate_2 import WanAnimate2KVCache
+
+    inputs = _inputs(seed)
+    kv_cache = WanAnimate2KVCache(len(transformer.blocks))
+    timesteps = torch.linspace(1000.0, 0.0, steps + 1)
+    latents = inputs["latents"]
+    with torch.no_grad():
+        _extract(transformer, inputs, timesteps[:1], kv_cache)
+        for t, following in itertools.pairwise(timesteps):
+            timestep = t.reshape(1)
+            cond = transformer(**_step_call(inputs, latents, timestep, kv_cache, uncond=False))[0][0]
+            uncond = transformer(**_step_call(inputs, latents, timestep, kv_cache, uncond=True))[0][0]
+            latents = latents + (following - t) / 1000.0 * (uncond + guidance * (cond - uncond))
+    return latents
+
+
+def _attention(path: str, *, image: bool) -> dict[str, Style]:
+    layers = {**attention(path), f"{path}.norm_q": ShardedNorm(), f"{path}.norm_k": ShardedNorm()}
+    if image:
+        layers.update(
+            {f"{path}.add_k_proj": Colwise(), f"{path}.add_v_proj": Colwise(), f"{path}.norm_added_k": ShardedNorm()}
+        )
+    return layers
+
+
+# Tensor parallelism: self- and cross-attention by heads (q/k/v column-wise, to_out.0 row-wise, heads divided: the
+# processors unflatten with them); their QK-norms are RMSNorms over the whole width, so ShardedNorm. Each rank's KV
+# cache holds its heads' reference keys and values, written by the reference pass and read by the steps on the same
+# rank; the flex BlockMask is built for every head alike (H=None). The CLIP branch of cross-attention (add_k/add_v,
+# norm_added_k) likewise; optional for a model without it. FFN (Linear, GELU, Linear) split; modulation tables whole.
+TP_PLAN = TensorParallelPlan(
+    layers=under(
+        "blocks.*",
+        {
+            **_attention("self_attn", image=False),
+            **_attention("cross_attn", image=True),
+            "ffn.0": Colwise(),
+            "ffn.2": Rowwise(),
+        },
+    ),
+    divide=("blocks.*.self_attn.heads", "blocks.*.cross_attn.heads"),
+    optional=tuple(f"blocks.*.cross_attn.{name}" for name in ("add_k_proj", "add_v_proj", "norm_added_k")),
+    notes="Self- and cross-attention by heads (QK-norms over the width as ShardedNorm; each rank caches its heads' "
+    "reference K/V), FFN split; modulation, embeddings, head and CLIP projection whole.",
+)
+
+ADAPTER = register(
+    ModelAdapter(
+        family="wan_animate2",
+        transformer_classes=(TRANSFORMER,),
+        block_groups=(BlockGroup(path="blocks", pattern=ForwardPattern.P2),),
+        unstepped_calls={"kv_cache_mode": ("extract",)},
+        tp_plan=TP_PLAN,
+        cfg_parallel=False,
+        example="fastdit.models.wan_animate2:example",
+        notes=(
+            "The reference pass (`kv_cache_mode='extract'`) fills every block's KV cache at the first step's "
+            "timestep; it is declared an unstepped call (computed in full, not counted). The unconditional branch "
+            "skips block 9 (`is_uncondtion`). No tiny pipeline and no CLI preset: diffusers 0.42.1 ships "
+            "Wan-Animate-2 as a ModularPipeline only (WanAnimate2ModularPipeline), which fastdit's pipeline harness "
+            "does not drive yet; cache and TP are tested on the bare transformer. No context-parallel plan: the "
+            "generation self-attention scatters the tokens into a buffer laid out by frame for the full video and "
+            "attends through a flex BlockMask built over that whole buffer, which a token shard cannot take (the "
+            "context-parallel attention takes tensor masks, not BlockMasks). No CFG parallelism: the branches are "
+            "unannounced calls, and the reference pass shares their first timestep, so pairing them by timestep "
+            "would pair the wrong calls."
+        ),
+    )
+)

@@ -1,0 +1,357 @@
+"""Quantization of a transformer's linear layers with torchao, undone exactly by :func:`fastdit.disable`.
+
+Which layers: by default every ``nn.Linear`` inside the transformer blocks (the adapter's block lists), and none
+outside them — the patch, time and text embedders and the final norm and projection stay in the model's dtype (they
+are a small share of the time and the most sensitive to rounding). :class:`~fastdit.config.Quantize` patterns widen
+or narrow the set by name; every Linear of the transformer is reported, quantized or skipped with the reason.
+
+How: each chosen layer is quantized on its own with torchao's ``quantize_`` (its weight becomes a torchao tensor
+subclass whose matmul torchao dispatches). Under tensor parallelism the weight is a DTensor whose local slice is
+what this rank holds: the slice is quantized, and the layer's forward computes on local tensors and hands the
+DTensor input/output hooks of tensor parallelism a DTensor of the same layout the split layer produced (column-wise:
+sharded on the last dim; row-wise: partial sums, reduced before the bias is added once).
+
+Undo: the original weight parameters are kept — moved to the CPU while quantized when they were on an accelerator,
+so quantizing saves device memory — and put back, the same objects with the same values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import importlib
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from fastdit.config import Quantize
+from fastdit.hooks.state import Applied
+
+__all__ = ["QuantizeState", "apply_quantize", "check_quantize", "import_torchao", "plan_layers", "tensor_bytes"]
+
+TORCHAO_REQUIREMENT = "torchao>=0.18,<0.19"
+"""The torchao releases fastdit is tested with (``pip install 'fastdit[quant]'``)."""
+
+# torch._scaled_mm needs both matrix dims of an FP8 matmul divisible by 16.
+_FP8_MULTIPLE = 16
+
+Undo = Callable[[], None]
+
+
+@contextlib.contextmanager
+def _quiet_torchao() -> Iterator[None]:
+    # Importing torchao logs one line per CUDA extension that does not load (every one, on a CPU-only torch) and
+    # warns about deprecated registrations: noise for a user who asked for a mode that needs none of them.
+    logger = logging.getLogger("torchao")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def import_torchao() -> Any:
+    """Import ``torchao.quantization``.
+
+    Raises:
+        ImportError: torchao is not installed; names the package and the extra that brings it.
+    """
+    try:
+        with _quiet_torchao():
+            return importlib.import_module("torchao.quantization")
+    except ImportError as error:
+        raise ImportError(
+            f"Quantize needs the package 'torchao': pip install '{TORCHAO_REQUIREMENT}' "
+            "(or pip install 'fastdit[quant]')"
+        ) from error
+
+
+def torchao_config(mode: str) -> Any:
+    """The torchao config object of a :class:`Quantize` mode."""
+    ao = import_torchao()
+    if mode == "fp8":
+        return ao.Float8DynamicActivationFloat8WeightConfig(granularity=ao.PerRow())
+    if mode == "fp8_tensor":
+        return ao.Float8DynamicActivationFloat8WeightConfig(granularity=ao.PerTensor())
+    if mode == "fp8_weight":
+        return ao.Float8WeightOnlyConfig()
+    if mode == "int8_weight":
+        return ao.Int8WeightOnlyConfig()
+    if mode == "int8":
+        return ao.Int8DynamicActivationInt8WeightConfig()
+    raise ValueError(f"unknown quantization mode {mode!r}")
+
+
+def check_quantize(config: Quantize, device: torch.device, dtype: torch.dtype | None = None) -> None:
+    """Refuse a mode the device or the weights' dtype cannot run, before any module is touched.
+
+    Args:
+        config: The request.
+        device: Where the transformer computes.
+        dtype: Its weights' floating-point dtype (``None``: not checked).
+
+    Raises:
+        ImportError: torchao is not installed.
+        ValueError: an FP8 dynamic mode on a device other than a CUDA GPU of compute capability 8.9 or newer (what
+            torchao's float8 matmul needs: it refuses the CPU), or per-row FP8 of weights that are not bfloat16.
+    """
+    import_torchao()
+    if not config.dynamic_fp8:
+        return
+    fallback = "use mode='fp8_weight' or 'int8_weight' (weight-only, any device)"
+    if device.type != "cuda":
+        raise ValueError(
+            f"mode={config.mode!r} computes its matmuls in FP8, which needs a CUDA GPU of compute capability 8.9 or "
+            f"newer (Ada, Hopper, Blackwell); the transformer runs on {device.type}; {fallback}"
+        )
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        raise ValueError(
+            f"mode={config.mode!r} computes its matmuls in FP8, which needs compute capability 8.9 or newer; "
+            f"{name} has {capability[0]}.{capability[1]}; {fallback}"
+        )
+    if config.mode == "fp8" and dtype is not None and dtype != torch.bfloat16:
+        raise ValueError(
+            f"mode='fp8' (per-row scales) quantizes bfloat16 weights only (torchao); the transformer's are "
+            f"{str(dtype).removeprefix('torch.')}: load it in bfloat16, or use mode='fp8_tensor'"
+        )
+
+
+@dataclass(frozen=True)
+class LayerChoice:
+    """One Linear layer of the transformer and whether it is quantized.
+
+    Attributes:
+        name: Its path in the transformer.
+        module: The layer.
+        reason: Why it is skipped (``None``: quantized).
+    """
+
+    name: str
+    module: torch.nn.Linear
+    reason: str | None = None
+
+
+def _in_blocks(name: str, block_paths: tuple[str, ...]) -> bool:
+    return any(name.startswith(f"{path}.") for path in block_paths)
+
+
+def _weight_shape(module: torch.nn.Linear) -> tuple[int, ...]:
+    weight = module.weight
+    return tuple((weight.to_local() if isinstance(weight, DTensor) else weight).shape)
+
+
+def _skip_reason(name: str, module: torch.nn.Linear, config: Quantize, block_paths: tuple[str, ...]) -> str | None:
+    if config.include:
+        if not any(fnmatch.fnmatchcase(name, p) for p in config.include):
+            return "not matched by include"
+    elif not _in_blocks(name, block_paths):
+        return "outside the transformer blocks (embedder, final norm or projection)"
+    excluded = next((p for p in config.exclude if fnmatch.fnmatchcase(name, p)), None)
+    if excluded is not None:
+        return f"excluded by {excluded!r}"
+    if module.weight.numel() < config.min_size:
+        return f"{module.weight.numel()} weight elements < min_size={config.min_size}"
+    data = module.weight.to_local() if isinstance(module.weight, DTensor) else module.weight.data
+    if type(data) is not torch.Tensor:
+        return f"weight is already a {type(data).__name__}"
+    if not module.weight.is_floating_point():
+        return f"weight dtype {module.weight.dtype} is not floating point"
+    shape = _weight_shape(module)
+    if config.dynamic_fp8 and any(size % _FP8_MULTIPLE for size in shape):
+        return f"local weight {list(shape)}: FP8 matmuls need both dims divisible by {_FP8_MULTIPLE}"
+    return None
+
+
+def plan_layers(transformer: torch.nn.Module, config: Quantize, block_paths: tuple[str, ...]) -> list[LayerChoice]:
+    """Every Linear of ``transformer`` with the reason it is skipped (``None``: quantized), in module order.
+
+    Args:
+        transformer: The transformer (possibly split by tensor parallelism: a DTensor weight's local shape counts).
+        config: Patterns and sizes.
+        block_paths: The dotted paths of the transformer's block lists (the default scope).
+    """
+    return [
+        LayerChoice(name, module, _skip_reason(name, module, config, block_paths))
+        for name, module in transformer.named_modules()
+        if isinstance(module, torch.nn.Linear)
+    ]
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """Bytes ``tensor`` holds on this process: a DTensor's local slice, a tensor subclass's inner tensors."""
+    if isinstance(tensor, DTensor):
+        return tensor_bytes(tensor.to_local())
+    if isinstance(tensor, torch.nn.Parameter):
+        tensor = tensor.data
+    if type(tensor) is torch.Tensor:
+        return tensor.numel() * tensor.element_size()
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is None:
+        return tensor.numel() * tensor.element_size()
+    names, _ = flatten()
+    return sum(tensor_bytes(getattr(tensor, name)) for name in names if getattr(tensor, name) is not None)
+
+
+@dataclass
+class QuantizeState:
+    """What quantization did to one transformer (:func:`fastdit.summary` reports :meth:`stats`).
+
+    Attributes:
+        mode: The :class:`Quantize` mode.
+        quantized: Names of the quantized layers.
+        skipped: Skipped Linear layers, name → reason.
+        bytes_before: Weight bytes of the quantized layers before (this rank's slices under tensor parallelism).
+        bytes_after: The same weights' bytes once quantized (data and scales).
+    """
+
+    mode: str
+    quantized: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    bytes_before: int = 0
+    bytes_after: int = 0
+
+    def stats(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "mode": self.mode,
+            "num_quantized": len(self.quantized),
+            "num_skipped": len(self.skipped),
+            "quantized": list(self.quantized),
+            "skipped": dict(self.skipped),
+            "bytes_before": self.bytes_before,
+            "bytes_after": self.bytes_after,
+        }
+
+
+def _offload(param: torch.nn.Parameter) -> Undo:
+    """Move a kept original weight off the accelerator while its quantized copy is in use; the undo moves it back."""
+    device = param.device
+    if device.type == "cpu":
+        return lambda: None
+    param.data = param.data.to("cpu")
+
+    def undo() -> None:
+        param.data = param.data.to(device)
+
+    return undo
+
+
+def _quantize_plain(module: torch.nn.Linear, ao_config: Any) -> Undo | None:
+    """Quantize one Linear whose weight is a plain tensor; the undo restores its parameters and attributes
+    (``None``: torchao left the layer as it was)."""
+    parameters = dict(module._parameters)
+    attributes = set(module.__dict__)
+    with _quiet_torchao():
+        import_torchao().quantize_(module, ao_config)
+    if module._parameters["weight"] is parameters["weight"]:  # torchao declined (a shape its kernels do not take)
+        return None
+    offload = _offload(parameters["weight"])
+
+    def undo() -> None:
+        for key in set(module.__dict__) - attributes:  # torchao sets an instance extra_repr
+            del module.__dict__[key]
+        offload()
+        module._parameters.clear()
+        module._parameters.update(parameters)
+
+    return undo
+
+
+def _local_forward(weight: torch.Tensor, bias: Any, placement: Any, mesh: Any) -> Callable[[Any], Any]:
+    """The forward of a split Linear computing on this rank's quantized slice (see the module docstring)."""
+    column = isinstance(placement, Shard) and placement.dim == 0
+    local_bias = bias.to_local() if column and isinstance(bias, DTensor) else None
+
+    def forward(x: Any) -> Any:
+        local = x.to_local() if isinstance(x, DTensor) else x
+        if column:
+            y = F.linear(local, weight, local_bias)
+            return DTensor.from_local(y, mesh, [Shard(y.dim() - 1)], run_check=False)
+        partial = DTensor.from_local(F.linear(local, weight), mesh, [Partial()], run_check=False)
+        out = partial.redistribute(mesh, [Replicate()])
+        return out if bias is None else out + bias
+
+    return forward
+
+
+def _quantize_split(module: torch.nn.Linear, ao_config: Any) -> Undo | None:
+    """Quantize this rank's slice of a Linear split by tensor parallelism (a DTensor weight)."""
+    weight = module.weight
+    (placement,) = weight.placements
+    if not isinstance(placement, Shard) or placement.dim not in (0, 1):
+        raise ValueError(f"a split weight with placement {placement}: expected Shard(0) or Shard(1)")
+    local = weight.to_local()
+    holder = torch.nn.Linear(local.shape[1], local.shape[0], bias=False, device="meta")
+    holder.weight = torch.nn.Parameter(local.detach(), requires_grad=False)
+    with _quiet_torchao():
+        import_torchao().quantize_(holder, ao_config)
+    quantized = holder.weight
+    if type(quantized.data) is torch.Tensor:  # torchao declined
+        return None
+    kept = local.detach().to("cpu", copy=True)  # the slice, rebuilt into a DTensor by the undo
+    spec = (weight.device_mesh, weight.placements, weight.shape, weight.stride(), local.device)
+    module._parameters["weight"] = quantized
+    module.forward = _local_forward(quantized, module.bias, placement, weight.device_mesh)
+
+    def undo() -> None:
+        mesh, placements, shape, stride, device = spec
+        module.__dict__.pop("forward", None)
+        restored = DTensor.from_local(kept.to(device), mesh, placements, run_check=False, shape=shape, stride=stride)
+        module._parameters["weight"] = torch.nn.Parameter(restored, requires_grad=False)
+
+    return undo
+
+
+def apply_quantize(transformer: torch.nn.Module, config: Quantize, block_paths: tuple[str, ...]) -> Applied:
+    """Quantize the chosen Linear layers of ``transformer`` in place.
+
+    Args:
+        transformer: The transformer (possibly split by tensor parallelism).
+        config: The mode and the layer choice.
+        block_paths: Dotted paths of its block lists (the default scope).
+
+    Returns:
+        The undo (restores the original weights, bit for bit) and a :class:`QuantizeState`.
+
+    Raises:
+        ImportError: torchao is not installed.
+    """
+    ao_config = torchao_config(config.mode)
+    state = QuantizeState(mode=config.mode)
+    undos: list[Undo] = []
+
+    def undo_all() -> None:
+        while undos:
+            undos.pop()()
+
+    try:
+        for choice in plan_layers(transformer, config, block_paths):
+            if choice.reason is not None:
+                state.skipped[choice.name] = choice.reason
+                continue
+            module = choice.module
+            before = tensor_bytes(module.weight)
+            split = isinstance(module.weight, DTensor)
+            undo = (_quantize_split if split else _quantize_plain)(module, ao_config)
+            if undo is None:
+                state.skipped[choice.name] = "torchao left it unquantized (a shape or dtype its kernels do not take)"
+                continue
+            undos.append(undo)
+            state.bytes_before += before
+            state.bytes_after += tensor_bytes(module.weight)
+            state.quantized.append(choice.name)
+    except BaseException:
+        undo_all()
+        raise
+    return Applied(undo_all, state)
