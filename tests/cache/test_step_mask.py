@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import fastdit
+from fastdit.components import walk
 from fastdit.errors import FieldError, FieldsError
 from fastdit.testing.pipelines import build_tiny, run_tiny
 from tests.cache.toy_dit import TOY_ADAPTER, ToyDiT, sample
@@ -96,14 +97,20 @@ def test_every_family_runs_its_mask_and_refuses_a_longer_run_up_front(family: st
     transformer = next(m for name, m in pipe.components.items() if name.startswith("transformer") and m is not None)
     calls = _count_calls(transformer)
     fastdit.accelerate(pipe, cache=_cache(fastdit.StepMask.preset("fast", steps)))
+    # A run's length is known up front from the scheduler's timesteps when one denoiser runs the whole schedule;
+    # with several (Ideogram 4's conditional and unconditional transformers) or a sampler without a diffusers
+    # scheduler (FLUX.3's), the step counter refuses the first step past the mask instead.
+    scheduler = getattr(pipe, "scheduler", None)
+    up_front = len(walk(pipe).denoisers) == 1 and callable(getattr(scheduler, "set_timesteps", None))
+    length = f"{steps + 1} steps" if up_front else f"more than {steps} steps"
     try:
         run_tiny(pipe, tiny, num_inference_steps=steps)
         done = len(calls)
-        with pytest.raises(FieldError, match=rf"StepMask.num_steps={steps}: .*this run has {steps + 1} steps"):
+        with pytest.raises(FieldError, match=rf"StepMask.num_steps={steps}: .*this run has {length}"):
             run_tiny(pipe, tiny, num_inference_steps=steps + 1)
     finally:
         fastdit.disable(pipe)
-    assert done >= steps and len(calls) == done
+    assert done >= steps and (len(calls) == done or not up_front)
 
 
 def test_a_schedule_listing_a_timestep_it_never_runs_is_not_refused() -> None:

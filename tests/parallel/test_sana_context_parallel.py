@@ -87,7 +87,7 @@ def test_sana_token_sum_the_processor_never_makes_raises_on_every_rank(dist2: Wo
 def test_sana_fewer_rows_than_ranks_is_refused_on_every_rank(dist3: WorkerPool) -> None:
     with pytest.raises(DistributedTestError) as info:
         dist3.run(_sana, {"ulysses": 3}, "full", 2, timeout=180)
-    assert set(info.value.exc_types.values()) == {"ValueError"}
+    assert set(info.value.exc_types.values()) == {"fastdit.errors.ShardError"}
 
 
 def test_sana_plans_validate() -> None:
