@@ -32,6 +32,7 @@ import torch
 
 import fastdit
 from fastdit.bench import RunResult, compare_outputs, json_ready, markdown_table, run
+from fastdit.bench.heldout import BlockCounter, transformer_blocks
 from fastdit.io import write_json
 from fastdit.reference import REFERENCE_DEFAULTS, digit_prompt
 from fastdit.session import Case, Session, call_arguments, resolve_model
@@ -48,21 +49,6 @@ class Result:
     psnr_min: float
     ssim_mean: float
     ssim_min: float
-
-
-class BlockCounter:
-    """Counts blocks that actually compute (a pre-hook on each block's first child module)."""
-
-    def __init__(self, transformer: torch.nn.Module) -> None:
-        self.count = 0
-        self.handles = []
-        for name in ("transformer_blocks", "single_transformer_blocks"):
-            for block in getattr(transformer, name):
-                first = next(block.children())
-                self.handles.append(first.register_forward_pre_hook(self._hit))
-
-    def _hit(self, *_: object) -> None:
-        self.count += 1
 
 
 @dataclass
@@ -214,7 +200,7 @@ def main() -> None:
     runs: list[Config] = []
     if "fastdit" in libraries:
         runs.append(("no cache (baseline again)", "—", lambda: None, lambda: None))
-        runs += fastdit_runs(bench.session, args.steps, len(bench.counter.handles))
+        runs += fastdit_runs(bench.session, args.steps, bench.counter.num_blocks)
     if "cache-dit" in libraries:
         runs += cache_dit_runs(bench.session.pipe)
     if "diffusers" in libraries:
@@ -245,7 +231,7 @@ def setup(args: argparse.Namespace) -> Bench:
         overrides.update(negative_prompt="", true_cfg_scale=args.true_cfg)
     cases = [Case(digit_prompt(d), seed=s) for s in range(args.seeds) for d in range(10)]
     kwargs = call_arguments(session.pipeline_class, source.defaults, overrides)
-    bench = Bench(session, BlockCounter(session.pipe.transformer), cases, kwargs, args.batch)
+    bench = Bench(session, BlockCounter(transformer_blocks(session)), cases, kwargs, args.batch)
     run(session, cases[:1], kwargs)  # warm-up, before the blocks are counted
     bench.counter.count = 0
     bench.baseline = bench.generate()

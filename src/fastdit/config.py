@@ -28,6 +28,8 @@ __all__ = [
     "DBPrune",
     "FBCache",
     "Loading",
+    "MagCache",
+    "MagCalibration",
     "Offload",
     "Parallel",
     "Quantize",
@@ -146,9 +148,14 @@ class TaylorSeer:
         "one): smooth drift that the forecast follows no longer forces a full step.",
         False,
     )
+    variable: Literal["step", "timestep"] = _doc(
+        "What the expansion is a polynomial in: 'step' (the step index) or 'timestep' (the value the denoiser "
+        "receives; follows a schedule whose spacing is uneven, falls back to the step index without one).",
+        "step",
+    )
 
     def __post_init__(self) -> None:
-        _check_fields(self, order=_one_of(1, 2), forecast_decision=_BOOL)
+        _check_fields(self, order=_one_of(1, 2), forecast_decision=_BOOL, variable=_one_of("step", "timestep"))
 
 
 STEP_MASK_PRESETS = ("slow", "medium", "fast", "ultra")
@@ -273,6 +280,146 @@ class DBPrune:
             max_pruned_ratio=_number(0, 1),
             max_continuous_pruned_steps=_optional(_integer(1)),
         )
+
+
+# --- MagCache: whole-step skipping from calibrated residual-magnitude ratios ------------------------------------------
+
+
+def _ratio_table(value: Any) -> bool:
+    return (
+        isinstance(value, tuple)
+        and bool(value)
+        and all(isinstance(r, tuple) and r and all(_is_number(x) and x >= 0 for x in r) for r in value)
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class MagCalibration:
+    """Per-step magnitude ratios of one model's cached residual, recorded on one calibration run.
+
+    ``ratios[b][t]`` is ``mean|r_t| / mean|r_{t-1}|`` for branch ``branches[b]``, where ``r_t`` is the residual the
+    skipped blocks add at step ``t`` (``ratios[b][0]`` is 1). The ratios depend on the checkpoint, the sampler's
+    schedule and the step count, so a calibration serves runs of exactly :attr:`num_steps` steps.
+    """
+
+    branches: tuple[str, ...] = _doc("Branch names the ratios were recorded for ('cond', 'uncond', ...).", ())
+    ratios: tuple[tuple[float, ...], ...] = _doc("One ratio per step for each branch, in the order of branches.", ())
+    num_steps: int = _doc("Steps of the calibration run; a run of another length is refused.", 1)
+    fn: int = _doc("Front blocks of the layout the ratios measure (MagCache.fn must match).", 0)
+    bn: int = _doc("Back blocks of the layout the ratios measure (MagCache.bn must match).", 0)
+    model: str = _doc("What was calibrated (the transformer's class and configuration), for messages.", "unknown")
+
+    def __post_init__(self) -> None:
+        for name in ("branches", "ratios"):
+            value = getattr(self, name)
+            if isinstance(value, list):  # JSON gives lists; the frozen config keeps tuples
+                object.__setattr__(self, name, tuple(tuple(v) if isinstance(v, list) else v for v in value))
+        _check_fields(
+            self,
+            branches=_Rule(
+                lambda v: isinstance(v, tuple) and bool(v) and all(isinstance(b, str) for b in v),
+                "a non-empty tuple of branch names",
+            ),
+            ratios=_Rule(_ratio_table, "a non-empty tuple of finite ratios >= 0 per branch"),
+            num_steps=_integer(1),
+            fn=_integer(0),
+            bn=_integer(0),
+            model=_TEXT,
+        )
+        if len(self.ratios) != len(self.branches) or any(len(r) != self.num_steps for r in self.ratios):
+            raise FieldsError(
+                "MagCalibration",
+                {"ratios": [len(r) for r in self.ratios], "num_steps": self.num_steps, "branches": self.branches},
+                "needs one ratio per step for every branch",
+            )
+
+    def ratios_for(self, branch: str) -> tuple[float, ...]:
+        """The ratios of ``branch``.
+
+        Raises:
+            FieldError: Owner ``MagCalibration``, field ``branches``: the branch was not calibrated.
+        """
+        if branch not in self.branches:
+            raise FieldError(
+                "MagCalibration",
+                "branches",
+                self.branches,
+                f"this run has a branch {branch!r} that was not calibrated; calibrate with the same guidance "
+                "(true CFG calibrates 'cond' and 'uncond')",
+            )
+        return self.ratios[self.branches.index(branch)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MagCache:
+    """Whole-step cache (MagCache): skip a step while the calibrated drift of the cached residual stays small.
+
+    At each step past the retained ones the step's calibrated magnitude ratio is folded into an accumulated ratio
+    and error (``err += |1 - prod(ratios)|``); the skipped blocks re-add the residual of the last computed step while
+    ``err < threshold`` and at most ``max_skip_steps`` steps in a row were skipped, else the step computes and the
+    accumulators restart. The decision needs no tensor of the current step, so it is taken before the first block
+    and is equal on every rank. ``fn=0`` skips every block (the whole block stack's residual is reused), so it also
+    covers models of one block. ``threshold=0`` never skips (bit-identical to no cache).
+    """
+
+    threshold: float = _doc("Accumulated magnitude error below which a step is skipped (0: never skip).", 0.06)
+    max_skip_steps: int = _doc("Cap on consecutive skipped steps (K).", 3)
+    retention_ratio: float = _doc("Fraction of the first steps that always compute (rounded to steps).", 0.2)
+    final_steps: int = _doc("Last steps of the run that always compute (fine detail forms there).", 0)
+    fn: int = _doc("Front blocks computed every step (0: the whole block stack is skipped).", 0)
+    bn: int = _doc("Back blocks computed every step (they repair the reused residual).", 0)
+    calibration: MagCalibration | None = _doc(
+        "The model's magnitude ratios (MagCalibration, see fastdit.cache.magcache); needed when threshold > 0.", None
+    )
+    calibrate: bool = _doc("Record the ratios of each run instead of skipping (every step computes).", False)
+    taylorseer: TaylorSeer | None = _doc("Forecast skipped residuals with TaylorSeer (None: reuse them).", None)
+    separate_cfg: bool | None = _doc(
+        "Keep separate cache state per CFG branch. None: automatic (per cache context / per call within a step).",
+        None,
+    )
+
+    def __post_init__(self) -> None:
+        _check_fields(
+            self,
+            threshold=_number(0),
+            max_skip_steps=_integer(1),
+            retention_ratio=_number(0, 1),
+            final_steps=_integer(0),
+            fn=_integer(0),
+            bn=_integer(0),
+            calibration=_optional(_instance(MagCalibration)),
+            calibrate=_BOOL,
+            taylorseer=_optional(_instance(TaylorSeer)),
+            separate_cfg=_optional(_BOOL),
+        )
+        self._check_combination()
+
+    def _check_combination(self) -> None:
+        if self.taylorseer is not None and self.taylorseer.forecast_decision:
+            raise FieldError(
+                "MagCache", "taylorseer", self.taylorseer, "forecast_decision applies to DBCache's residual test"
+            )
+        if self.calibrate and self.calibration is not None:
+            raise FieldsError(
+                "MagCache",
+                {"calibrate": self.calibrate, "calibration": "<MagCalibration>"},
+                "a calibration run records new ratios: leave calibration unset",
+            )
+        if self.threshold > 0 and self.calibration is None and not self.calibrate:
+            raise FieldError(
+                "MagCache",
+                "calibration",
+                None,
+                "threshold > 0 needs the model's calibration (fastdit.cache.magcache.calibrate, or "
+                "load_calibration of a saved one); threshold=0 needs none",
+            )
+        cal = self.calibration
+        if cal is not None and (cal.fn, cal.bn) != (self.fn, self.bn):
+            raise FieldsError(
+                "MagCache",
+                {"fn": self.fn, "bn": self.bn},
+                f"the calibration measured the layout fn={cal.fn}, bn={cal.bn}; calibrate this layout",
+            )
 
 
 # Long enough for the legitimate waits of a healthy run — ranks joining after loading the weights at different

@@ -6,7 +6,7 @@ import torch
 
 from fastdit.cache.policy import decide, relative_l1
 from fastdit.cache.state import BranchState, RunTracker
-from fastdit.cache.taylorseer import taylor_predict, taylor_update
+from fastdit.cache.taylorseer import taylor_position, taylor_predict, taylor_update
 from fastdit.config import DBCache, StepMask, TaylorSeer
 
 
@@ -89,6 +89,23 @@ def test_taylor_series_is_exact_on_polynomials() -> None:
         coefficients = taylor_update(coefficients, last, torch.tensor(float(3 * step + 1)), step, order=2)
         last = step
     assert torch.isclose(taylor_predict(coefficients, 4, 5), torch.tensor(16.0))
+
+
+def test_taylor_series_over_falling_unevenly_spaced_timesteps_is_exact_on_lines() -> None:
+    # Timesteps usually fall, at uneven spacing: the divided differences must not require rising positions.
+    coefficients: list[torch.Tensor] = []
+    last = None
+    for t in (1.0, 0.8, 0.5):
+        coefficients = taylor_update(coefficients, last, torch.tensor(3 * t + 1), t, order=2)
+        last = t
+    assert len(coefficients) == 3 and abs(coefficients[2].item()) < 1e-5
+    assert torch.isclose(taylor_predict(coefficients, 0.5, 0.3), torch.tensor(1.9), atol=1e-5)
+
+
+def test_taylor_position_follows_the_variable() -> None:
+    assert taylor_position(TaylorSeer(order=2), 7, 0.25) == 7.0
+    assert taylor_position(TaylorSeer(order=2, variable="timestep"), 7, 0.25) == 0.25
+    assert taylor_position(TaylorSeer(order=2, variable="timestep"), 7, None) == 7.0  # the model takes none
 
 
 def test_tracker_branches_and_runs() -> None:

@@ -82,6 +82,21 @@ def test_taylorseer_extrapolates_better_than_reuse(model: ToyDiT) -> None:
     assert errors["order2"] < errors["reuse"]
 
 
+def test_taylorseer_over_timesteps_matches_steps_on_a_uniform_schedule(model: ToyDiT) -> None:
+    """The toy sampler's timesteps are evenly spaced, an affine function of the step index: the forecast is the
+    same polynomial either way (and a cached step still differs from the uncached run)."""
+    baseline = sample(model, steps=12)
+    outputs = {}
+    for variable in ("step", "timestep"):
+        mask = fastdit.StepMask(compute_steps=tuple(range(0, 12, 3)), policy="static")
+        taylor = fastdit.TaylorSeer(order=2, variable=variable)
+        fastdit.accelerate(model, cache=fastdit.DBCache(fn=1, step_mask=mask, taylorseer=taylor), adapter=TOY_ADAPTER)
+        outputs[variable] = sample(model, steps=12)
+        fastdit.disable(model)
+    torch.testing.assert_close(outputs["timestep"], outputs["step"], rtol=1e-4, atol=1e-5)
+    assert not torch.equal(outputs["step"], baseline)
+
+
 def test_dbprune_skips_blocks_and_threshold_zero_is_identical(model: ToyDiT) -> None:
     baseline = sample(model)
     fastdit.accelerate(model, cache=fastdit.DBPrune(fn=1, bn=1, threshold=0, warmup_steps=0), adapter=TOY_ADAPTER)

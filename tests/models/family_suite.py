@@ -63,17 +63,23 @@ class FamilySuite:
             probe_patterns(transformer, adapter, lambda: run_tiny(pipe, tiny)).raise_if_failed()
 
     def test_cache_threshold_zero_is_bit_identical(self, built: dict, variant: str) -> None:
+        """DBCache at threshold 0 and MagCache at threshold 0 (``fn=0``: every block skippable) leave the output
+        bit-identical, and disable restores the original."""
         pipe, tiny = self._pipe(built, variant)
         baseline = run_tiny(pipe, tiny)
         own_forward = _instance_forwards(pipe)
-        fastdit.accelerate(pipe, cache=fastdit.DBCache(fn=1, bn=1, threshold=0.0, warmup_steps=0))
-        try:
-            cached = run_tiny(pipe, tiny)
-            stats = fastdit.summary(pipe)
-        finally:
-            fastdit.disable(pipe)
-        assert stats.num_cached_steps == 0
-        np.testing.assert_array_equal(cached, baseline)
+        for config in (
+            fastdit.DBCache(fn=1, bn=1, threshold=0.0, warmup_steps=0),
+            fastdit.MagCache(threshold=0.0),
+        ):
+            fastdit.accelerate(pipe, cache=config)
+            try:
+                cached = run_tiny(pipe, tiny)
+                stats = fastdit.summary(pipe)
+            finally:
+                fastdit.disable(pipe)
+            assert stats.num_cached_steps == 0, type(config).__name__
+            np.testing.assert_array_equal(cached, baseline, err_msg=type(config).__name__)
         np.testing.assert_array_equal(run_tiny(pipe, tiny), baseline)  # disable restores the original
         # Nothing left behind: an instance ``forward`` would hide a later class-level patch of the model.
         assert _instance_forwards(pipe) == own_forward
@@ -94,6 +100,30 @@ class FamilySuite:
         for name, info in stats.transformers.items():
             for branch, b in info["cache"]["branches"].items():
                 assert b["cached_steps"] == list(range(1, b["steps"])), (name, branch)
+
+    @pytest.mark.slow
+    def test_magcache_calibrated_steps_skip_every_block(self, built: dict, variant: str) -> None:
+        """Calibrated MagCache with ``fn=0``: the calibration run computes every step (bit-identical), then every
+        step after the first reuses the residual of the whole block stack and the output stays finite."""
+        from fastdit.cache.magcache import calibrate
+
+        pipe, tiny = self._pipe(built, variant)
+        denoisers = list(fastdit.api.find_transformers(pipe))
+        if len(denoisers) > 1:
+            pytest.skip(f"denoisers {denoisers}: one MagCache calibration covers one denoiser's schedule")
+        calibration = calibrate(pipe, lambda: run_tiny(pipe, tiny), component=denoisers[0])
+        config = fastdit.MagCache(threshold=1e6, max_skip_steps=100, retention_ratio=0.0, calibration=calibration)
+        fastdit.accelerate(pipe, cache=config)
+        try:
+            out = run_tiny(pipe, tiny)
+            branches = fastdit.summary(pipe).transformers[denoisers[0]]["cache"]["branches"]
+        finally:
+            fastdit.disable(pipe)
+        assert np.isfinite(out).all()
+        assert any(b["steps"] > 1 for b in branches.values()), "no branch ran two steps: nothing was skipped"
+        for name, b in branches.items():
+            assert b["cached_steps"] == list(range(1, b["steps"])), name
+            assert b["blocks_computed"] * b["steps"] == b["blocks_total"], name  # only the first step computed
 
     @pytest.mark.slow
     def test_verify_cache_rung(self, built: dict, variant: str) -> None:

@@ -10,7 +10,8 @@
 
 Modules: :mod:`~fastdit.bench.timing` (runs and their times), :mod:`~fastdit.bench.memory` (peak memory),
 :mod:`~fastdit.bench.compare` (quality against a baseline), :mod:`~fastdit.bench.sweep` (cache configurations against
-a baseline), :mod:`~fastdit.bench.report` (markdown, JSON, plot), :mod:`~fastdit.bench.plain` (configs as JSON data),
+a baseline), :mod:`~fastdit.bench.heldout` (calibration vs held-out seeds), :mod:`~fastdit.bench.report` (markdown,
+JSON, plot), :mod:`~fastdit.bench.plain` (configs as JSON data),
 :mod:`~fastdit.bench.prompts` (default prompts).
 """
 

@@ -1,4 +1,4 @@
-"""Training-free step caching: DBCache/FBCache (+ TaylorSeer, step masks) and DBPrune, applied as layer hooks."""
+"""Training-free step caching: DBCache/FBCache (+ TaylorSeer, step masks), MagCache and DBPrune, as layer hooks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from fastdit.cache.policy import Reducer
-from fastdit.config import DBCache, DBPrune
+from fastdit.config import DBCache, DBPrune, MagCache
 from fastdit.hooks.state import Applied
 from fastdit.models.base import CachePlan
 from fastdit.models.validate import resolve_block_groups, resolve_interleaved
@@ -18,7 +18,7 @@ __all__ = ["apply_cache", "cache_summary"]
 def apply_cache(
     transformer: torch.nn.Module,
     plan: CachePlan,
-    config: DBCache | DBPrune,
+    config: DBCache | DBPrune | MagCache,
     *,
     reducer: Reducer | None = None,
 ) -> Applied:
@@ -27,7 +27,8 @@ def apply_cache(
     Args:
         transformer: The denoiser module (diffusers or third-party).
         plan: Its block lists and timestep argument (:attr:`ModelAdapter.cache_plan`).
-        config: A :class:`~fastdit.config.DBCache` or :class:`~fastdit.config.DBPrune`.
+        config: A :class:`~fastdit.config.DBCache`, :class:`~fastdit.config.MagCache` or
+            :class:`~fastdit.config.DBPrune`.
         reducer: Sums small tensors across ranks that share a sample (context/tensor parallelism) so every rank
             makes the same decision.
 
@@ -43,9 +44,14 @@ def apply_cache(
     else:
         from fastdit.cache.hooks import install
 
+        engine_class = None
+        if isinstance(config, MagCache):
+            from fastdit.cache.magcache import MagCacheEngine
+
+            engine_class = MagCacheEngine
         interleaved = resolve_interleaved(transformer, plan.block_groups, plan.family)
         engine, undo = install(
-            transformer, groups, config, plan.timestep_arg, reducer, interleaved, plan.unstepped_calls
+            transformer, groups, config, plan.timestep_arg, reducer, interleaved, plan.unstepped_calls, engine_class
         )
     return Applied(undo, engine)
 

@@ -23,8 +23,8 @@ import torch
 
 from fastdit.cache.policy import Reducer, check_run_length, decide
 from fastdit.cache.state import BranchState, RunTracker, SegmentMemory
-from fastdit.cache.taylorseer import taylor_predict, taylor_update
-from fastdit.config import DBCache
+from fastdit.cache.taylorseer import taylor_position, taylor_predict, taylor_update
+from fastdit.config import DBCache, MagCache
 from fastdit.errors import FastditWarning, FieldsError
 from fastdit.hooks import layers
 from fastdit.hooks.args import ForwardArgs
@@ -67,7 +67,7 @@ class BlockSlot:
 class CacheEngine:
     """The cache of one transformer: its plan, run tracker and decision settings."""
 
-    def __init__(self, config: DBCache, slots: list[BlockSlot], reducer: Reducer | None = None) -> None:
+    def __init__(self, config: DBCache | MagCache, slots: list[BlockSlot], reducer: Reducer | None = None) -> None:
         self.config = config
         self.slots = slots
         self.reducer = reducer
@@ -96,6 +96,10 @@ class CacheEngine:
 
     def decide(self, state: BranchState, residual: torch.Tensor) -> None:
         decide(self.config, state, residual, self.reducer)
+
+    def end_call(self) -> None:
+        """End a transformer call (it may have raised)."""
+        self.tracker.end_call()
 
 
 class TransformerCacheHook(layers.LayerHook):
@@ -170,7 +174,7 @@ class TransformerCacheHook(layers.LayerHook):
             self.engine.begin_call(layers.announced_context(module), self._timestep(args, kwargs), signature)
             return inner(*args, **kwargs)
         finally:
-            self.engine.tracker.end_call()
+            self.engine.end_call()
 
     def reset(self) -> None:
         self.engine.tracker.reset()
@@ -244,14 +248,15 @@ class BlockCacheHook(layers.LayerHook):
             memory.encoder_residual = encoder_out - memory.encoder_in
         taylor = self.engine.config.taylorseer
         if taylor is not None:
+            position = taylor_position(taylor, state.step, state.timestep)
             memory.taylor = taylor_update(
-                memory.taylor, memory.taylor_step, memory.hidden_residual, state.step, taylor.order
+                memory.taylor, memory.taylor_step, memory.hidden_residual, position, taylor.order
             )
             if memory.encoder_residual is not None:
                 memory.taylor_encoder = taylor_update(
-                    memory.taylor_encoder, memory.taylor_step, memory.encoder_residual, state.step, taylor.order
+                    memory.taylor_encoder, memory.taylor_step, memory.encoder_residual, position, taylor.order
                 )
-            memory.taylor_step = state.step
+            memory.taylor_step = position
 
     def _replay(
         self, state: BranchState, memory: SegmentMemory, hidden: torch.Tensor, encoder: torch.Tensor | None
@@ -260,18 +265,19 @@ class BlockCacheHook(layers.LayerHook):
         extras = state.block_memory.get(self.slot.index, ())
         encoder_out = encoder if pattern.takes_encoder else memory.encoder_out
         if self.slot.last_in_segment:
-            hidden = memory.hidden_in + self._residual(memory, state.step, encoder=False)
+            hidden = memory.hidden_in + self._residual(memory, state, encoder=False)
             if memory.encoder_residual is not None:
-                encoder_out = memory.encoder_in + self._residual(memory, state.step, encoder=True)
+                encoder_out = memory.encoder_in + self._residual(memory, state, encoder=True)
             elif pattern.returns_encoder:
                 encoder_out = memory.encoder_out if memory.encoder_out is None else encoder_out
         packed = pattern.pack(hidden, encoder_out)
         return (*packed, *extras) if extras else packed
 
-    def _residual(self, memory: SegmentMemory, step: int, *, encoder: bool) -> torch.Tensor:
+    def _residual(self, memory: SegmentMemory, state: BranchState, *, encoder: bool) -> torch.Tensor:
         coefficients = memory.taylor_encoder if encoder else memory.taylor
-        if self.engine.config.taylorseer is not None and len(coefficients) > 1:
-            return taylor_predict(coefficients, memory.taylor_step, step)
+        taylor = self.engine.config.taylorseer
+        if taylor is not None and len(coefficients) > 1:
+            return taylor_predict(coefficients, memory.taylor_step, taylor_position(taylor, state.step, state.timestep))
         return memory.encoder_residual if encoder else memory.hidden_residual
 
 
@@ -407,11 +413,12 @@ Groups = list[tuple[BlockGroup, torch.nn.ModuleList]]
 def install(
     transformer: torch.nn.Module,
     groups: Groups,
-    config: DBCache,
+    config: DBCache | MagCache,
     timestep_arg: str | None,
     reducer: Reducer | None = None,
     interleaved: Groups | None = None,
     unstepped: Mapping[str, tuple[Any, ...]] | None = None,
+    engine_class: type[CacheEngine] | None = None,
 ) -> tuple[CacheEngine, Callable[[], None]]:
     """Install the transformer hook and one block hook per block; return the engine and the undo.
 
@@ -423,9 +430,10 @@ def install(
         reducer: Sums small tensors across the ranks that share a sample.
         interleaved: Per group, the resolved :attr:`BlockGroup.interleaved` list (or ``None``), same order.
         unstepped: Arguments marking calls that are no denoising step (:attr:`ModelAdapter.unstepped_calls`).
+        engine_class: The engine deciding each step (``None``: :class:`CacheEngine`, DBCache's residual test).
     """
     slots = plan_slots(groups, config.fn, config.bn, owner=type(config).__name__)
-    engine = CacheEngine(config, slots, reducer)
+    engine = (engine_class or CacheEngine)(config, slots, reducer)
     undo = [
         layers.install(
             transformer,

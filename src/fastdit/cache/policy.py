@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from fastdit.cache.state import BranchState
-from fastdit.cache.taylorseer import taylor_predict, taylor_update
+from fastdit.cache.taylorseer import taylor_position, taylor_predict, taylor_update
 from fastdit.config import DBCache, StepMask
 from fastdit.errors import FieldError
 
@@ -83,7 +83,8 @@ def _reference(config: DBCache, state: BranchState) -> torch.Tensor:
     """What the current front residual is compared with: the last computed one, or its Taylor forecast."""
     taylor = config.taylorseer
     if taylor is not None and taylor.forecast_decision and len(state.front_taylor) > 1:
-        return taylor_predict(state.front_taylor, state.front_taylor_step, state.step)
+        position = taylor_position(taylor, state.step, state.timestep)
+        return taylor_predict(state.front_taylor, state.front_taylor_step, position)
     return state.front_residual
 
 
@@ -107,10 +108,11 @@ def decide(config: DBCache, state: BranchState, residual: torch.Tensor, reduce: 
         state.front_residual = residual
         taylor = config.taylorseer
         if taylor is not None and taylor.forecast_decision:
+            position = taylor_position(taylor, state.step, state.timestep)
             state.front_taylor = taylor_update(
-                state.front_taylor, state.front_taylor_step, residual, state.step, taylor.order
+                state.front_taylor, state.front_taylor_step, residual, position, taylor.order
             )
-            state.front_taylor_step = state.step
+            state.front_taylor_step = position
     else:
         state.continuous_cached += 1
         state.cached_steps.append(state.step)

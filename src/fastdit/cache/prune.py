@@ -56,6 +56,10 @@ class PruneEngine:
         state.blocks_total += len(self.slots)
         state.pruned.append(0)
 
+    def end_call(self) -> None:
+        """End a transformer call (it may have raised)."""
+        self.tracker.end_call()
+
     def may_prune(self, state: BranchState, memory: _BlockMemory | None, hidden: torch.Tensor) -> bool:
         """Whether this block may be skipped now (same answer on every rank: the diff is reduced first)."""
         config = self.config

@@ -34,7 +34,7 @@ class SegmentMemory:
     # TaylorSeer: Taylor coefficients [f, f', f''] of the hidden residual at ``taylor_step``.
     taylor: list[torch.Tensor] = field(default_factory=list)
     taylor_encoder: list[torch.Tensor] = field(default_factory=list)
-    taylor_step: int | None = None
+    taylor_step: float | None = None
 
 
 @dataclass
@@ -42,13 +42,15 @@ class BranchState:
     """The cache state of one branch (``cond``, ``uncond``, ...) during one run."""
 
     step: int = -1
+    # The current call's timestep (None when the model takes none): TaylorSeer's variable when it asks for it.
+    timestep: float | None = None
     computing: bool = True
     front_hidden_in: torch.Tensor | None = None
     front_entered_step: int = -1
     front_residual: torch.Tensor | None = None
     # TaylorSeer coefficients of the front residual (for forecast decisions) and the step they were taken at.
     front_taylor: list[torch.Tensor] = field(default_factory=list)
-    front_taylor_step: int | None = None
+    front_taylor_step: float | None = None
     continuous_cached: int = 0
     cached_steps: list[int] = field(default_factory=list)
     diffs: list[float | None] = field(default_factory=list)
@@ -59,6 +61,8 @@ class BranchState:
     block_memory: dict[int, Any] = field(default_factory=dict)
     # DBPrune: blocks pruned in each step.
     pruned: list[int] = field(default_factory=list)
+    # What a whole-step policy accumulates across steps (MagCache: its ratio and error since the last computed step).
+    policy: Any = None
 
     @property
     def has_cache(self) -> bool:
@@ -168,6 +172,7 @@ class RunTracker:
         key = track.branch if self.separate_branches else 0
         state = track.branches.setdefault(key, BranchState())
         state.step += 1
+        state.timestep = timestep
         self.active = state
         return state
 
