@@ -47,13 +47,13 @@ from fastdit.bench.heldout import (
 )
 from fastdit.cache.magcache import (
     MAGCACHE_PRESETS,
-    calibrate,
     magcache_preset,
     reference_calibration,
     reference_calibration_path,
     save_calibration,
 )
 from fastdit.cache.presets import CACHE_PRESETS, NO_CACHE, cache_config
+from fastdit.calibration import calibrate
 from fastdit.io import write_json
 from fastdit.reference import digit_prompt
 from fastdit.session import Case, Session, call_arguments, resolve_model

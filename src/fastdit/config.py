@@ -410,7 +410,7 @@ class MagCache:
                 "MagCache",
                 "calibration",
                 None,
-                "threshold > 0 needs the model's calibration (fastdit.cache.magcache.calibrate, or "
+                "threshold > 0 needs the model's calibration (fastdit.calibration.calibrate, or "
                 "load_calibration of a saved one); threshold=0 needs none",
             )
         cal = self.calibration

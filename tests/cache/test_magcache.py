@@ -11,13 +11,12 @@ import torch
 import fastdit
 from fastdit.cache.magcache import (
     MagAccumulator,
-    calibrate,
-    calibration_of,
     load_calibration,
     mag_decide,
     retained_steps,
     save_calibration,
 )
+from fastdit.calibration import calibrate, calibration_of
 from fastdit.errors import FieldError
 from fastdit.testing.pipelines import build_tiny, run_tiny
 from tests.cache.toy_dit import TOY_ADAPTER, ToyDiT, sample

@@ -40,7 +40,7 @@ def _calibrate(rank: int, world_size: int, ulysses: int) -> fastdit.MagCalibrati
     fastdit.accelerate(pipe, cache=fastdit.MagCache(calibrate=True), parallel=parallel)
     try:
         _call(pipe)
-        from fastdit.cache.magcache import calibration_of
+        from fastdit.calibration import calibration_of
 
         return calibration_of(pipe)
     finally:

@@ -105,7 +105,7 @@ class FamilySuite:
     def test_magcache_calibrated_steps_skip_every_block(self, built: dict, variant: str) -> None:
         """Calibrated MagCache with ``fn=0``: the calibration run computes every step (bit-identical), then every
         step after the first reuses the residual of the whole block stack and the output stays finite."""
-        from fastdit.cache.magcache import calibrate
+        from fastdit.calibration import calibrate
 
         pipe, tiny = self._pipe(built, variant)
         denoisers = list(fastdit.api.find_transformers(pipe))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -35,8 +35,6 @@ __all__ = [
     "MAGCACHE_PRESETS",
     "MagAccumulator",
     "MagCacheEngine",
-    "calibrate",
-    "calibration_of",
     "load_calibration",
     "mag_decide",
     "magcache_preset",
@@ -213,51 +211,6 @@ def model_name(transformer: torch.nn.Module) -> str:
     config = getattr(transformer, "config", None)
     layers = [f"{k}={config[k]}" for k in ("num_layers", "num_single_layers") if config is not None and k in config]
     return type(transformer).__name__ + (f"({', '.join(layers)})" if layers else "")
-
-
-def calibration_of(pipe: Any, component: str = "transformer") -> MagCalibration:
-    """The calibration recorded by the last run of ``pipe`` accelerated with ``MagCache(calibrate=True)``.
-
-    Raises:
-        ValueError: ``pipe`` is not accelerated with a MagCache, or nothing was recorded.
-    """
-    from fastdit.api import context_of
-
-    context = context_of(pipe)
-    engine = None if context is None else context.state("cache", component)
-    if not isinstance(engine, MagCacheEngine):
-        raise ValueError(f"{type(pipe).__name__}.{component} is not accelerated with a MagCache")
-    module = next((i.module for i in context.components.denoisers if i.name == component), None)
-    return engine.calibration(model_name(module) if module is not None else component)
-
-
-def calibrate(
-    pipe: Any, run: Callable[[], Any], *, fn: int = 0, bn: int = 0, component: str = "transformer"
-) -> MagCalibration:
-    """Record a MagCache calibration: accelerate ``pipe`` in calibration mode, call ``run`` once, take it off.
-
-    One sample is enough (the ratios follow the schedule far more than the prompt). Calibrate with the step count,
-    guidance and ``fn``/``bn`` the cache will be used with.
-
-    Args:
-        pipe: An un-accelerated pipeline (or transformer).
-        run: Runs one generation, e.g. ``lambda: pipe("a handwritten digit 3", num_inference_steps=28)``.
-        fn: Front blocks of the layout to calibrate.
-        bn: Back blocks of the layout to calibrate.
-        component: The denoiser to read the calibration from.
-
-    Returns:
-        The calibration (every step of every branch of the run).
-    """
-    import fastdit
-
-    fastdit.accelerate(pipe, cache=MagCache(calibrate=True, fn=fn, bn=bn, threshold=0.0))
-    try:
-        with torch.no_grad():
-            run()
-        return calibration_of(pipe, component)
-    finally:
-        fastdit.disable(pipe)
 
 
 def save_calibration(calibration: MagCalibration, path: str | os.PathLike[str]) -> Path:
