@@ -215,3 +215,39 @@ def test_a_directory_is_served_under_its_own_name_not_its_path(tmp_path: Any) ->
     session = SimpleNamespace(source=source, pipeline_class=FluxPipeline, pipe=SimpleNamespace())
     assert ModelSpec.of(session).name == tmp_path.name
     assert ModelSpec.of(session, name="flux-dev").name == "flux-dev"
+
+
+def test_a_queued_request_whose_client_disconnects_is_dropped() -> None:
+    import socket
+
+    import httpx
+    import uvicorn
+
+    from fastdit.serve.app import create_app
+
+    engine = FakeEngine(hold=True)
+    app = create_app(engine, _spec(), limits=Limits(queue_size=4))
+    with socket.socket() as probe:  # a free loopback port
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base, body = f"http://127.0.0.1:{port}", {"prompt": "a", "size": "32x32"}
+    try:
+        _wait_for(lambda: server.started)
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(httpx.post, f"{base}/v1/images/generations", json=body, timeout=30)
+            _wait_for(lambda: len(engine.jobs) == 1)
+            with pytest.raises(httpx.ReadTimeout):  # gives up while queued; the client closes its connection
+                httpx.post(f"{base}/v1/images/generations", json=body, timeout=0.5)
+            dropped = "fastdit_dropped_requests_total 1.0"
+            _wait_for(lambda: dropped in httpx.get(f"{base}/metrics").text)
+            engine.release.set()
+            assert running.result().status_code == 200
+        _wait_for(lambda: httpx.get(f"{base}/health").json()["queue"] == 0)
+        assert len(engine.jobs) == 1  # the abandoned request never ran
+    finally:
+        engine.release.set()
+        server.should_exit = True
+        thread.join(timeout=10)

@@ -40,8 +40,8 @@ Request = require("fastapi").Request
 logger = logging.getLogger("fastdit.serve")
 
 
-async def _generate(state: ServerState, body: ImageRequest) -> ImageResponse:
-    return await answer(state, body, build_job(body, state.spec, state.limits, uuid.uuid4().hex))
+async def _generate(state: ServerState, body: ImageRequest, request: Any = None) -> ImageResponse:
+    return await answer(state, body, build_job(body, state.spec, state.limits, uuid.uuid4().hex), request)
 
 
 def _auth(api_key: str | None) -> Callable[..., None]:
@@ -106,8 +106,8 @@ def _install_routes(app: Any, state: ServerState, api_key: str | None) -> None:
     authorized = [Depends(_auth(api_key))]
 
     @app.post("/v1/images/generations", response_model=ImageResponse, dependencies=authorized)
-    async def generations(body: ImageRequest) -> ImageResponse:
-        return await _generate(state, body)
+    async def generations(body: ImageRequest, request: Request) -> ImageResponse:
+        return await _generate(state, body, request)
 
     @app.get("/v1/models", response_model=ModelList, dependencies=authorized)
     async def models() -> ModelList:

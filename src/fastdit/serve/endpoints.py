@@ -101,7 +101,7 @@ async def _edit(state: ServerState, request: Request) -> ImageResponse:
     images = [await _decoded(u, "image", state) for u in uploads]
     mask = await _decoded(files["mask"][0], "mask", state, mode="L") if files.get("mask") else None
     job = build_edit_job(body, images, mask, state.spec, state.limits, uuid.uuid4().hex)
-    return await answer(state, body, job)
+    return await answer(state, body, job, request)
 
 
 # ---- /v1/videos

@@ -35,6 +35,9 @@ class Metrics:
         )
         self.queue_depth = prometheus.Gauge("fastdit_queue_depth", "Requests waiting or running.", **options)
         self.images = prometheus.Counter("fastdit_images", "Images generated.", **options)
+        self.dropped = prometheus.Counter(
+            "fastdit_dropped_requests", "Queued requests dropped because their client disconnected.", **options
+        )
         self.cache_steps = prometheus.Counter(
             "fastdit_cache_steps", "Transformer steps by outcome (cached or computed).", ["outcome"], **options
         )

@@ -394,8 +394,26 @@ def _response(
     return ImageResponse(created=int(time.time()), data=data, fastdit=report)
 
 
-async def wait(state: ServerState, pending: _Pending) -> Any:
-    """The result of a queued job or LoRA operation, or the error to answer (504 past the timeout)."""
+async def _drop_on_disconnect(state: ServerState, pending: _Pending, request: Any) -> None:
+    """While ``pending`` waits in the queue, drop it if its client disconnects (nobody would read the answer).
+
+    The request's body has been read, so the next ASGI message it receives is the disconnect; asking for it also
+    resumes reading the socket, which is how the server notices a closed connection at all. A job that has started
+    runs on: every rank is already computing it (a single process stops it only at the timeout).
+    """
+    message = await request.receive()
+    if message.get("type") == "http.disconnect" and pending.started is None and not pending.future.done():
+        pending.future.set_exception(RequestError(499, "the client closed the request", code="disconnected"))
+        state.metrics.dropped.inc()
+        logger.info("dropped a queued request: its client disconnected")
+
+
+async def wait(state: ServerState, pending: _Pending, request: Any = None) -> Any:
+    """The result of a queued job or LoRA operation, or the error to answer (504 past the timeout).
+
+    With the HTTP ``request``, a job still queued when its client disconnects is dropped: the consumer skips it.
+    """
+    watcher = None if request is None else asyncio.create_task(_drop_on_disconnect(state, pending, request))
     try:
         return await asyncio.wait_for(pending.future, timeout=state.limits.timeout_s)
     except asyncio.TimeoutError:
@@ -405,13 +423,18 @@ async def wait(state: ServerState, pending: _Pending) -> Any:
         ) from None
     except JobTimeoutError:
         raise RequestError(504, "the request timed out", type="server_error", code="timeout") from None
+    except RequestError:
+        raise
     except Exception as error:
         raise _job_error(error) from None
+    finally:
+        if watcher is not None:
+            watcher.cancel()
 
 
-async def answer(state: ServerState, body: ImageRequest, job: Job) -> ImageResponse:
-    """Queue an image job, wait for it, and encode the response."""
+async def answer(state: ServerState, body: ImageRequest, job: Job, request: Any = None) -> ImageResponse:
+    """Queue an image job, wait for it (dropped if ``request``'s client disconnects first), encode the response."""
     pending = state.submit(job)
-    result = await wait(state, pending)
+    result = await wait(state, pending, request)
     images, encode_s = await asyncio.to_thread(_encode, result)
     return _response(state, body, pending, result, images, encode_s)
