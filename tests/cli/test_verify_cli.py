@@ -135,7 +135,7 @@ def test_a_third_party_pipeline_function_with_its_adapter(capsys: pytest.Capture
     code, out, err = _run(capsys, THIRD_PARTY, "--ladder", "cache", "--warmup", "0")
     assert code == 0, err
     assert out.startswith(f"# {THIRD_PARTY} (ToyJointPipeline): 8 steps, 1 process, cpu")
-    assert "| cache (DBCache F1B1, threshold 0.3) |" in out and out.rstrip().endswith("| pass |")
+    assert "| cache (DBCache F1B0, threshold 0.3) |" in out and out.rstrip().endswith("| pass |")
 
 
 @pytest.mark.slow

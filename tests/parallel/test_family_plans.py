@@ -3,9 +3,9 @@
 The matrix runs through the verify ladder (:mod:`fastdit.diagnostics.family_ladder`), the checks ``fastdit verify``
 makes, at float32's exact threshold. The plan is discovered from the registry, so a family file that gains
 ``cp_plan`` is covered here without touching this file. Ulysses and ring run on 2 ranks; Ulysses on 3 ranks exercises
-uneven sequence shards and padded heads. Each pipeline also runs under a forced step cache (served steps, with and
+uneven sequence shards and padded heads. Every family also runs under a forced step cache (served steps, with and
 without a back block: the cache skips blocks a plan may split or gather at), judged against the same cache on one
-process.
+process: its first tiny pipeline in the default run, every pipeline on every layout in the slow one.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from fastdit.diagnostics.family_ladder import (
     run_family_ladder,
 )
 from fastdit.models.base import resolve_attr
-from fastdit.models.registry import adapter_for, all_adapters
+from fastdit.models.registry import adapter_for, all_adapters, get_family
 from fastdit.testing.distributed import WorkerPool
 from fastdit.testing.pipelines import build_tiny
 
@@ -77,14 +77,16 @@ def _default_layout(index: int, family: str, variant: str, bn: int) -> str:
 
 
 def _specs(index: int, family: str, variant: str, world: int, slow: bool) -> list[RungSpec]:
-    """The rungs of one pipeline on ``world`` ranks: the uncached layouts (default run), and the cached layouts of
-    the default run or, with ``slow``, the rest of the matrix."""
+    """The rungs of one pipeline on ``world`` ranks: the uncached layouts and, for a family's first tiny pipeline,
+    the cached layout of the default run; with ``slow``, the rest of the cached matrix."""
     layouts = [name for name in LAYOUTS if _world(name) == world]
     specs = [] if slow else [RungSpec(name, LAYOUTS[name]) for name in layouts]
+    first = get_family(family).tiny_pipelines[0].name == variant
     for bn in CACHE_BN:
         default = _default_layout(index, family, variant, bn)
         for name in layouts:
-            if (name != default) == slow:
+            # The default run: each family's first tiny pipeline under the cache on its rotating layout.
+            if (first and name == default) != slow:
                 specs.append(RungSpec(f"{name}-cache-bn{bn}", LAYOUTS[name], cache_bn=bn))
     return specs
 

@@ -2,9 +2,10 @@
 
 Plans are discovered from the registry, so a family file that gains ``tp_plan`` is covered here without touching
 this file. The matrix runs through the verify ladder (:mod:`fastdit.diagnostics.family_ladder`) at float32's exact
-threshold. Each pipeline runs split over 2 ranks (per-rank parameter bytes as planned, ``disable`` bit-identical),
-under a step cache that serves steps from the cache with and without a back block (against the same cache on one
-process), and its plan is checked on the ``meta`` device for a degree that divides and one that does not.
+threshold. Each pipeline runs split over 2 ranks (per-rank parameter bytes as planned, ``disable`` bit-identical);
+every family's first pipeline (the others in the slow run) also under a step cache that serves steps from the cache
+with and without a back block (against the same cache on one process); and each plan is checked on the ``meta``
+device for a degree that divides and one that does not.
 """
 
 from __future__ import annotations
@@ -53,9 +54,7 @@ def _ladder_keeping_weights(rank: int, world_size: int, family: str, variant: st
     """The ladder, and whether every denoiser's state dict is bit-identical after it (``disable`` gave it back)."""
     pipe, _ = _built(family, variant)
     before = {name: {k: v.clone() for k, v in m.state_dict().items()} for name, m in _denoisers(pipe).items()}
-    report = run_family_ladder(
-        rank, world_size, family, variant, specs, cached_call_overrides(family, variant), check_disable=True
-    )
+    report = run_family_ladder(rank, world_size, family, variant, specs, cached_call_overrides(family, variant))
     after = {name: m.state_dict() for name, m in _denoisers(pipe).items()}
     report["restored"] = all(
         state.keys() == after[name].keys() and all(torch.equal(after[name][k], v) for k, v in state.items())
@@ -64,13 +63,22 @@ def _ladder_keeping_weights(rank: int, world_size: int, family: str, variant: st
     return report
 
 
-@pytest.mark.parametrize(("family", "variant"), CASES, ids=IDS)
-def test_tp2_matches_single_process_alone_and_under_a_cache(dist2: WorkerPool, family: str, variant: str) -> None:
-    specs = [RungSpec("tp2", {"tp": 2})]
+def _first_variant(family: str, variant: str) -> bool:
+    return get_family(family).tiny_pipelines[0].name == variant
+
+
+def _cached_specs(family: str, variant: str) -> list[RungSpec]:
     # The forced cache needs a middle block: front 1 and back bn blocks around it.
-    specs += [
+    return [
         RungSpec(f"tp2-cache-bn{bn}", {"tp": 2}, cache_bn=bn) for bn in (0, 1) if _num_blocks(family, variant) >= 2 + bn
     ]
+
+
+@pytest.mark.parametrize(("family", "variant"), CASES, ids=IDS)
+def test_tp2_matches_single_process_alone_and_under_a_cache(dist2: WorkerPool, family: str, variant: str) -> None:
+    specs = [RungSpec("tp2", {"tp": 2}, check_disable=True)]
+    if _first_variant(family, variant):
+        specs += _cached_specs(family, variant)
     reports = dist2.run(_ladder_keeping_weights, family, variant, specs, timeout=300)
     rows = {row["name"]: row for row in assert_rows(reports)}
     assert all(report["restored"] for report in reports), "disable did not give back the original weights"
@@ -80,6 +88,20 @@ def test_tp2_matches_single_process_alone_and_under_a_cache(dist2: WorkerPool, f
         # Per-rank bytes are exactly the split half plus everything held whole.
         assert stats["parameter_bytes_per_rank"] == stats["split_bytes"] // 2 + stats["replicated_bytes"], name
     assert all(row["cached_steps"] > 0 for key, row in rows.items() if "cache" in key)
+
+
+OTHER_VARIANTS = [(f, v) for f, v in CASES if not _first_variant(f, v)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "variant"), OTHER_VARIANTS, ids=[f"{f}-{v}" for f, v in OTHER_VARIANTS])
+def test_tp2_cache_on_every_other_tiny_pipeline(dist2: WorkerPool, family: str, variant: str) -> None:
+    specs = _cached_specs(family, variant)
+    if not specs:
+        pytest.skip("too few blocks for a middle segment")
+    reports = dist2.run(_ladder_keeping_weights, family, variant, specs, timeout=300)
+    rows = assert_rows(reports)
+    assert all(report["restored"] for report in reports) and all(row["cached_steps"] > 0 for row in rows[1:])
 
 
 # --- the plan against the module tree, on the meta device ---

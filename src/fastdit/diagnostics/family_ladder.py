@@ -76,6 +76,7 @@ class RungSpec:
             same cache on one process.
         compile: Compile the blocks (eager backend: traces through the layouts at CPU-test cost).
         offload: Stream the blocks from host memory, keeping this many resident (``None``: no offload).
+        check_disable: After this rung's ``disable`` the output must equal the baseline bit for bit.
     """
 
     name: str
@@ -83,6 +84,7 @@ class RungSpec:
     cache_bn: int | None = None
     compile: bool = False
     offload: int | None = None
+    check_disable: bool = False
 
     def rung(self) -> Rung:
         """The verify rung this spec describes."""
@@ -95,7 +97,7 @@ class RungSpec:
         if self.offload is not None:
             options["offload"] = Offload(resident_blocks=self.offload)
         reference = None if cache is None else {"cache": cache}
-        return fixed_rung(self.name, options, reference=reference)
+        return fixed_rung(self.name, options, reference=reference, check_disable=self.check_disable)
 
 
 @functools.lru_cache(maxsize=4)

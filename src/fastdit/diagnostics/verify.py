@@ -188,6 +188,8 @@ class Rung:
             (``None``: the baseline). A rung that adds parallelism to a technique that approximates (a step cache)
             is exact against that technique alone: same outputs, same cached steps (not compared under CFG
             parallelism, where a rank runs only its branch's calls).
+        check_disable: After this rung's ``disable``, the output must equal the baseline bit for bit (as
+            :attr:`VerifyRuntime.check_disable` asks of every rung).
     """
 
     name: str
@@ -196,9 +198,12 @@ class Rung:
     build: Callable[[LadderContext], Options | Skip]
     doc: str = ""
     reference: Options | None = None
+    check_disable: bool = False
 
 
-def fixed_rung(name: str, options: Options, *, reference: Options | None = None, doc: str = "") -> Rung:
+def fixed_rung(
+    name: str, options: Options, *, reference: Options | None = None, doc: str = "", check_disable: bool = False
+) -> Rung:
     """A parallel rung that always runs with ``options`` (a test's or a model's own configuration).
 
     Args:
@@ -206,6 +211,7 @@ def fixed_rung(name: str, options: Options, *, reference: Options | None = None,
         options: ``fastdit.accelerate`` keyword arguments (``parallel``, ``cache``, ``compile`` ...).
         reference: One-process options it is judged against (see :attr:`Rung.reference`); it must not be parallel.
         doc: One line describing it.
+        check_disable: See :attr:`Rung.check_disable`.
 
     Raises:
         ValueError: ``reference`` holds a parallel layout.
@@ -213,7 +219,8 @@ def fixed_rung(name: str, options: Options, *, reference: Options | None = None,
     if reference is not None and reference.get("parallel") is not None:
         raise ValueError(f"fixed_rung {name!r}: reference runs on one process, got parallel={reference['parallel']}")
     fixed = dict(options)
-    return Rung(name, (), PARALLEL, lambda context: fixed, doc, None if reference is None else dict(reference))
+    kept = None if reference is None else dict(reference)
+    return Rung(name, (), PARALLEL, lambda context: fixed, doc, kept, check_disable)
 
 
 def _cache(context: LadderContext) -> Options:
@@ -710,7 +717,7 @@ def _run_rung(rung: Rung, options: dict[str, Any], row: VerifyRow, ladder: _Ladd
         row.status, row.reason = Status.ERROR, _one_line(error)
     finally:
         ladder.session.disable()
-    if ladder.runtime.check_disable and row.seconds is not None:
+    if (ladder.runtime.check_disable or rung.check_disable) and row.seconds is not None:
         _check_restored(row, ladder)
     return False
 
