@@ -142,6 +142,7 @@ class BlockStreamer:
     stats: _Stats = field(default_factory=_Stats)
     _inflight: dict[int, tuple[list[torch.Tensor], Any]] = field(default_factory=dict)
     _stream: Any = None
+    _active: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.device.type == "cuda":
@@ -178,8 +179,15 @@ class BlockStreamer:
                     break
         return out
 
-    def enter(self, index: int) -> None:
+    def active(self, index: int) -> bool:
+        """Whether block ``index``'s weights are in place (its call, or a use from outside it, is running)."""
+        return self._active.get(index, 0) > 0
+
+    def enter(self, index: int, *, prefetch: bool = True) -> None:
         """Before block ``index`` computes: its weights in place, and the copies of what follows started."""
+        self._active[index] = self._active.get(index, 0) + 1
+        if self._active[index] > 1:  # already in place: a use from outside it, nested in its own call or vice versa
+            return
         pending = self._inflight.pop(index, None)
         if pending is None:
             self.stats.on_demand += 1
@@ -191,6 +199,8 @@ class BlockStreamer:
             for value in values:  # allocated on the side stream, used on this one: freed only after this work
                 value.record_stream(current)
         self.weights[index].install(values)
+        if not prefetch:
+            return
         wanted = self.successors(index)
         for stale in [j for j in self._inflight if j not in wanted]:
             self._drop(stale)
@@ -200,7 +210,9 @@ class BlockStreamer:
 
     def leave(self, index: int) -> None:
         """After block ``index`` computed: its device copies let go (reused once the work queued on them ran)."""
-        self.weights[index].evict(self.device)
+        self._active[index] -= 1
+        if self._active[index] == 0:
+            self.weights[index].evict(self.device)
 
     def _drop(self, index: int) -> None:
         self._inflight.pop(index)
@@ -241,6 +253,45 @@ class ResidentHook(layers.LayerHook):
 
     def reset(self) -> None:
         self.streamer.drop_prefetches()
+
+
+class _OutsideUse:
+    """Brings a streamed block's weights in when one of its modules is called outside the block's own call.
+
+    Some models reach into a block from their root forward (DiT embeds the timestep with
+    ``transformer_blocks[0].norm1.emb``): the first such module called while the block is away loads it, and it
+    goes again when that module returns. Inside the block's call the check is one dictionary read.
+    """
+
+    def __init__(self, streamer: BlockStreamer, index: int) -> None:
+        self.streamer = streamer
+        self.index = index
+        self.owner: torch.nn.Module | None = None
+
+    def pre(self, module: torch.nn.Module, args: Any) -> None:
+        if self.owner is None and not self.streamer.active(self.index):
+            self.owner = module
+            self.streamer.enter(self.index, prefetch=False)
+
+    def post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self.owner is module:
+            self.owner = None
+            self.streamer.leave(self.index)
+
+
+def _guard_outside_uses(block: torch.nn.Module, streamer: BlockStreamer, index: int) -> Callable[[], None]:
+    """Hook every module of ``block`` that holds weights, so a call from outside the block finds them."""
+    use = _OutsideUse(streamer, index)
+    handles = []
+    for module in block.modules():
+        if module is not block and (module._parameters or module._buffers):
+            handles += [module.register_forward_pre_hook(use.pre), module.register_forward_hook(use.post)]
+
+    def remove() -> None:
+        for handle in handles:
+            handle.remove()
+
+    return remove
 
 
 def offload_device(config: Offload, current: torch.device) -> torch.device:
@@ -289,6 +340,7 @@ def apply_offload(blocks: Sequence[torch.nn.Module], config: Offload, device: to
     for index, w in weights.items():
         w.evict(device)
         undo.append(layers.install(blocks[index], layers.Layer.RESIDENT, HOOK, ResidentHook(streamer, index)))
+        undo.append(_guard_outside_uses(blocks[index], streamer, index))
 
     def restore() -> None:
         streamer.drop_prefetches()

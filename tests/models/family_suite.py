@@ -63,23 +63,28 @@ class FamilySuite:
             probe_patterns(transformer, adapter, lambda: run_tiny(pipe, tiny)).raise_if_failed()
 
     def test_cache_threshold_zero_is_bit_identical(self, built: dict, variant: str) -> None:
-        """DBCache at threshold 0 and MagCache at threshold 0 (``fn=0``: every block skippable) leave the output
-        bit-identical, and disable restores the original."""
+        """DBCache at threshold 0, MagCache at threshold 0 (``fn=0``: every block skippable) and DBCache at
+        threshold 0 over streamed blocks (offload beneath the cache) leave the output bit-identical, and disable
+        restores the original."""
         pipe, tiny = self._pipe(built, variant)
         baseline = run_tiny(pipe, tiny)
         own_forward = _instance_forwards(pipe)
-        for config in (
-            fastdit.DBCache(fn=1, bn=1, threshold=0.0, warmup_steps=0),
-            fastdit.MagCache(threshold=0.0),
+        exact = fastdit.DBCache(fn=1, bn=1, threshold=0.0, warmup_steps=0)
+        for name, options in (
+            ("DBCache", {"cache": exact}),
+            ("MagCache", {"cache": fastdit.MagCache(threshold=0.0)}),
+            ("DBCache+Offload", {"cache": exact, "offload": fastdit.Offload()}),
         ):
-            fastdit.accelerate(pipe, cache=config)
+            fastdit.accelerate(pipe, **options)
             try:
                 cached = run_tiny(pipe, tiny)
                 stats = fastdit.summary(pipe)
             finally:
                 fastdit.disable(pipe)
-            assert stats.num_cached_steps == 0, type(config).__name__
-            np.testing.assert_array_equal(cached, baseline, err_msg=type(config).__name__)
+            assert stats.num_cached_steps == 0, name
+            np.testing.assert_array_equal(cached, baseline, err_msg=name)
+            if "offload" in options:  # every block call brought its weights in
+                assert all(info["offload"]["transfers"] > 0 for info in stats.transformers.values()), name
         np.testing.assert_array_equal(run_tiny(pipe, tiny), baseline)  # disable restores the original
         # Nothing left behind: an instance ``forward`` would hide a later class-level patch of the model.
         assert _instance_forwards(pipe) == own_forward
