@@ -76,18 +76,25 @@ def import_torchao() -> Any:
 
 
 def torchao_config(mode: str) -> Any:
-    """The torchao config object of a :class:`Quantize` mode."""
+    """The torchao config object of a :class:`Quantize` mode.
+
+    Every config is built with ``set_inductor_config=False``: torchao's default rewrites process-wide inductor
+    settings (coordinate-descent tuning among them), which no library should change behind its caller's back, and
+    which made the first compiled FP8 call of a FLUX.1-sized model take ≈ 250 s instead of ≈ 20 s on an H200
+    (228 s of it tuning launch parameters of the quantization kernels) — see docs/quantization.md.
+    """
     ao = import_torchao()
+    quiet = {"set_inductor_config": False}
     if mode == "fp8":
-        return ao.Float8DynamicActivationFloat8WeightConfig(granularity=ao.PerRow())
+        return ao.Float8DynamicActivationFloat8WeightConfig(granularity=ao.PerRow(), **quiet)
     if mode == "fp8_tensor":
-        return ao.Float8DynamicActivationFloat8WeightConfig(granularity=ao.PerTensor())
+        return ao.Float8DynamicActivationFloat8WeightConfig(granularity=ao.PerTensor(), **quiet)
     if mode == "fp8_weight":
-        return ao.Float8WeightOnlyConfig()
+        return ao.Float8WeightOnlyConfig(**quiet)
     if mode == "int8_weight":
-        return ao.Int8WeightOnlyConfig()
+        return ao.Int8WeightOnlyConfig(**quiet)
     if mode == "int8":
-        return ao.Int8DynamicActivationInt8WeightConfig()
+        return ao.Int8DynamicActivationInt8WeightConfig(**quiet)
     raise ValueError(f"unknown quantization mode {mode!r}")
 
 
