@@ -118,6 +118,23 @@ def test_cpu_modes_are_close_and_undo_exactly(mode: str) -> None:
     assert "weight=" not in repr(toy)  # torchao's extra_repr removed with its weights
 
 
+@pytest.mark.parametrize("mode", ["int8_weight", "fp8_weight", "int8"])
+def test_quantizing_leaves_inductor_settings_alone(mode: str) -> None:
+    """torchao's default rewrites process-wide inductor settings (coordinate-descent tuning: minutes of compile)."""
+    import torch._inductor.config as inductor_config
+
+    from fastdit.quantize import torchao_config
+
+    assert all(torchao_config(m).set_inductor_config is False for m in fastdit.config.QUANTIZE_MODES)
+    names = ("coordinate_descent_tuning", "coordinate_descent_check_all_directions", "force_fuse_int_mm_with_mul")
+    before = {name: getattr(inductor_config, name) for name in names}
+    applied = apply_quantize(Toy(), Quantize(mode=mode), ("blocks",))
+    try:
+        assert {name: getattr(inductor_config, name) for name in names} == before
+    finally:
+        applied.undo()
+
+
 @pytest.mark.skipif(FP8_GPU, reason="this machine runs FP8")
 @pytest.mark.parametrize("mode", ["fp8", "fp8_tensor"])
 def test_fp8_dynamic_refused_on_cpu_before_anything(mode: str) -> None:
