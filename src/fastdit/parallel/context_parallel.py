@@ -106,6 +106,8 @@ class _Splitter:
     ) -> Any:
         if isinstance(tensor, (tuple, list)):  # e.g. a (cos, sin) RoPE pair passed as one argument
             return type(tensor)(self.split(t, dim, expected_dims, name, unit, keep_singleton) for t in tensor)
+        if isinstance(tensor, dict):  # e.g. RoPE tables by role, {"query": ..., "key": ...} (AnyFlow)
+            return {k: self.split(t, dim, expected_dims, name, unit, keep_singleton) for k, t in tensor.items()}
         if not isinstance(tensor, torch.Tensor) or (expected_dims is not None and tensor.ndim != expected_dims):
             return tensor
         if self.degree > 1 and passes_whole(tensor, dim, keep_singleton):

@@ -97,7 +97,8 @@ class SplitInput:
     """Split a ``forward`` argument along ``dim`` over the context-parallel ranks.
 
     A tuple or list argument (a ``(cos, sin)`` RoPE pair) has each of its tensors split alike, unless ``index``
-    names the one element to split (e.g. per-token positions nested beside the frequency tables they index).
+    names the one element to split (e.g. per-token positions nested beside the frequency tables they index); so has
+    a ``dict`` of tensors (RoPE tables by role, ``{"query": ..., "key": ...}``), whose keys are kept.
 
     With ``segments``, the argument is the concatenation along ``dim`` of the sequences of other split inputs of the
     same module path, in that order (a RoPE table built over ``[image, text]`` for a block that splits its image
@@ -177,6 +178,9 @@ def passes_whole(tensor: torch.Tensor, dim: int, keep_singleton: bool | None) ->
 @dataclass(frozen=True)
 class SplitOutput:
     """Split a module's output (or one element of a tuple output) along ``dim``.
+
+    A tuple, list or ``dict`` output split whole (no ``index``) has each of its tensors split alike, as for
+    :class:`SplitInput`.
 
     Attributes:
         dim: The sequence dim of the output.
