@@ -121,7 +121,6 @@ _ATTENTION: dict[str, Style] = {
     **{f"{attn}.{kv}": Colwise(unit=_HEAD) for attn in ("attn1", "attn2") for kv in ("to_k", "to_v")},
     **{f"{attn}.{norm}": ShardedNorm() for attn in ("attn1", "attn2") for norm in ("norm_q", "norm_k")},
     "attn2.to_out.0": Rowwise(),
-    "gate": SplitParameter("gate"),
 }
 _REST: dict[str, Style] = {
     "feed_forward.linear_1": Colwise(),
@@ -131,7 +130,8 @@ _REST: dict[str, Style] = {
 }
 
 TP_PLAN = TensorParallelPlan(
-    layers=under("layers.*", {**_ATTENTION, **_REST}),
+    # The gate is a parameter of the block itself.
+    layers={**under("layers.*", {**_ATTENTION, **_REST}), "layers.*": SplitParameter("gate")},
     divide=("layers.*.attn1.heads", "layers.*.attn2.heads"),
     notes="Self- and cross-attention by heads (GQA groups whole, QK LayerNorms sharded, the per-head gate split), "
     "SwiGLU FFN and per-block AdaLN (gathered) split; attention replicated (no-attention fallback) when tp does not "
