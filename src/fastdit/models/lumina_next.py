@@ -1,13 +1,13 @@
 """Lumina-Next (Lumina-T2X's Next-DiT): ``LuminaNextDiT2DModel``.
 
-Blocks (diffusers 0.42.1): one list ``layers`` of ``LuminaNextDiTBlock``, called positionally as
-``layer(hidden_states, mask, image_rotary_emb, encoder_hidden_states, encoder_mask, temb=...,
-cross_attention_kwargs=...)``; each returns the hidden states alone (pattern 2). Unlike Lumina-Image 2.0
-(``lumina2``: a joint [prompt, image] sequence after refiners), every block runs self-attention over the image tokens
-and, beside it, cross-attention from the same normalised image tokens to the prompt; the two attention outputs (cross gated per head by ``tanh(gate)``) are
-summed and projected by ``attn2.to_out`` (``attn1.to_out`` is an identity). The pipeline computes the 2-D RoPE table
-itself (complex, ``(384, 384, head_dim / 2)``) and passes it to forward; ``patch_embedder`` cuts it to the latent grid
-and returns an all-ones key mask ``(B, S)``.
+Blocks (diffusers 0.42.1): one list ``layers`` of ``LuminaNextDiTBlock``, called positionally as ``layer(hidden_states,
+mask, image_rotary_emb, encoder_hidden_states, encoder_mask, temb=..., cross_attention_kwargs=...)``; each returns the
+hidden states alone (pattern 2). Unlike Lumina-Image 2.0 (``lumina2``: a joint [prompt, image] sequence after refiners),
+every block runs self-attention over the image tokens and, beside it, cross-attention from the same normalised image
+tokens to the prompt; the two attention outputs (cross gated per head by ``tanh(gate)``) are summed and projected by
+``attn2.to_out`` (``attn1.to_out`` is an identity). The pipeline computes the 2-D RoPE table itself (complex, ``(384,
+384, head_dim / 2)``) and passes it to forward; ``patch_embedder`` cuts it to the latent grid and returns an all-ones
+key mask ``(B, S)``.
 
 Proportional attention (the pipeline's default ``proportional_attn=True``): the self-attention processor scales
 scores by ``sqrt(log_base(S))`` of its query length ``S`` (``base_sequence_length`` in ``cross_attention_kwargs``).
