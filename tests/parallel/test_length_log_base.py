@@ -57,5 +57,5 @@ def test_plan_names_a_known_split() -> None:
         )
 
     plan("embed[0]")
-    with pytest.raises(ValueError, match="LengthLogBase.of='embed'"):
+    with pytest.raises(ValueError, match=r"LengthLogBase\.of='embed'"):
         plan("embed")
