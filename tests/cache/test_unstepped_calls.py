@@ -87,3 +87,36 @@ def test_without_the_declaration_the_reference_pass_reads_as_a_branch() -> None:
 def test_unstepped_argument_must_be_a_forward_parameter() -> None:
     with pytest.raises(AdapterError, match="unstepped_calls names 'kv_mode'"):
         check_adapter(ToyReferenceDiT(), dataclasses.replace(ADAPTER, unstepped_calls={"kv_mode": ("extract",)}))
+
+
+class ToyFlagDiT(ToyReferenceDiT):
+    """The same reference pass, marked by an entry of a ``dict`` argument (AnyFlow-FAR's ``kv_cache_flag``)."""
+
+    def forward(self, sample: torch.Tensor, t: torch.Tensor, flag: dict | None = None) -> torch.Tensor:
+        return super().forward(sample, t, mode="extract" if (flag or {}).get("is_cache_step") else "step")
+
+
+def test_a_dict_mark_matches_a_dict_argument_holding_its_entries() -> None:
+    """``{"flag": ({"is_cache_step": True},)}`` marks calls whose ``flag`` holds that entry, whatever else it holds."""
+    adapter = dataclasses.replace(
+        ADAPTER,
+        transformer_classes=(f"{ToyFlagDiT.__module__}.ToyFlagDiT",),
+        unstepped_calls={"flag": ({"is_cache_step": True},)},
+    )
+    torch.manual_seed(0)
+    model = ToyFlagDiT().eval()
+    mask = fastdit.StepMask(compute_steps=(0,), policy="static")
+    cache = fastdit.DBCache(fn=1, bn=1, warmup_steps=0, step_mask=mask)
+    fastdit.accelerate(model, cache=cache, adapter=adapter)
+    try:
+        x = torch.randn(2, 8, 4, generator=torch.Generator().manual_seed(0))
+        ts = torch.linspace(1.0, 0.0, STEPS + 1)
+        with torch.no_grad():
+            model(torch.ones_like(x), ts[0].expand(2), flag={"is_cache_step": True, "num_cached_chunks": 3})
+            for i in range(STEPS):
+                x = x + (ts[i + 1] - ts[i]) * model(x, ts[i].expand(2), flag={"is_cache_step": False})
+        (info,) = fastdit.summary(model).transformers.values()
+    finally:
+        fastdit.disable(model)
+    (branch,) = info["cache"]["branches"].values()  # the marked call is no second branch
+    assert branch["steps"] == STEPS and branch["cached_steps"] == list(range(1, STEPS))

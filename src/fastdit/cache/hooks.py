@@ -161,8 +161,14 @@ class TransformerCacheHook(layers.LayerHook):
         """Whether the call is no denoising step (:attr:`ModelAdapter.unstepped_calls`): read on the host, global."""
         for name, values in self._unstepped.items():
             value = self._marks.get(name, args, kwargs)
-            if not isinstance(value, torch.Tensor) and value in values:  # marks are plain values (a mode string)
-                return True
+            if isinstance(value, torch.Tensor):  # marks are plain values (a mode string, a flag in a dict)
+                continue
+            for mark in values:
+                if isinstance(mark, Mapping):  # a dict argument holding these entries (AnyFlow-FAR's kv_cache_flag)
+                    if isinstance(value, Mapping) and all(k in value and value[k] == v for k, v in mark.items()):
+                        return True
+                elif value == mark:
+                    return True
         return False
 
     def around(self, inner: Callable[..., Any], module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -238,7 +238,9 @@ class ModelAdapter:
         unstepped_calls: ``forward`` arguments whose value marks a call that is no denoising step, argument name ->
             the values that mark it: Wan-Animate-2's reference pass (``kv_cache_mode="extract"``) fills a KV cache
             that every step then reads, at the first step's timestep. Such a call computes every block (the cache
-            never serves it) and step caching does not count it: no step, branch or run of its own.
+            never serves it) and step caching does not count it: no step, branch or run of its own. A ``dict``
+            among the values marks a ``dict`` argument holding all its entries (AnyFlow-FAR's KV-cache prefill:
+            ``{"kv_cache_flag": ({"is_cache_step": True},)}``).
         example: ``module.path:function`` giving a small transformer and one call of it, ``(model, kwargs)``, for
             ``fastdit inspect`` of a family without a tiny pipeline (one served by a pipeline fastdit does not build,
             e.g. a diffusers ModularPipeline); ``""``: the first tiny pipeline's first transformer call is used.

@@ -21,6 +21,7 @@ line says so). Every decision that leads to a collective depends only on global 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -49,6 +50,7 @@ from fastdit.parallel.plan import (
     GatherInput,
     GatherOutput,
     LeadingCount,
+    LengthLogBase,
     LocalExtent,
     SplitInput,
     SplitOutput,
@@ -106,6 +108,8 @@ class _Splitter:
     ) -> Any:
         if isinstance(tensor, (tuple, list)):  # e.g. a (cos, sin) RoPE pair passed as one argument
             return type(tensor)(self.split(t, dim, expected_dims, name, unit, keep_singleton) for t in tensor)
+        if isinstance(tensor, dict):  # e.g. RoPE tables by role, {"query": ..., "key": ...} (AnyFlow)
+            return {k: self.split(t, dim, expected_dims, name, unit, keep_singleton) for k, t in tensor.items()}
         if not isinstance(tensor, torch.Tensor) or (expected_dims is not None and tensor.ndim != expected_dims):
             return tensor
         if self.degree > 1 and passes_whole(tensor, dim, keep_singleton):
@@ -184,6 +188,18 @@ class _Splitter:
             )
         return lens[self.rank] * value // total
 
+    def log_base(self, value: Any, of: str) -> Any:
+        """A logarithm base ``value`` that, over this rank's shard of ``of``, measures the global length of ``of``."""
+        lens = self.layout.splits.get(of)
+        if lens is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            return value  # not split in this forward, or no base (no proportional attention)
+        if min(lens) < 2:  # every rank's lengths: all raise alike
+            raise ShardError(
+                f"context parallel: the shards {lens} of {of} include one of a single token, whose length has no "
+                "logarithm to rescale (LengthLogBase); use fewer ranks"
+            )
+        return math.exp(math.log(value) * math.log(lens[self.rank]) / math.log(sum(lens)))
+
     def gather(self, tensor: Any, dim: int, expected_dims: int | None) -> Any:
         if not isinstance(tensor, torch.Tensor) or (expected_dims is not None and tensor.ndim != expected_dims):
             return tensor
@@ -207,7 +223,7 @@ class _Splitter:
         return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes, strict=True)], dim=dim)
 
 
-_Spec = SplitInput | LeadingCount | LocalExtent | GatherInput
+_Spec = SplitInput | LeadingCount | LocalExtent | LengthLogBase | GatherInput
 
 
 class _ArgPositions:

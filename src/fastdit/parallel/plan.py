@@ -19,6 +19,8 @@ A plan names module paths (``""`` is the transformer itself; ``"transformer_bloc
 * :class:`TrailingCount` — the same for a count of the *last* tokens (the current frames after prepended history).
 * :class:`LocalExtent` — an integer ``forward`` argument giving a grid extent (rows, frames) of a split tensor,
   replaced by this rank's share.
+* :class:`LengthLogBase` — a logarithm base that attention measures its (local) query length in, replaced so that
+  the local length gives the global one's logarithm (proportional attention).
 * :class:`Halo` — pad a (convolution) module's input with the neighbouring ranks' edge rows, crop its output.
 * :class:`TokenSum` — a reduction over the tokens inside linear attention, summed over the ranks.
 * :class:`AttentionRouting` — which Python modules' ``dispatch_attention_fn`` (or, for processors that call
@@ -48,6 +50,7 @@ __all__ = [
     "GatherOutput",
     "Halo",
     "LeadingCount",
+    "LengthLogBase",
     "LocalExtent",
     "SplitInput",
     "SplitOutput",
@@ -89,6 +92,8 @@ class Splitter(Protocol):
 
     def extent(self, value: Any, of: str) -> Any: ...
 
+    def log_base(self, value: Any, of: str) -> Any: ...
+
     def gather(self, tensor: Any, dim: int, expected_dims: int | None) -> Any: ...
 
 
@@ -97,7 +102,8 @@ class SplitInput:
     """Split a ``forward`` argument along ``dim`` over the context-parallel ranks.
 
     A tuple or list argument (a ``(cos, sin)`` RoPE pair) has each of its tensors split alike, unless ``index``
-    names the one element to split (e.g. per-token positions nested beside the frequency tables they index).
+    names the one element to split (e.g. per-token positions nested beside the frequency tables they index); so has
+    a ``dict`` of tensors (RoPE tables by role, ``{"query": ..., "key": ...}``), whose keys are kept.
 
     With ``segments``, the argument is the concatenation along ``dim`` of the sequences of other split inputs of the
     same module path, in that order (a RoPE table built over ``[image, text]`` for a block that splits its image
@@ -177,6 +183,9 @@ def passes_whole(tensor: torch.Tensor, dim: int, keep_singleton: bool | None) ->
 @dataclass(frozen=True)
 class SplitOutput:
     """Split a module's output (or one element of a tuple output) along ``dim``.
+
+    A tuple, list or ``dict`` output split whole (no ``index``) has each of its tensors split alike, as for
+    :class:`SplitInput`.
 
     Attributes:
         dim: The sequence dim of the output.
@@ -335,6 +344,45 @@ class LocalExtent:
     def adjust(self, value: Any, splitter: Splitter, name: str, unit: int = 1) -> Any:
         """``value`` narrowed to this rank's shard of :attr:`of`."""
         return splitter.extent(value, self.of)
+
+
+@dataclass(frozen=True)
+class LengthLogBase:
+    """A logarithm base ``b`` in which attention measures its query length, adjusted for the rank's shard.
+
+    Proportional attention (Lumina-Next's ``base_sequence_length``) scales the scores by ``sqrt(log_b(S))``, with
+    ``S`` read from the query tensor the processor receives: under a token split, this rank's length ``S_r``, not the
+    global ``S``. Rank ``r`` receives ``b' = b ** (ln S_r / ln S)`` instead, so that ``log_b'(S_r) = log_b(S)``: the
+    scale of the whole sequence (to float rounding). The lengths are those of :attr:`of` in this forward's split
+    record; if it was not split (tokens whole), or the value is not a number (``None``: no proportional attention),
+    the argument passes unchanged. A shard of one token has no logarithm to rescale: every rank raises
+    :class:`~fastdit.errors.ShardError` alike.
+
+    Attributes:
+        of: The split whose tokens are the attention's queries: a :class:`SplitInput` name, or a split output's
+            record name (``"patch_embedder[0]"``: element 0 of ``patch_embedder``'s output; ``"rope"``: a whole one).
+        key: For an argument that is a ``dict`` of keyword arguments the module passes on (``cross_attention_kwargs``),
+            the entry holding the base; ``None``: the argument is the base itself.
+    """
+
+    of: str
+    key: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.of, str) or not self.of:
+            raise ValueError(f"LengthLogBase.of={self.of!r}: must name a split input or output")
+        if self.key is not None and (not isinstance(self.key, str) or not self.key):
+            raise ValueError(f"LengthLogBase.key={self.key!r}: must be a non-empty string or None")
+
+    reads_record = True  # adjusted from this forward's split record of ``of``
+
+    def adjust(self, value: Any, splitter: Splitter, name: str, unit: int = 1) -> Any:
+        """``value`` (or its entry :attr:`key`) as the base that gives the global length's logarithm on this rank."""
+        if self.key is None:
+            return splitter.log_base(value, self.of)
+        if not isinstance(value, Mapping) or value.get(self.key) is None:
+            return value
+        return {**value, self.key: splitter.log_base(value[self.key], self.of)}
 
 
 @dataclass(frozen=True)
@@ -504,7 +552,7 @@ class ContextParallelPlan:
         notes: How the family's positional embeddings stay consistent with the split (for the docs).
     """
 
-    inputs: Mapping[str, Mapping[str, SplitInput | LeadingCount | LocalExtent | GatherInput]] = field(
+    inputs: Mapping[str, Mapping[str, SplitInput | LeadingCount | LocalExtent | LengthLogBase | GatherInput]] = field(
         default_factory=dict
     )
     outputs: Mapping[str, SplitOutput | tuple[SplitOutput, ...]] = field(default_factory=dict)
@@ -524,10 +572,10 @@ class ContextParallelPlan:
                 raise ValueError(f"ContextParallelPlan.halo[{path!r}]={halo!r}: expected Halo")
         for path, args in self.inputs.items():
             for name, split in args.items():
-                if not isinstance(split, (SplitInput, LeadingCount, LocalExtent, GatherInput)):
+                if not isinstance(split, (SplitInput, LeadingCount, LocalExtent, LengthLogBase, GatherInput)):
                     raise ValueError(
                         f"ContextParallelPlan.inputs[{path!r}][{name!r}]={split!r}: expected SplitInput, LeadingCount, "
-                        "LocalExtent or GatherInput"
+                        "LocalExtent, LengthLogBase or GatherInput"
                     )
         for path, splits in self.outputs.items():
             if not all(isinstance(s, SplitOutput) for s in splits):
@@ -552,6 +600,16 @@ class ContextParallelPlan:
                             f"ContextParallelPlan.inputs[{path!r}][{name!r}]: segment {segment!r} is not another "
                             "plain SplitInput of the same path"
                         )
+        output_names = {
+            path if spec.index is None else f"{path}[{spec.index}]" for path, specs in outputs.items() for spec in specs
+        }
+        for path, args in self.inputs.items():
+            for name, base in args.items():
+                if isinstance(base, LengthLogBase) and base.of not in split_names | output_names:
+                    raise ValueError(
+                        f"ContextParallelPlan.inputs[{path!r}][{name!r}]: LengthLogBase.of={base.of!r} is neither a "
+                        f"split input nor a split output of the plan ({sorted(split_names | output_names)})"
+                    )
         for path, args in self.inputs.items():
             for name, count in args.items():
                 if isinstance(count, (LeadingCount, LocalExtent)) and count.of not in split_names:

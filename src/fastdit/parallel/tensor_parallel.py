@@ -32,6 +32,7 @@ from fastdit.parallel.sharded_norm import ShardedNormModule
 from fastdit.parallel.tp_plan import (
     CONV_TYPES,
     Colwise,
+    LocalArgument,
     LocalSlice,
     ShardedNorm,
     SplitParameter,
@@ -118,7 +119,7 @@ def planned_bytes(
     split_modules: set[int] = set()
     split_params: set[int] = set()
     for _, module, style in plan_layers(transformer, plan):
-        if isinstance(style, LocalSlice):
+        if isinstance(style, (LocalSlice, LocalArgument)):
             continue
         if isinstance(style, SplitParameter):
             param = style.parameter(module)
@@ -357,6 +358,39 @@ def _slice_output(module: torch.nn.Module, style: LocalSlice, mesh: DeviceMesh, 
     return module.register_forward_hook(hook).remove
 
 
+def _slice_argument(module: torch.nn.Module, style: LocalArgument, mesh: DeviceMesh, where: str) -> Undo:
+    """Pass ``module`` a view of this rank's part of every tensor in its argument ``style.name``."""
+    from fastdit.hooks.args import ForwardArgs
+
+    rank, degree = mesh.get_local_rank(), mesh.size()
+    args_of = ForwardArgs(module, (style.name,))
+
+    def cut(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: cut(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(cut(v) for v in value)
+        if not isinstance(value, torch.Tensor):
+            return value
+        total = value.shape[style.dim]
+        if total % degree:  # a global size: every rank raises alike
+            raise ValueError(
+                f"tensor-parallel plan: {where}.forward got {style.name} with {total} along dim {style.dim}, not "
+                f"divisible by tp={degree} (LocalArgument)"
+            )
+        part = total // degree
+        return value.narrow(style.dim, rank * part, part)  # a view: writes land in the caller's buffer
+
+    def hook(_module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if not args_of.passed(style.name, args, kwargs):
+            return args, kwargs
+        args, kwargs = list(args), dict(kwargs)
+        args_of.replace(style.name, cut(args_of.get(style.name, args, kwargs)), args, kwargs)
+        return tuple(args), kwargs
+
+    return module.register_forward_pre_hook(hook, with_kwargs=True).remove
+
+
 def _split_parameter(
     module: torch.nn.Module, style: SplitParameter, mesh: DeviceMesh, device: torch.device
 ) -> tuple[Undo, int, list[torch.nn.Parameter]]:
@@ -506,6 +540,9 @@ def apply_tensor_parallel(
         for name, module, style in plan_layers(transformer, plan):
             if isinstance(style, LocalSlice):
                 undos.append(_slice_output(module, style, mesh, name))
+                continue
+            if isinstance(style, LocalArgument):
+                undos.append(_slice_argument(module, style, mesh, name))
                 continue
             if isinstance(style, SplitParameter):
                 undo, nbytes, params = _split_parameter(module, style, mesh, device)

@@ -17,6 +17,9 @@ A :class:`TensorParallelPlan` maps module paths of a transformer (``*`` matches 
 * :class:`SplitParameter` — a parameter the model's code reads directly, with one entry per head (Helios' per-head
   history key scale): each rank keeps its heads' entries.
 
+* :class:`LocalArgument` — a ``forward`` argument holding tensors for *all* heads that the caller allocates and the
+  module writes into (AnyFlow-FAR's per-block KV cache): each rank passes on a view of its heads' slice.
+
 * :class:`LocalSlice` — a module that computes a table for *all* heads or features (a RoPE module returning
   ``(S, heads, d)`` or ``(B, S, inner_dim)`` cos/sin): each rank keeps its slice of every output tensor.
 
@@ -35,6 +38,7 @@ another MLP ratio still splits right.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -47,6 +51,7 @@ from fastdit.parallel.plan import match_modules
 __all__ = [
     "CONV_TYPES",
     "Colwise",
+    "LocalArgument",
     "LocalSlice",
     "Rowwise",
     "ShardedNorm",
@@ -210,7 +215,33 @@ class SplitParameter:
         return param.shape[self.dim] != 1
 
 
-Style = Colwise | Rowwise | ShardedNorm | LocalSlice | SplitParameter
+@dataclass(frozen=True)
+class LocalArgument:
+    """Pass the module this rank's slice of a ``forward`` argument's tensors (laid out for every head).
+
+    For a buffer the caller allocates for all heads and the module reads and writes in place (AnyFlow-FAR's per-block
+    KV cache ``{"full_cache": (2, B, heads, L, D), ...}``, filled by one call and read by the next): a forward
+    pre-hook replaces every tensor in the argument (a tensor, or nested in ``dict`` / ``list`` / ``tuple``) by a
+    view of rank ``r``'s ``r``-th of ``degree`` equal contiguous parts along :attr:`dim`, so the processor, whose
+    heads are divided, finds its own heads, and what it writes lands in the caller's buffer (the other ranks' parts
+    of each rank's buffer stay unused). ``None`` passes unchanged.
+
+    Attributes:
+        name: The ``forward`` parameter (by keyword or position).
+        dim: The heads dim of its tensors.
+    """
+
+    name: str
+    dim: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"LocalArgument.name={self.name!r}: the forward parameter's name")
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int):
+            raise ValueError(f"LocalArgument.dim={self.dim!r}: must be an integer")
+
+
+Style = Colwise | Rowwise | ShardedNorm | LocalSlice | SplitParameter | LocalArgument
 
 # The layer types Colwise / Rowwise split, by exact type: Linear through DTensor, convolutions by channel slices.
 LINEAR_TYPES = (torch.nn.Linear,)
@@ -243,10 +274,10 @@ class TensorParallelPlan:
         if not self.layers:
             raise ValueError("TensorParallelPlan.layers={}: name at least one layer")
         for path, style in self.layers.items():
-            if not isinstance(style, (Colwise, Rowwise, ShardedNorm, LocalSlice, SplitParameter)):
+            if not isinstance(style, (Colwise, Rowwise, ShardedNorm, LocalSlice, SplitParameter, LocalArgument)):
                 raise ValueError(
                     f"TensorParallelPlan.layers[{path!r}]={style!r}: expected Colwise, Rowwise, ShardedNorm, "
-                    "LocalSlice or SplitParameter"
+                    "LocalSlice, SplitParameter or LocalArgument"
                 )
         known = {*self.layers, *(path.rpartition(".")[0] for path in self.divide)}
         for path in self.optional:
@@ -405,6 +436,14 @@ def validate_tp_plan(transformer: torch.nn.Module, plan: TensorParallelPlan, deg
     for name, module, style in plan_layers(transformer, plan):
         if isinstance(style, LocalSlice):
             continue  # any module; its output's sizes are checked when it runs
+        if isinstance(style, LocalArgument):  # its tensors' sizes are checked when it runs
+            params = list(inspect.signature(type(module).forward).parameters)[1:]
+            if style.name not in params:
+                raise ValueError(
+                    f"tensor-parallel plan of {family!r}: {name!r}.forward has no argument {style.name!r} "
+                    f"(LocalArgument); its arguments are {params}"
+                )
+            continue
         if isinstance(style, SplitParameter):
             param = style.parameter(module)
             if param is None and not any(name in {n for n, _ in match_modules(transformer, p)} for p in plan.optional):
