@@ -31,7 +31,11 @@ def run_tiny(pipe: Any, tiny: TinyPipeline, *, seed: int = 0, **overrides: Any) 
     torch.manual_seed(seed)  # a few pipelines draw from the global RNG besides the generator
     with torch.no_grad():
         result = pipe(**kwargs, generator=torch.Generator().manual_seed(seed))
-    out = next(getattr(result, name) for name in ("frames", "images", "image") if hasattr(result, name))
+    if isinstance(result, torch.Tensor):  # a pipeline returning its output bare (SANA-WM's refiner)
+        result = result.detach().float().cpu().numpy()
+    if isinstance(result, np.ndarray):
+        return result.astype(np.float32)
+    out = next(getattr(result, name) for name in ("frames", "images", "image", "video") if hasattr(result, name))
     return np.asarray(out, dtype=np.float32)
 
 
