@@ -152,7 +152,7 @@ ADAPTER = register(
             "generation tokens are packed 2-D streams (no batch dim) with mRoPE position ids over the joint "
             "sequence. CFG: cond / uncond calls in cache contexts. The pipeline's default guardrail downloads its "
             "models (the tiny pipeline turns it off). T2I (num_frames=1), I2V, V2V, sound and action generation "
-            "run the same transformer call. No context parallelism: the prefix pathway is causal attention "
+            "run the same transformer call. No context-parallel plan: the prefix pathway is causal attention "
             "(is_causal=True), which context-parallel attention does not take, and its keys also feed the "
             "generation pathway, so the prefix cannot be left whole either; the model's own CP seams "
             "(_cp_shard_fn / _cp_gather_fn) expect an external helper."

@@ -123,18 +123,25 @@ ADAPTER = register(
                 name="sana-wm",
                 pipeline_class="diffusers.SanaWMPipeline",
                 hub_id="Efficient-Large-Model/SANA-WM_bidirectional",
-                defaults={"num_inference_steps": 60, "guidance_scale": 5.0, "num_frames": 161, "height": 704, "width": 1280},
+                defaults={
+                    "num_inference_steps": 60,
+                    "guidance_scale": 5.0,
+                    "num_frames": 161,
+                    "height": 704,
+                    "width": 1280,
+                },
             ),
         ),
         tp_plan=TP_PLAN,
         notes=(
             "Image-and-camera-to-video: the pipeline needs an image, a prompt, a camera trajectory (`c2w` or an "
             "`action` string) and intrinsics. CFG is batched in one call without cache contexts; the first latent "
-            "frame is pinned with a per-frame timestep of 0 (the step is read from the largest). No context "
-            "parallelism: the self-attention of most blocks is a bidirectional gated delta rule, a recurrence over "
-            "the frames whose state after each frame feeds the next (and a 4-frame short convolution over K), so a "
-            "sequence split in frames would need a scan across the ranks, and a split inside frames breaks its "
-            "per-frame pooling and scaling; plans split at module boundaries cannot express either."
+            "frame is pinned with a per-frame timestep of 0 (the step is read from the largest). "
+            "No context-parallel plan: the self-attention of most blocks is a bidirectional gated delta rule, a "
+            "recurrence over the frames whose state after each frame feeds the next (and a 4-frame short "
+            "convolution over K), so a sequence split in frames would need a scan across the ranks, and a split "
+            "inside frames breaks its per-frame pooling and scaling; plans split at module boundaries cannot express "
+            "either."
         ),
     )
 )

@@ -118,6 +118,8 @@ _CALL = {
     "sink_size": 1,
     "block_size": 2,
     "kv_max_frames": 3,  # the second window already trims the history to the last refined frames
+    # Two distilled Euler steps per window (the released schedule has three); the last sigma ends the run.
+    "sigmas": (0.909375, 0.5, 0.0),
     # Without a VAE the pipeline returns the refined latents whatever the output type.
     "output_type": "latent",
 }
@@ -142,7 +144,7 @@ ADAPTER = register(
         notes=(
             "Refines a stage-1 latent (`sana_latent`, a tensor) window by window with a sliding KV cache: every "
             "window is a 3-step run of its own, and the two key-capturing calls at timestep 0 are unstepped calls. "
-            "The pipeline returns a bare tensor (latents without a VAE, frames with one). No context parallelism: "
+            "The pipeline returns a bare tensor (latents without a VAE, frames with one). No context-parallel plan: "
             "the pipeline trims each layer's cached history to the last `kv_max_frames - sink_size` frames by a "
             "global token count (`history[:, -keep_tokens:]`), which on a rank's shard of the tokens keeps the wrong "
             "keys, and the cache lives outside the model where no plan reaches. No CFG parallelism: the refiner runs "
