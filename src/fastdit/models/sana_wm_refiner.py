@@ -19,8 +19,8 @@ from __future__ import annotations
 from fastdit.models._lazy import Deferred, LazyKwargs
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
-from fastdit.parallel.tp_plan import Colwise, LocalSlice, ShardedNorm, Style, TensorParallelPlan
-from fastdit.parallel.tp_shapes import attention, feed_forward, under
+from fastdit.parallel.tp_plan import TensorParallelPlan
+from fastdit.parallel.tp_shapes import feed_forward, under
 
 TRANSFORMER = "diffusers.models.transformers.transformer_sana_wm_refiner.SanaWMLTX2RefinerTransformer3DModel"
 
@@ -85,30 +85,16 @@ def stage1_latent(seed: int = 0):
     return torch.randn((1, _LATENT, 5, 4, 4), generator=torch.Generator().manual_seed(seed))
 
 
-# Tensor parallelism: the video attentions and FFN, split like LTX-2's. The refiner's self-attention processor
-# (SanaWMLTX2RefinerAttnProcessor) applies its QK-norms (RMSNorms across heads: sharded) and RoPE to the flattened
-# q/k, stores and concatenates the KV cache in that flattened layout, and unflattens with `attn.heads` (divided): each
-# rank caches the keys and values of its own heads, so the sink and history it prepends line up with its heads. The
-# cross-attention uses LTX-2's processor. The RoPE module's "split" tables (B, heads, S, d) are sliced by head (dim 1)
-# and "interleaved" ones (B, S, inner_dim) on their features: the pipeline builds the window's and the sink's tables
-# with that module (build_rotary_emb_for_absolute_positions), so both arrive sliced. The optional per-head output
-# gates split like the heads. The audio modules never run and stay whole, like the AdaLN tables and embedders.
-def _block() -> dict[str, Style]:
-    layers: dict[str, Style] = {}
-    for attn in ("attn1", "attn2"):
-        layers.update(attention(attn))
-        layers.update({f"{attn}.norm_q": ShardedNorm(), f"{attn}.norm_k": ShardedNorm()})
-        layers[f"{attn}.to_gate_logits"] = Colwise()
-    return {**layers, **feed_forward("ff")}
-
-
+# Tensor parallelism: the video FFN only (GELU up column-wise, down row-wise: one all-reduce per block). The
+# attentions stay replicated: splitting them by heads needs each rank's slice of the RoPE tables, and the pipeline
+# builds those tables itself (`build_rotary_emb_for_absolute_positions`, for the window and the sink) and passes them
+# into forward, so a slice taken at the rope module would reach the transformer as a different input on every rank,
+# where the parallel input check (rightly) refuses it; a plan has no style that slices a forward argument. The unused
+# audio tower, the AdaLN tables and the embedders stay whole.
 TP_PLAN = TensorParallelPlan(
-    layers={"rope": LocalSlice(dim={3: -1, 4: 1}), **under("transformer_blocks.*", _block())},
-    divide=("transformer_blocks.*.attn1.heads", "transformer_blocks.*.attn2.heads"),
-    optional=("transformer_blocks.*.attn1.to_gate_logits", "transformer_blocks.*.attn2.to_gate_logits"),
-    notes="Video self- and cross-attention split by heads (the KV cache holds each rank's heads; QK-norms across "
-    "heads sharded, RoPE tables sliced by their layout), GELU FFN split; the unused audio tower, AdaLN tables and "
-    "embedders replicated.",
+    layers=under("transformer_blocks.*", feed_forward("ff")),
+    notes="Video GELU FFN split; the attentions (their RoPE tables come into forward for all heads, built by the "
+    "pipeline), the unused audio tower, AdaLN tables and embedders replicated.",
 )
 
 _CALL = {
