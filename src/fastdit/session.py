@@ -368,8 +368,11 @@ def _to_array(item: Any) -> np.ndarray:
 
 
 def _outputs(result: Any) -> list[np.ndarray]:
-    # Videos come as .frames, images as .images, except a few pipelines' outputs that name them .image (Kandinsky 5).
-    name = next((name for name in ("frames", "images", "image") if hasattr(result, name)), "images")
+    # Videos come as .frames, images as .images, except a few pipelines' outputs that name them .image (Kandinsky 5)
+    # or .video (Cosmos 3); SANA-WM's refiner returns its tensor bare.
+    if isinstance(result, (torch.Tensor, np.ndarray)):
+        return [_to_array(item) for item in result]
+    name = next((name for name in ("frames", "images", "image", "video") if hasattr(result, name)), "images")
     return [_to_array(item) for item in getattr(result, name)]
 
 

@@ -29,7 +29,25 @@ def _declared(adapter):
             yield group.interleaved
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# Families whose block calls the pattern detector reads wrong, with why (the adapters are checked by their family
+# suites' probes of every block call instead).
+DETECTOR_LIMITS = {
+    # The layers take packed 2-D (tokens, width) streams without a batch dim, which the detector does not see as
+    # token sequences.
+    "cosmos3": "2-D token streams",
+    # The blocks take a second (B, N, C) tensor of the hidden stream's shape (the Plucker embedding), which the
+    # detector takes for the hidden states.
+    "sana_wm": "a second stream-shaped argument",
+}
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        pytest.param(f, marks=pytest.mark.xfail(reason=DETECTOR_LIMITS[f], strict=True)) if f in DETECTOR_LIMITS else f
+        for f in FAMILIES
+    ],
+)
 def test_detected_patterns_and_heads_match_the_adapter(family: str) -> None:
     adapter = next(a for a in all_adapters() if a.family == family)
     report = report_for(family)

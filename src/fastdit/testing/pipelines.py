@@ -31,7 +31,11 @@ def run_tiny(pipe: Any, tiny: TinyPipeline, *, seed: int = 0, **overrides: Any) 
     torch.manual_seed(seed)  # a few pipelines draw from the global RNG besides the generator
     with torch.no_grad():
         result = pipe(**kwargs, generator=torch.Generator().manual_seed(seed))
-    out = next(getattr(result, name) for name in ("frames", "images", "image") if hasattr(result, name))
+    if isinstance(result, torch.Tensor):  # a pipeline returning its output bare (SANA-WM's refiner)
+        result = result.detach().float().cpu().numpy()
+    if isinstance(result, np.ndarray):
+        return result.astype(np.float32)
+    out = next(getattr(result, name) for name in ("frames", "images", "image", "video") if hasattr(result, name))
     return np.asarray(out, dtype=np.float32)
 
 
@@ -39,7 +43,8 @@ def scaled_steps(tiny: TinyPipeline, numerator: int, denominator: int = 1) -> di
     """The tiny call's step counts times ``numerator / denominator`` (rounded down), as call overrides.
 
     A step count is ``num_inference_steps``, or a list of per-stage counts named ``*num_inference_steps_list``
-    (Helios' pyramid pipeline takes no ``num_inference_steps``, only ``pyramid_num_inference_steps_list``).
+    (Helios' pyramid pipeline takes no ``num_inference_steps``, only ``pyramid_num_inference_steps_list``), or else
+    the length of a ``sigmas`` schedule (its last entry the final sigma, not a step).
     """
     scaled: dict[str, Any] = {}
     for name, value in tiny.call_kwargs.items():
@@ -47,8 +52,15 @@ def scaled_steps(tiny: TinyPipeline, numerator: int, denominator: int = 1) -> di
             scaled[name] = value * numerator // denominator
         elif name.endswith("num_inference_steps_list"):
             scaled[name] = [steps * numerator // denominator for steps in value]
+    if not scaled and "sigmas" in tiny.call_kwargs:
+        # A pipeline counting its steps by an explicit descending schedule ending at its final sigma (SANA-WM's
+        # refiner): the same range, evenly respaced over the scaled count.
+        sigmas = [float(s) for s in tiny.call_kwargs["sigmas"]]
+        count = max(1, (len(sigmas) - 1) * numerator // denominator)
+        head = np.linspace(sigmas[0], sigmas[-2], count) if count > 1 else np.asarray(sigmas[:1])
+        scaled["sigmas"] = (*(float(s) for s in head), sigmas[-1])
     if not scaled:
-        raise KeyError(f"tiny pipeline {tiny.name!r} declares no step count (num_inference_steps)")
+        raise KeyError(f"tiny pipeline {tiny.name!r} declares no step count (num_inference_steps or sigmas)")
     return scaled
 
 
