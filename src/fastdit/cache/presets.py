@@ -55,6 +55,7 @@ __all__ = [
     "CachePreset",
     "cache_config",
     "get_cache_preset",
+    "override_config",
     "step_mask_from",
     "taylorseer_from",
 ]
@@ -218,12 +219,27 @@ def cache_config(
         if overrides:
             raise ValueError(f"cache preset {chosen.name!r} takes no fields, got {sorted(overrides)}")
         return None
-    config = chosen.build()
+    return override_config(chosen.build(), num_steps=num_steps, origin=f"preset {chosen.name!r}", **overrides)
+
+
+def override_config(config: Any, *, num_steps: int | None = None, origin: str = "", **overrides: Any) -> Any:
+    """``config`` with field overrides applied one at a time (the short forms of :func:`cache_config` accepted).
+
+    Args:
+        config: A cache configuration (DBCache, DBPrune, MagCache).
+        num_steps: Steps of the run (needed only for a ``step_mask`` preset name).
+        origin: Where ``config`` came from, for messages (``preset 'fast'``, ``file x.json``).
+        **overrides: Field values replacing the configuration's.
+
+    Raises:
+        ValueError: On a field the configuration does not have, or an invalid value (naming the field).
+    """
+    names = {f.name for f in fields(config)}
     for name, value in overrides.items():
-        if name not in chosen.field_names:
+        if name not in names:
+            where = f" ({origin})" if origin else ""
             raise ValueError(
-                f"{name}={value!r}: not a field of {chosen.kind.__name__} (preset {chosen.name!r}); "
-                f"fields: {', '.join(sorted(chosen.field_names))}"
+                f"{name}={value!r}: not a field of {type(config).__name__}{where}; fields: {', '.join(sorted(names))}"
             )
         # One field at a time, so an invalid value is reported against the field that carries it.
         config = replace(config, **{name: _normalise(name, value, num_steps)})

@@ -21,7 +21,7 @@ from fastdit.errors import FieldError, NonFiniteOutputError
 
 __all__ = ["COMMANDS", "EXIT_INTERRUPTED", "EXIT_USAGE", "CLIError", "build_parser", "main"]
 
-COMMANDS: tuple[str, ...] = ("generate", "serve", "list", "bench", "metrics", "inspect", "verify")
+COMMANDS: tuple[str, ...] = ("generate", "serve", "list", "bench", "calibrate", "metrics", "inspect", "verify")
 """Command modules under ``fastdit.cli``, in help order; adding a command is adding its name here."""
 
 EXIT_USAGE = 2

@@ -109,13 +109,13 @@ def _seeds(text: str) -> list[int]:
     return seeds
 
 
-def _configs(text: str, num_steps: int | None) -> list[tuple[str, Any]]:
+def _configs(text: str, num_steps: int | None, model: str) -> list[tuple[str, Any]]:
     specs = [spec.strip() for spec in text.split(";") if spec.strip()]
     if not specs:
         raise CLIError(f"argument --configs {text!r}: no configuration given")
     if len(set(specs)) != len(specs):
         raise CLIError(f"argument --configs {text!r}: a configuration is listed twice")
-    return [(spec, cache_from_spec(spec, num_steps)) for spec in specs]
+    return [(spec, cache_from_spec(spec, num_steps, model=model)) for spec in specs]
 
 
 def _prompts(args: argparse.Namespace, source: ModelSource, pipeline_class: type) -> list[str | None]:
@@ -151,7 +151,7 @@ def _plan(args: argparse.Namespace) -> _Plan:
         pipeline_class=pipeline_class,
         kwargs=kwargs,
         cases=cases,
-        configs=_configs(args.configs, num_steps),
+        configs=_configs(args.configs, num_steps, source.name),
         device=device,
         dtype=resolve_dtype(args.dtype, device),
         num_steps=num_steps,

@@ -258,14 +258,16 @@ def _cases(args: argparse.Namespace, source: ModelSource, pipeline_class: type) 
     return [Case(prompt, args.seed) for prompt in prompts]
 
 
-def acceleration_options(args: argparse.Namespace, num_steps: int | None) -> dict[str, Any]:
+def acceleration_options(args: argparse.Namespace, num_steps: int | None, model: str | None = None) -> dict[str, Any]:
     """The ``fastdit.accelerate`` keyword arguments the cache and acceleration flags ask for (empty: none).
+
+    ``model`` is the model's name (:attr:`ModelSource.name`), which ``--cache calibrated`` looks its file up by.
 
     Raises:
         CLIError: On a bad value, naming the flag.
     """
     options: dict[str, Any] = {}
-    cache = cache_from_args(args, num_steps)
+    cache = cache_from_args(args, num_steps, model)
     if cache is not None:
         options["cache"] = cache
     if args.parallel is not None:
@@ -342,7 +344,7 @@ def plan_from_args(args: argparse.Namespace) -> GeneratePlan:
         raise cli_error(error) from None
     num_steps = default_steps(pipeline_class, kwargs)
     cases = _cases(args, source, pipeline_class)
-    acceleration = acceleration_options(args, num_steps)
+    acceleration = acceleration_options(args, num_steps, source.name)
     loading = loading_options(args, acceleration.get("parallel"))
     _check_step_mask(acceleration.get("cache"), num_steps)
     compare = args.compare if args.compare is not None else source.reference and bool(acceleration)

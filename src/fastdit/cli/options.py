@@ -25,7 +25,15 @@ from typing import Any
 
 import torch
 
-from fastdit.cache.presets import CACHE_PRESETS, DEFAULT_CACHE_PRESET, NO_CACHE, cache_config, get_cache_preset
+from fastdit.cache.files import default_cache_file, load_cache_file
+from fastdit.cache.presets import (
+    CACHE_PRESETS,
+    DEFAULT_CACHE_PRESET,
+    NO_CACHE,
+    cache_config,
+    get_cache_preset,
+    override_config,
+)
 from fastdit.cli import CLIError
 from fastdit.cli.fields import CALL_FLAGS, cli_error, field_message
 from fastdit.config import (
@@ -61,6 +69,7 @@ __all__ = [
     "check_size",
     "configure_threads",
     "field_error_message",
+    "is_file_spec",
     "output_path",
     "parse_parallel",
     "parse_quantize",
@@ -247,7 +256,8 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="?",
         const=DEFAULT_CACHE_PRESET,
         metavar="PRESET",
-        help=f"cache the transformer's steps; PRESET defaults to {DEFAULT_CACHE_PRESET!r} ({presets})".replace(
+        help=f"cache the transformer's steps; PRESET defaults to {DEFAULT_CACHE_PRESET!r} ({presets}); "
+        f"{FROM_FILE}PATH reads a cache file, {CALIBRATED!r} the file fastdit calibrate wrote for this model".replace(
             "%", "%%"
         ),
     )
@@ -287,8 +297,44 @@ def _is_model_name(name: str) -> bool:
     return True
 
 
-def _build(preset: str, overrides: dict[str, tuple[str, Any]], num_steps: int | None, option: str) -> Any:
+FROM_FILE = "from:"
+"""``--cache from:PATH``: the configuration a cache file holds (``fastdit calibrate`` writes them)."""
+CALIBRATED = "calibrated"
+"""``--cache calibrated``: the file ``fastdit calibrate MODEL`` wrote by default for this model and step count."""
+
+
+def is_file_spec(preset: str) -> bool:
+    """Whether a ``--cache`` value names a cache file (``from:PATH`` or ``calibrated``) rather than a preset."""
+    return preset == CALIBRATED or preset.startswith(FROM_FILE)
+
+
+def _from_file(preset: str, num_steps: int | None, option: str, model: str | None) -> tuple[Any, str]:
+    """The configuration of a cache file, and where it came from (for messages)."""
+    if preset == CALIBRATED:
+        if model is None:
+            raise CLIError(f"argument {option}: {CALIBRATED!r} needs the model the calibration was made for")
+        path = default_cache_file(model, num_steps)
+        if not path.exists():
+            raise CLIError(
+                f"argument {option}: no calibration of {model!r} for {num_steps} steps at {path}; write one with "
+                f"fastdit calibrate {model} --target-psnr 32 (or give --cache from:PATH)"
+            )
+    else:
+        path = preset.removeprefix(FROM_FILE)
+        if not path:
+            raise CLIError(f"argument {option}: {FROM_FILE}PATH needs a path")
+    try:
+        return load_cache_file(path, num_steps=num_steps).config, f"file {path}"
+    except (OSError, ValueError) as error:  # FieldError is a ValueError: a value the config refuses
+        raise CLIError(f"argument {option}: {error}") from None
+
+
+def _build(
+    preset: str, overrides: dict[str, tuple[str, Any]], num_steps: int | None, option: str, model: str | None = None
+) -> Any:
     """Apply overrides one by one so an invalid value is blamed on the flag that gave it."""
+    if is_file_spec(preset):
+        return _build_from_file(preset, overrides, num_steps, option, model)
     _check_preset(preset, option)
     applied: dict[str, Any] = {}
     config = cache_config(preset, num_steps=num_steps)
@@ -302,6 +348,23 @@ def _build(preset: str, overrides: dict[str, tuple[str, Any]], num_steps: int | 
         except FieldError as error:
             raise CLIError(f"argument {_blame(error, overrides, option)}: {error}") from None
         except ValueError as error:  # a short form cache_config cannot read: the override just applied
+            raise CLIError(f"argument {label}: {error}") from None
+    for name, (label, value) in nested.items():
+        config = _set_nested(config, _field_flag(name), label, value)
+    return config
+
+
+def _build_from_file(
+    preset: str, overrides: dict[str, tuple[str, Any]], num_steps: int | None, option: str, model: str | None
+) -> Any:
+    config, origin = _from_file(preset, num_steps, option, model)
+    nested = {name: item for name, item in overrides.items() if _field_flag(name).parent is not None}
+    for name, (label, value) in overrides.items():
+        if name in nested:
+            continue
+        try:
+            config = override_config(config, num_steps=num_steps, origin=origin, **{name: value})
+        except ValueError as error:
             raise CLIError(f"argument {label}: {error}") from None
     for name, (label, value) in nested.items():
         config = _set_nested(config, _field_flag(name), label, value)
@@ -328,8 +391,11 @@ def _set_nested(config: Any, flag: CacheFlag, label: str, value: Any) -> Any:
         raise CLIError(f"argument {label}: {error}") from None
 
 
-def cache_from_args(args: argparse.Namespace, num_steps: int | None) -> DBCache | DBPrune | None:
+def cache_from_args(args: argparse.Namespace, num_steps: int | None, model: str | None = None) -> Any:
     """The cache configuration asked for by ``--cache`` and the field flags (``None``: no cache).
+
+    ``--cache from:PATH`` reads a cache file, ``--cache calibrated`` the default file of ``model`` (the name
+    ``fastdit calibrate`` was given); field flags override what the file holds.
 
     Raises:
         CLIError: On an unknown preset, a value that does not parse, a field the preset's config lacks, or a value
@@ -351,7 +417,7 @@ def cache_from_args(args: argparse.Namespace, num_steps: int | None) -> DBCache 
         preset = DEFAULT_CACHE_PRESET
     if preset == NO_CACHE and overrides:
         raise CLIError(f"argument --cache {NO_CACHE}: cannot be combined with {', '.join(sorted(overrides))} flags")
-    return _build(preset, overrides, num_steps, f"--cache {preset}")
+    return _build(preset, overrides, num_steps, f"--cache {preset}", model)
 
 
 def _assignments(text: str) -> list[str]:
@@ -365,8 +431,10 @@ def _assignments(text: str) -> list[str]:
     return [p.strip() for p in pieces if p.strip()]
 
 
-def cache_from_spec(spec: str, num_steps: int | None, option: str = "--configs") -> DBCache | DBPrune | None:
+def cache_from_spec(spec: str, num_steps: int | None, option: str = "--configs", model: str | None = None) -> Any:
     """Read one benchmark configuration: ``PRESET``, ``PRESET,field=value,...`` or ``field=value,...``.
+
+    ``PRESET`` may also be ``from:PATH`` (a cache file) or ``calibrated`` (``model``'s default cache file).
 
     Field names are those of the config dataclasses (``fn``, ``bn``, ``threshold``, ``warmup_steps``,
     ``taylorseer``, ``step_mask``, ...); without a preset the fields override :data:`DEFAULT_CACHE_PRESET`.
@@ -396,7 +464,7 @@ def cache_from_spec(spec: str, num_steps: int | None, option: str = "--configs")
             raise CLIError(f"argument {option}: {piece!r} in {spec!r}: {error}") from None
     if preset == NO_CACHE and overrides:
         raise CLIError(f"argument {option}: {spec!r}: preset {NO_CACHE!r} takes no fields")
-    return _build(preset, overrides, num_steps, f"{option} {spec!r}")
+    return _build(preset, overrides, num_steps, f"{option} {spec!r}", model)
 
 
 def parse_parallel(text: str, num_processes: int) -> Parallel:

@@ -29,6 +29,7 @@ from fastdit.cli.options import (
     check_positive,
     check_size,
     configure_threads,
+    is_file_spec,
     resolve_device,
     resolve_dtype,
     resolve_source,
@@ -136,6 +137,8 @@ def _cache_name(args: argparse.Namespace, options: dict[str, Any]) -> str:
     if cache is None:
         return NO_CACHE
     preset = args.cache or DEFAULT_CACHE_PRESET
+    if is_file_spec(preset):  # a calibrated configuration: reports name the file
+        return preset
     return preset if cache == cache_config(preset) else "custom"
 
 
@@ -187,7 +190,7 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
         defaults = call_arguments(pipeline_class, source.defaults, overrides)
     except FieldError as error:
         raise CLIError(f"argument --steps {args.steps}: {error.requirement}") from None
-    options = acceleration_options(args, defaults.get("num_inference_steps"))
+    options = acceleration_options(args, defaults.get("num_inference_steps"), source.name)
     if process_count() > 1 and "parallel" not in options:
         raise CLIError(f"argument --parallel: a server of {process_count()} processes needs a layout, e.g. ulysses=2")
     device = resolve_device(args.device)

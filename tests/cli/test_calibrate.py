@@ -1,0 +1,123 @@
+"""``fastdit calibrate``: a configuration chosen for a target on calibration seeds, checked on held-out seeds, stored
+in a file that ``--cache from:PATH`` and ``--cache calibrated`` read back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fastdit.cache.files import CacheFile, load_cache_file, save_cache_file
+from fastdit.cli import CLIError, main
+from fastdit.cli.options import cache_from_spec
+from fastdit.config import DBCache, MagCache, TaylorSeer
+from fastdit.session import Session
+
+pytestmark = pytest.mark.usefixtures("single_process")
+
+# The reference pipeline (trained: its caches hit) at 12 steps, 2 prompts, one calibration and one held-out seed.
+SMALL = ["--steps", "12", "--prompts", "2", "--seeds", "0", "--heldout-seeds", "101", "--quiet"]
+
+
+def _last_json(text: str) -> dict[str, Any]:
+    return json.loads(text.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def calibration_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    directory = tmp_path / "calibrations"
+    monkeypatch.setenv("FASTDIT_CALIBRATION_DIR", str(directory))
+    return directory
+
+
+def test_calibrate_then_generate_from_the_file(calibration_dir: Path, capsys: Any) -> None:
+    assert main(["calibrate", "--target-psnr", "30", *SMALL, "--json"]) == 0
+    captured = capsys.readouterr()
+    path = calibration_dir / "reference-12steps.json"  # the default file of --cache calibrated
+    payload = _last_json(captured.out)
+    assert payload["path"] == str(path)
+    assert "Chosen:" in captured.err and "| held-out |" in captured.err and "| calibration |" in captured.err
+    loaded = load_cache_file(path, num_steps=12)
+    assert isinstance(loaded.config, (DBCache, MagCache)) and loaded.model == "reference"
+    chosen = loaded.provenance["calibration"]
+    assert chosen["psnr_min"] >= 31 and chosen["ssim_min"] >= 0.9 and chosen["blocks_computed_fraction"] < 1
+    assert loaded.provenance["heldout"]["name"] == chosen["name"]  # the same configuration, on unseen seeds
+    candidates = loaded.provenance["candidates"]
+    assert chosen["name"] in [c["name"] for c in candidates]
+    assert all(c["blocks_computed_fraction"] >= chosen["blocks_computed_fraction"]
+               for c in candidates if c["psnr_min"] >= 31 and c["ssim_min"] >= 0.9)  # fmt: skip
+
+    for spec in ("calibrated", f"from:{path}"):
+        assert (
+            main(["generate", "--steps", "12", "--cache", spec, "--json", "--out", str(calibration_dir / "x.png")]) == 0
+        )
+        out = _last_json(capsys.readouterr().out)
+        assert out["acceleration"]["cache"]["type"] == type(loaded.config).__name__
+        assert out["acceleration"]["cache"]["threshold"] == loaded.config.threshold
+        assert out["blocks_computed_fraction"] < 1
+
+    assert main(["generate", "--steps", "10", "--cache", "calibrated", "--out", str(calibration_dir / "y.png")]) == 2
+    err = capsys.readouterr().err
+    assert "no calibration of 'reference' for 10 steps" in err and "fastdit calibrate" in err
+    assert main(["generate", "--steps", "10", "--cache", f"from:{path}", "--out", str(calibration_dir / "y.png")]) == 2
+    assert "chosen on runs of num_steps=12, asked to serve num_steps=10" in capsys.readouterr().err
+
+
+def test_speedup_target(tmp_path: Path, capsys: Any) -> None:
+    out = tmp_path / "fast.json"
+    assert main(["calibrate", "--target-speedup", "2", "--policies", "dbcache", *SMALL, "--out", str(out)]) == 0
+    loaded = load_cache_file(out)
+    assert isinstance(loaded.config, DBCache) and loaded.provenance["calibration"]["blocks_computed_fraction"] <= 0.5
+
+
+def test_unreachable_target_writes_nothing(tmp_path: Path, capsys: Any) -> None:
+    out = tmp_path / "never.json"
+    argv = ["calibrate", "--target-speedup", "50", "--policies", "dbcache", *SMALL, "--out", str(out)]
+    assert main(argv) == 1
+    assert "No configuration met the target." in capsys.readouterr().out and not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--target-speedup", "0.5"], "argument --target-speedup: Target.speedup=0.5"),
+        (["--target-psnr", "30", "--ssim-min", "1.5"], "argument --ssim-min"),
+        (["--target-psnr", "30", "--margin", "-1"], "argument --margin"),
+        (["--target-psnr", "30", "--policies", "teacache"], "argument --policies teacache"),
+        (["--target-psnr", "30", "--policies", "dbcache,dbcache"], "argument --policies"),
+        (["--target-psnr", "30", "--heldout-seeds", "0"], "seeds [0] are calibration seeds too"),
+        (["--target-psnr", "30", "--seeds", "x"], "argument --seeds x"),
+        (["--target-psnr", "30", "--prompts", "0"], "--prompts"),
+    ],
+)
+def test_bad_input_exits_2_before_loading(
+    argv: list[str], needle: str, tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(Session, "load", lambda *_, **__: pytest.fail("loaded before checking the arguments"))
+    assert main(["calibrate", *argv, "--out", str(tmp_path / "c.json")]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_one_target_is_required(capsys: Any) -> None:
+    for argv, needle in (([], "is required"), (["--target-psnr", "30", "--target-speedup", "2"], "not allowed")):
+        assert main(["calibrate", *argv]) == 2
+        assert needle in capsys.readouterr().err
+
+
+def test_file_specs_take_field_overrides(tmp_path: Path) -> None:
+    config = DBCache(fn=1, bn=0, threshold=0.3, taylorseer=TaylorSeer(order=2, variable="timestep"))
+    path = save_cache_file(tmp_path / "c.json", CacheFile(config, "flux", 28))
+    assert cache_from_spec(f"from:{path}", 28) == config
+    assert cache_from_spec(f"from:{path},threshold=0.5", 28) == DBCache(
+        fn=1, bn=0, threshold=0.5, taylorseer=TaylorSeer(order=2, variable="timestep")
+    )
+    with pytest.raises(CLIError, match="max_skip_steps"):
+        cache_from_spec(f"from:{path},max_skip_steps=2", 28)  # not a cache flag field
+    with pytest.raises(CLIError, match="chosen on runs of num_steps=28"):
+        cache_from_spec(f"from:{path}", 20)
+    with pytest.raises(CLIError, match="no such file"):
+        cache_from_spec(f"from:{tmp_path / 'missing.json'}", 28)
+    with pytest.raises(CLIError, match="needs a path"):
+        cache_from_spec("from:", 28)
