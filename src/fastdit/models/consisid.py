@@ -154,10 +154,13 @@ CP_PLAN = ContextParallelPlan(
         "": {"image_rotary_emb": SplitInput(dim=0, expected_dims=2)},
         "transformer_blocks.0": streams(),
     },
-    gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
+    # After the loop forward concatenates [text, video], normalises and drops the first text_seq_length tokens, a
+    # global length: both streams are gathered where the last block returns them.
+    gather={"transformer_blocks.-1": GatherOutput(dim=1, expected_dims=3, index=(0, 1))},
     attention=AttentionRouting(sdpa_modules=("diffusers.models.attention_processor",)),
-    notes="CogVideoX's split: both streams at the first block, the video RoPE tables at the root; the face "
-    "cross-attention between blocks attends from the local video tokens to the whole face tokens.",
+    notes="CogVideoX's split: both streams at the first block, the video RoPE tables at the root, both gathered "
+    "after the last block (forward drops the text by its global length); the face cross-attention between blocks "
+    "attends from the local video tokens to the whole face tokens.",
 )
 
 # Tensor parallelism: CogVideoX's (joint attention and FFN split, heads divided, per-head QK-norms replicated,
