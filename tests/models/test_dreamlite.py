@@ -11,7 +11,6 @@ _STEPS = 3
 
 def _bare_transformer():
     from diffusers.models.transformers.transformer_2d_dreamlite import DreamLiteTransformer2DModel
-
     from diffusers.models.unets.unet_dreamlite import DreamLiteAttnProcessor2_0
 
     from fastdit.testing.components.encoders import build

@@ -1,7 +1,7 @@
 """OmniGen's multimodal processor without torchvision (the tiny OmniGen pipelines).
 
 ``OmniGenPipeline.__init__`` wraps its tokenizer in ``OmniGenMultiModalProcessor``, which diffusers defines only
-when torchvision is installed (its image transform is a torchvision ``Compose``). :class:`LocalOmniGenProcessor` is
+when torchvision is installed (its image transform is a torchvision ``Compose``). :func:`local_processor_class` is
 that processor with the same transform written in torch: OmniGen's crop to multiples of 16 pixels, then
 ``ToTensor`` (HWC bytes to CHW floats in [0, 1]) and ``Normalize(0.5, 0.5)``. Prompt handling, placeholders, masks,
 positions and padding are the processor's own (inherited).
@@ -9,9 +9,10 @@ positions and padding are the processor's own (inherited).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
-__all__ = ["LocalOmniGenProcessor", "omnigen_pipeline"]
+__all__ = ["local_processor_class", "omnigen_pipeline"]
 
 
 def _processor_base() -> type:
@@ -36,7 +37,10 @@ class _Transform:
         return tensor.sub(0.5).div(0.5)
 
 
-def _local_processor_class() -> type:
+@functools.cache
+def local_processor_class() -> type:
+    """``LocalOmniGenProcessor``: diffusers' ``OmniGenMultiModalProcessor`` with a torch image transform (built on
+    first use: the base class is imported from diffusers then)."""
     base = _processor_base()
 
     class LocalOmniGenProcessor(base):  # type: ignore[misc, valid-type]
@@ -54,14 +58,8 @@ def _local_processor_class() -> type:
             self.max_image_size = max_image_size
             self.image_transform = _Transform(max_image_size)
 
+    LocalOmniGenProcessor.__module__ = __name__
     return LocalOmniGenProcessor
-
-
-def __getattr__(name: str) -> Any:
-    # Built on first use: the base class lives in diffusers, imported only when a test asks for it.
-    if name == "LocalOmniGenProcessor":
-        return _local_processor_class()
-    raise AttributeError(name)
 
 
 def omnigen_pipeline(**components: Any) -> Any:
@@ -77,5 +75,5 @@ def omnigen_pipeline(**components: Any) -> Any:
     if hasattr(pipeline_omnigen, "OmniGenMultiModalProcessor"):
         return OmniGenPipeline(**components)
     # The name the pipeline's __init__ looks up, provided for that call only.
-    with mock.patch.object(pipeline_omnigen, "OmniGenMultiModalProcessor", _local_processor_class(), create=True):
+    with mock.patch.object(pipeline_omnigen, "OmniGenMultiModalProcessor", local_processor_class(), create=True):
         return OmniGenPipeline(**components)
