@@ -91,7 +91,8 @@ def _components(seed: int) -> dict:
 
     from fastdit.testing.components.qwen3_vl import qwen3_vl_generation_model, qwen3_vl_processor
 
-    text_encoder, tokenizer = qwen3_vl_generation_model(hidden_size=_TEXT_DIM, seed=seed)
+    # One decoder layer: the pipelines read the last hidden states, and the chat template makes the prompts long.
+    text_encoder, tokenizer = qwen3_vl_generation_model(hidden_size=_TEXT_DIM, num_layers=1, seed=seed)
     return {
         "text_encoder": text_encoder,
         "tokenizer": tokenizer,
@@ -188,11 +189,12 @@ ADAPTER = register(
         ),
         tp_plan=TP_PLAN,
         tiny_pipelines=(
+            # One per pipeline class: the base pipeline's text-to-image (batched CFG) and the mobile pipeline's
+            # editing (the processor's image-and-text prompt, the condition image beside the latent).
             TinyPipeline(name="t2i", build=tiny_dreamlite, call_kwargs={**_CALL, "guidance_scale": 3.5}),
-            TinyPipeline(name="mobile", build=tiny_dreamlite_mobile, call_kwargs=_CALL),
             TinyPipeline(
-                name="edit",
-                build=tiny_dreamlite,
+                name="mobile-edit",
+                build=tiny_dreamlite_mobile,
                 call_kwargs=LazyKwargs({**_CALL, "prompt": "make it red", "image": tiny_image(_SIZE)}),
             ),
         ),
