@@ -33,13 +33,14 @@ _VIT_TOKENS = 5
 _NUM_SCALE = 2  # id_vit_hidden holds one tensor per scale
 
 
-def tiny_transformer(seed: int = 0, *, face: bool = True):
-    """A 4-block ``ConsisIDTransformer3DModel`` with 3-D RoPE (ConsisID-preview's layout).
+def tiny_transformer(seed: int = 0, *, face: bool = True, rope: bool = True):
+    """A 4-block ``ConsisIDTransformer3DModel`` (with both options: ConsisID-preview's layout).
 
     Args:
         seed: RNG seed.
         face: Build the local facial extractor and the perceiver cross-attentions (``is_train_face``); four blocks
             with interval 2 give two of them (blocks 0 and 2).
+        rope: 3-D rotary embeddings from the pipeline; otherwise sin-cos positions added in the patch embedding.
     """
     from diffusers import ConsisIDTransformer3DModel
 
@@ -60,7 +61,7 @@ def tiny_transformer(seed: int = 0, *, face: bool = True):
         sample_frames=9,
         patch_size=2,
         max_text_seq_length=_TEXT_LEN,
-        use_rotary_positional_embeddings=True,
+        use_rotary_positional_embeddings=rope,
         use_learned_positional_embeddings=False,
         is_train_face=face,
         is_kps=False,
