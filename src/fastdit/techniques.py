@@ -129,10 +129,11 @@ class _Quantize:
                 raise ArgumentError("accelerate", "quantize", request.quantize, f"{item.name}: {error}") from error
 
     def apply(self, context: Context) -> None:
+        from fastdit.models.validate import concrete_groups
         from fastdit.quantize import apply_quantize
 
         for item in context.components.denoisers:
-            groups = item.adapter.block_groups
+            groups = concrete_groups(item.module, item.adapter.block_groups)  # '*' paths made concrete
             paths = tuple(g.path for g in groups) + tuple(g.interleaved.path for g in groups if g.interleaved)
             applied = apply_quantize(item.module, context.request.quantize, paths)
             context.add(self.name, item.name, applied.undo, applied.state)

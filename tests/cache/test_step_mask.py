@@ -101,7 +101,9 @@ def test_every_family_runs_its_mask_and_refuses_a_longer_run_up_front(family: st
     def steps_of(count: int) -> dict:
         return scaled_steps(tiny, count, steps) if "sigmas" in tiny.call_kwargs else {"num_inference_steps": count}
 
-    transformer = next(m for name, m in pipe.components.items() if name.startswith("transformer") and m is not None)
+    # The denoiser named transformer (Ideogram 4 has two), else the pipeline's one denoiser (DreamLite's unet).
+    named = (m for name, m in pipe.components.items() if name.startswith("transformer") and m is not None)
+    transformer = next(named, None) or walk(pipe).denoisers[0].module
     calls = _count_calls(transformer)
     fastdit.accelerate(pipe, cache=_cache(fastdit.StepMask.preset("fast", steps)))
     # A run's length is known up front from the scheduler's timesteps when one denoiser runs the whole schedule;

@@ -9,7 +9,7 @@ import torch
 
 import fastdit
 from fastdit.diagnostics.decide import main_attention
-from fastdit.diagnostics.inspect import inspect_target
+from fastdit.diagnostics.inspect import declared_groups, inspect_target
 from fastdit.diagnostics.report import render_text
 from fastdit.diagnostics.target import TargetError
 from fastdit.models.registry import all_adapters
@@ -22,8 +22,8 @@ _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
 TOY = "tests.diagnostics.toy_mmdit:ToyMMDiT"
 
 
-def _declared(adapter):
-    for group in adapter.block_groups:
+def _declared(adapter, report):
+    for group in declared_groups(adapter, [g.path for g in report.groups]):
         yield group
         if group.interleaved is not None:
             yield group.interleaved
@@ -53,7 +53,7 @@ def test_detected_patterns_and_heads_match_the_adapter(family: str) -> None:
     report = report_for(family)
     assert report.forward_error is None, report.forward_error
     assert report.structure_note is None, report.structure_note
-    for group in _declared(adapter):
+    for group in _declared(adapter, report):
         found = report.group(group.path)
         assert found.pattern == group.pattern.value, (group.path, found.evidence)
         assert found.hidden_arg == group.hidden_arg, group.path

@@ -23,8 +23,8 @@ from fastdit.diagnostics.family_ladder import (
     cached_call_overrides,
     run_family_ladder,
 )
-from fastdit.models.base import resolve_attr
 from fastdit.models.registry import adapter_for, all_adapters, get_family
+from fastdit.models.validate import block_lists
 from fastdit.testing.distributed import WorkerPool
 from fastdit.testing.pipelines import build_tiny
 
@@ -57,7 +57,7 @@ def _num_blocks(family: str, variant: str) -> int:
     for component in pipe.components.values():
         if not isinstance(component, torch.nn.Module) or adapter_for(component) is None:
             continue
-        counts.append(sum(len(resolve_attr(component, g.path)) for g in adapter_for(component).block_groups))
+        counts.append(sum(len(blocks) for _, blocks in block_lists(component, adapter_for(component))))
     return min(counts)
 
 

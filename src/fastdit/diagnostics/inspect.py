@@ -10,13 +10,16 @@ proposes one. :mod:`~fastdit.diagnostics.report` renders the result.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import re
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
+from fastdit.attrs import is_pattern
 from fastdit.diagnostics.decide import Decision, cp_decision, divisibility, main_attention, tp_decision
 from fastdit.diagnostics.patterns import (
     GroupFinding,
@@ -30,7 +33,7 @@ from fastdit.diagnostics.structure import HEAD_COUNTS, AttentionFacts, LinearFac
 from fastdit.diagnostics.synth import TIME_ARGS, forward_setup
 from fastdit.diagnostics.target import ForwardSetup, Target, build_meta, example_setup, resolve_target
 from fastdit.diagnostics.trace import Trace, block_list_paths, trace_forward
-from fastdit.models.base import ForwardPattern, ModelAdapter, qualified_name, resolve_attr
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, qualified_name, resolve_attr
 
 __all__ = ["InspectReport", "inspect_target"]
 
@@ -164,9 +167,10 @@ def inspect_resolved(target: Target, setup: ForwardSetup | None = None) -> Inspe
     report.groups = [detect_group(trace, p, resolve_attr(model, p)) for p in block_list_paths(model)]
     report.main_groups = _main_groups(structure, report.groups, trace)
     declared = report.main_groups
-    if target.adapter:
-        declared = [p for g in target.adapter.block_groups for p in (g.path, g.interleaved and g.interleaved.path) if p]
     findings = {g.path: g for g in report.groups}
+    if target.adapter:
+        groups = declared_groups(target.adapter, findings)
+        declared = [p for g in groups for p in (g.path, g.interleaved and g.interleaved.path) if p]
     report.loop_body = loop_body_changes(trace, findings, [p for p in declared if p in findings])
     report.loop_body_index = index_dependence(report.loop_body, findings)
     report.modulation = modulation_linears(structure, trace.linear_inputs)
@@ -220,10 +224,27 @@ def inline_attention(trace: Trace, structure: torch.nn.Module) -> list[Attention
     return list(found.values())
 
 
+def declared_groups(adapter: ModelAdapter, found: Collection[str]) -> list[BlockGroup]:
+    """The adapter's block groups as they apply to a model whose block lists are ``found`` (their paths): a ``*``
+    path stands for each found list it matches, an optional list that was not found is left out."""
+    out: list[BlockGroup] = []
+    for group in adapter.block_groups:
+        if is_pattern(group.path):
+            parts = group.path.split(".")
+            for path in found:
+                names = path.split(".")
+                if len(names) == len(parts) and all(p in ("*", n) for p, n in zip(parts, names, strict=True)):
+                    out.append(dataclasses.replace(group, path=path))
+        elif not (group.optional and group.path not in found):
+            out.append(group)
+    return out
+
+
 def _compare_groups(report: InspectReport, adapter: ModelAdapter) -> list[str]:
     found = {g.path: g for g in report.groups}
     lines = []
-    for group in adapter.block_groups:
+    groups = declared_groups(adapter, found)
+    for group in groups:
         for declared in (group, group.interleaved) if group.interleaved else (group,):
             seen = found.get(declared.path)
             if seen is None or seen.pattern is None:
@@ -240,9 +261,7 @@ def _compare_groups(report: InspectReport, adapter: ModelAdapter) -> list[str]:
                 + (f", {seen.encoder_arg}" if seen.encoder_arg else "")
                 + ")"
             )
-    declared_paths = {g.path for g in adapter.block_groups} | {
-        g.interleaved.path for g in adapter.block_groups if g.interleaved
-    }
+    declared_paths = {g.path for g in groups} | {g.interleaved.path for g in groups if g.interleaved}
     for path in report.main_groups:
         if path not in declared_paths:
             lines.append(f"note: {path} looks like a block list the adapter does not declare")

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fastdit.attrs import resolve_attr
+from fastdit.attrs import is_pattern, resolve_attr
 
 if TYPE_CHECKING:
     from fastdit.parallel.plan import ContextParallelPlan
@@ -91,17 +91,23 @@ class BlockGroup:
     """One list of transformer blocks (a ``ModuleList`` attribute) and how its blocks are called.
 
     Attributes:
-        path: Dotted attribute path from the transformer to the ``ModuleList`` (e.g. ``"transformer_blocks"``).
+        path: Dotted attribute path from the transformer to the ``ModuleList`` (e.g. ``"transformer_blocks"``). A
+            path with ``*`` components (``"down_blocks.*.attentions.*.transformer_blocks"``) stands for every
+            ``ModuleList`` it matches, each a block list of its own with this group's pattern and arguments, in
+            module order; it may match none (a UNet whose transformer stacks depend on its config).
         pattern: The blocks' :class:`ForwardPattern`.
         hidden_arg: Name of the hidden-states parameter in the block's ``forward``.
         encoder_arg: Name of the encoder-states parameter (patterns 0-2 only).
         interleaved: Another block list whose block ``i`` the model's loop runs right after block ``i`` of this one
             (e.g. Latte's temporal blocks between its spatial blocks). It is not a cache group of its own: a cached
             step that passes block ``i`` of this list through passes block ``i`` of that list through too, since the
-            segment's cached residual replaces whatever it computed. Same length as this list.
+            segment's cached residual replaces whatever it computed. Same length as this list. Not with a ``*`` path.
         pattern_overrides: Blocks of this list that are called or return differently from the others, by index
             (negative counts from the end), e.g. ``{-1: ForwardPattern.P2}`` for a last block that returns only the
             hidden states while the others return ``(encoder, hidden)``. Given as a mapping; kept as sorted pairs.
+        optional: The list may be missing from some transformers the adapter serves (a family serving both a UNet
+            and the bare transformer its stacks are made of): skipped where :attr:`path` does not exist. A
+            transformer must still have at least one block list.
     """
 
     path: str
@@ -110,6 +116,7 @@ class BlockGroup:
     encoder_arg: str = "encoder_hidden_states"
     interleaved: BlockGroup | None = None
     pattern_overrides: Mapping[int, ForwardPattern] | tuple[tuple[int, ForwardPattern], ...] = ()
+    optional: bool = False
 
     def __post_init__(self) -> None:
         if not self.path or any(not part for part in self.path.split(".")):
@@ -117,6 +124,10 @@ class BlockGroup:
         object.__setattr__(self, "pattern", ForwardPattern(self.pattern))
         if self.interleaved is not None and self.interleaved.interleaved is not None:
             raise ValueError(f"BlockGroup.interleaved of {self.path!r}: an interleaved list cannot nest another")
+        if self.interleaved is not None and (is_pattern(self.path) or is_pattern(self.interleaved.path)):
+            raise ValueError(f"BlockGroup.interleaved of {self.path!r}: not with a '*' path (lists pair one to one)")
+        if not isinstance(self.optional, bool):
+            raise ValueError(f"BlockGroup.optional={self.optional!r} of {self.path!r}: expected a bool")
         items = (
             self.pattern_overrides.items() if isinstance(self.pattern_overrides, Mapping) else self.pattern_overrides
         )

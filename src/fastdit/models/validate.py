@@ -7,6 +7,7 @@ block receives and returns during a real forward and compare it with the declare
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from typing import Any
 
 import torch
 
+from fastdit.attrs import expand_path, is_pattern
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, resolve_attr
 
 __all__ = [
@@ -23,6 +25,7 @@ __all__ = [
     "block_lists",
     "check_adapter",
     "check_block_call",
+    "concrete_groups",
     "probe_patterns",
     "resolve_block_groups",
     "resolve_interleaved",
@@ -41,16 +44,47 @@ def block_lists(transformer: torch.nn.Module, adapter: ModelAdapter) -> list[tup
 def resolve_block_groups(
     transformer: torch.nn.Module, groups: Sequence[BlockGroup], owner: str
 ) -> list[tuple[BlockGroup, torch.nn.ModuleList]]:
-    """Resolve ``groups`` on ``transformer`` (``owner`` names the family in errors)."""
-    return [(group, _resolve_list(transformer, group, owner)) for group in groups]
+    """Resolve ``groups`` on ``transformer`` (``owner`` names the family in errors).
+
+    A group with a ``*`` path becomes one group per ``ModuleList`` it matches (its path made concrete), an optional
+    group whose path does not exist none; every other group is exactly one, in declaration order.
+    """
+    return [(group, _resolve_list(transformer, group, owner)) for group in concrete_groups(transformer, groups)]
+
+
+def concrete_groups(transformer: torch.nn.Module, groups: Sequence[BlockGroup]) -> list[BlockGroup]:
+    """``groups`` with each ``*`` path expanded to the lists it matches and each missing optional list left out."""
+    out: list[BlockGroup] = []
+    for group in groups:
+        if is_pattern(group.path):
+            matched = [name for name in expand_path(transformer, group.path) if _is_list(transformer, name)]
+            out += [dataclasses.replace(group, path=name) for name in matched]
+        elif group.optional and not _exists(transformer, group.path):
+            continue
+        else:
+            out.append(group)
+    return out
+
+
+def _exists(transformer: torch.nn.Module, path: str) -> bool:
+    try:
+        resolve_attr(transformer, path)
+    except (AttributeError, IndexError):
+        return False
+    return True
+
+
+def _is_list(transformer: torch.nn.Module, path: str) -> bool:
+    return isinstance(resolve_attr(transformer, path), torch.nn.ModuleList)
 
 
 def resolve_interleaved(
     transformer: torch.nn.Module, groups: Sequence[BlockGroup], owner: str
 ) -> list[tuple[BlockGroup, torch.nn.ModuleList] | None]:
-    """Per group, its :attr:`BlockGroup.interleaved` list resolved (``None`` where it has none)."""
+    """Per resolved group (as :func:`resolve_block_groups` lists them), its :attr:`BlockGroup.interleaved` list
+    resolved (``None`` where it has none)."""
     out: list[tuple[BlockGroup, torch.nn.ModuleList] | None] = []
-    for group in groups:
+    for group in concrete_groups(transformer, groups):
         if group.interleaved is None:
             out.append(None)
             continue
@@ -89,7 +123,10 @@ def check_adapter(transformer: torch.nn.Module, adapter: ModelAdapter) -> None:
         AdapterError: naming the family, the group path and the missing piece.
     """
     if not any(len(blocks) for _, blocks in block_lists(transformer, adapter)):
-        raise AdapterError(f"{adapter.family}: every block group of {type(transformer).__name__} is empty")
+        raise AdapterError(
+            f"{adapter.family}: {type(transformer).__name__} has no blocks in the block groups "
+            f"{[g.path for g in adapter.block_groups]}"
+        )
     for group, blocks in block_lists(transformer, adapter):
         try:
             kinds = {(type(b), group.pattern_at(i, len(blocks))): b for i, b in enumerate(blocks)}

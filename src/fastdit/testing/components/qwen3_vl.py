@@ -13,15 +13,22 @@ from fastdit.testing.components.decoder_lm import decoder_lm_kwargs, vision_toke
 from fastdit.testing.components.encoders import build
 from fastdit.testing.components.qwen3 import qwen3_tokenizer
 
-__all__ = ["image_only_processor_class", "qwen3_vl_model", "qwen3_vl_processor"]
+__all__ = [
+    "image_only_processor_class",
+    "qwen3_vl_config",
+    "qwen3_vl_generation_model",
+    "qwen3_vl_model",
+    "qwen3_vl_processor",
+]
 
 
-def qwen3_vl_model(hidden_size: int = 32, num_layers: int = 2, seed: int = 0):
-    """``(Qwen3VLModel, Qwen2TokenizerFast)``: 2 query heads over 1 KV head of 16, interleaved M-RoPE (2, 3, 3)."""
-    from transformers import Qwen3VLConfig, Qwen3VLModel
+def qwen3_vl_config(hidden_size: int = 32, num_layers: int = 2):
+    """A ``Qwen3VLConfig`` for :func:`qwen3_tokenizer`: 2 query heads over 1 KV head of 16, interleaved M-RoPE
+    (2, 3, 3), a one-block vision tower."""
+    from transformers import Qwen3VLConfig
 
     tok = qwen3_tokenizer()
-    config = Qwen3VLConfig(
+    return Qwen3VLConfig(
         text_config=decoder_lm_kwargs(
             tok,
             hidden_size,
@@ -44,7 +51,22 @@ def qwen3_vl_model(hidden_size: int = 32, num_layers: int = 2, seed: int = 0):
         },
         **vision_token_ids(tok),
     )
-    return build(Qwen3VLModel, config, seed=seed), tok
+
+
+def qwen3_vl_model(hidden_size: int = 32, num_layers: int = 2, seed: int = 0):
+    """``(Qwen3VLModel, Qwen2TokenizerFast)`` of :func:`qwen3_vl_config`."""
+    from transformers import Qwen3VLModel
+
+    return build(Qwen3VLModel, qwen3_vl_config(hidden_size, num_layers), seed=seed), qwen3_tokenizer()
+
+
+def qwen3_vl_generation_model(hidden_size: int = 32, num_layers: int = 2, seed: int = 0):
+    """``(Qwen3VLForConditionalGeneration, Qwen2TokenizerFast)`` of :func:`qwen3_vl_config` (DreamLite's encoder:
+    the pipelines read its last hidden states)."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    config = qwen3_vl_config(hidden_size, num_layers)
+    return build(Qwen3VLForConditionalGeneration, config, seed=seed), qwen3_tokenizer()
 
 
 @cache
