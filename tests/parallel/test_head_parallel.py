@@ -194,3 +194,32 @@ def test_block_mask_reaching_routed_attention_is_refused() -> None:
     q = torch.randn(1, 128, 2, 8)
     with pytest.raises(ValueError, match=r"BlockMask .* AttentionRouting\.head_parallel"):
         ContextParallelAttention(cp_group=None)(q, q, q, attn_mask=mask)
+
+
+# Tensor parallelism first divides the heads (the exchange sees a TP shard's heads; its output hook must run before
+# TP's input hook on the output projection), USP exchanges and gathers; compiled blocks trace around the exchanges.
+MESH_SPECS = {
+    "tp2-ulysses2": {"tp": 2, "ulysses": 2},
+    "tp2-ring2": {"tp": 2, "ring": 2},
+    "usp": {"ulysses": 2, "ring": 2},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize(("family", "variant"), [("qwenimage21", "t2i"), ("kandinsky6_sr", "vsr")])
+def test_head_parallel_with_tensor_parallel_and_usp(dist4: WorkerPool, family: str, variant: str) -> None:
+    from fastdit.diagnostics.family_ladder import RungSpec, assert_rows, run_family_ladder
+
+    specs = [RungSpec(name, parallel) for name, parallel in MESH_SPECS.items()]
+    assert_rows(dist4.run(run_family_ladder, family, variant, specs, timeout=600))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_head_parallel_in_compiled_blocks_with_cache(dist2: WorkerPool) -> None:
+    from fastdit.diagnostics.family_ladder import RungSpec, assert_rows, cached_call_overrides, run_family_ladder
+
+    specs = [RungSpec("ulysses2-cache-bn1-compiled", {"ulysses": 2}, cache_bn=1, compile=True)]
+    overrides = cached_call_overrides("qwenimage21", "t2i")
+    assert_rows(dist2.run(run_family_ladder, "qwenimage21", "t2i", specs, overrides, timeout=600))

@@ -192,7 +192,9 @@ def install_head_parallel(
         def to_tokens(mod: torch.nn.Module, args: tuple, *, where: str = f"{path}.{spec.output}") -> tuple:
             return (exchange.to_tokens(args[0], current(where), where), *args[1:])
 
-        handles.append(module.get_submodule(spec.output).register_forward_pre_hook(to_tokens))
+        # Before any other pre-hook of the output projection: tensor parallelism's turns its input into a DTensor
+        # sharded over the heads, which must see this rank's tokens with all of its (TP-local) heads.
+        handles.append(module.get_submodule(spec.output).register_forward_pre_hook(to_tokens, prepend=True))
 
     def undo() -> None:
         for handle in handles:
