@@ -72,8 +72,12 @@ def test_layouts_fill_the_world_or_say_what_they_need() -> None:
 
 
 def test_component_rungs_ride_on_the_plan_the_family_has() -> None:
-    latte = next(r for r in LADDER if r.name == "vaep").build(LadderContext(2, (get_family("latte"),)))
-    assert latte["parallel"] == fastdit.Parallel(tp=2, vae=True)  # latte has no CP plan
+    from dataclasses import replace
+
+    vaep = next(r for r in LADDER if r.name == "vaep")
+    assert vaep.build(LadderContext(2, (get_family("latte"),)))["parallel"] == fastdit.Parallel(ulysses=2, vae=True)
+    without_cp = replace(get_family("latte"), cp_plan=None)
+    assert vaep.build(LadderContext(2, (without_cp,)))["parallel"] == fastdit.Parallel(tp=2, vae=True)
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ from __future__ import annotations
 from fastdit.models._lazy import Deferred, LazyKwargs
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, HeadParallel, SplitInput
 from fastdit.parallel.tp_plan import TensorParallelPlan
 from fastdit.parallel.tp_shapes import attention, feed_forward, modulation, under
 
@@ -79,6 +80,27 @@ def _video(seed: int) -> list:
 
 _CALL = LazyKwargs({"video": Deferred(_video, (1,)), "resolution_scale": 2, "num_inference_steps": 2})
 
+# Context parallelism: forward orders the tokens in 8 x 8 spatial groups and computes the RoPE table and the
+# sliding-tile prior over the whole grid, so the tokens are split at the first block and gathered after the last
+# (before forward merges the groups back into the grid). Every self-attention builds its NABLA BlockMask from block
+# averages of its queries and keys over the whole sequence, so it is head-parallel: q/k/v leave to_query/to_key/
+# to_value as the whole sequence of this rank's heads (num_heads, which the processor unflattens with, holds the
+# rank's share meanwhile), the processor builds exactly those heads' masks as on one device, with the RoPE table and
+# the prior whole, and out_layer takes the result back to the rank's tokens.
+CP_PLAN = ContextParallelPlan(
+    inputs={"visual_transformer_blocks.0": {"hidden_states": SplitInput(dim=1, expected_dims=3)}},
+    gather={"visual_transformer_blocks.-1": GatherOutput(dim=1, expected_dims=3)},
+    attention=AttentionRouting(
+        head_parallel={
+            "visual_transformer_blocks.*.self_attention": HeadParallel(
+                inputs=("to_query", "to_key", "to_value"), output="out_layer", heads="num_heads", divide=("num_heads",)
+            )
+        }
+    ),
+    notes="Tokens (in NABLA's 8 x 8 group order) split at the first block, gathered after the last; self-attention "
+    "head-parallel: each rank builds its heads' NABLA BlockMasks from the whole sequence.",
+)
+
 # Tensor parallelism: the self-attention by heads (to_query/to_key/to_value column-wise, out_layer row-wise,
 # num_heads divided); the NABLA mask is computed per head from that head's pooled queries and keys, so each rank
 # builds exactly its heads' masks, and the QK-norms (over head_dim) and RoPE stay whole. FFN (GELU) split; the AdaLN
@@ -102,6 +124,7 @@ ADAPTER = register(
         family="kandinsky6_sr",
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="visual_transformer_blocks", pattern=ForwardPattern.P3),),
+        cp_plan=CP_PLAN,
         tp_plan=TP_PLAN,
         cfg_parallel=False,
         tiny_pipelines=(TinyPipeline(name="vsr", build=tiny_kandinsky6_sr, call_kwargs=_CALL),),
@@ -115,11 +138,11 @@ ADAPTER = register(
         ),
         notes=(
             "One run per tile (the pipeline restarts the schedule for every tile), one call per step; the pipeline "
-            "has no latent output type. No context-parallel plan: every self-attention builds its NABLA block mask "
-            "inside the processor, from block averages of the queries and keys over the whole sequence, before "
-            "attention is dispatched, and hands flex attention a BlockMask; a rank holding a shard would build its "
-            "mask from its own tokens only, and context-parallel attention takes tensor masks, not BlockMasks. No "
-            "CFG parallelism: the pipeline has no guidance (one transformer call per step)."
+            "has no latent output type. Context parallelism splits the tokens at the first block; every "
+            "self-attention builds its NABLA BlockMask inside the processor from block averages of the queries and "
+            "keys over the whole sequence, so it is head-parallel (`AttentionRouting.head_parallel`): each rank runs "
+            "the processor on the whole sequence of its heads and builds exactly their masks. No CFG parallelism: "
+            "the pipeline has no guidance (one transformer call per step)."
         ),
     )
 )

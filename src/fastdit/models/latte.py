@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.parallel.tp_plan import TensorParallelPlan
 from fastdit.parallel.tp_shapes import attention, feed_forward, under
 
@@ -78,6 +79,30 @@ def tiny_t2v(seed: int = 0):
     )
 
 
+# Context parallelism splits the N tokens of every frame. forward patch-embeds (with sin-cos positions) before the
+# loop, so the split is at the first spatial block's input, (B·F, N, D) on dim 1. The spatial self-attention over a
+# frame's tokens is context-parallel; its cross-attention reads the whole, replicated prompt (local). The loop reshapes
+# the rank's (B·F, N_local, D) shard to (B·N_local, F, D) for the temporal blocks, whose attention over the frames of
+# one token position is whole on the rank (local), and whose temporal position table (1, F, D) broadcasts over the
+# rows. Their timestep, repeated in forward to (B·N, 6·D) from the full N, is split group by group: each sample's N
+# rows as the spatial tokens were (`groups_of`). The output is gathered after proj_out, before unpatchify.
+CP_PLAN = ContextParallelPlan(
+    inputs={
+        "transformer_blocks.0": {"hidden_states": SplitInput(dim=1, expected_dims=3)},
+        "temporal_transformer_blocks.*": {
+            "timestep": SplitInput(dim=0, expected_dims=2, groups_of="hidden_states"),
+        },
+    },
+    gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
+    attention=AttentionRouting(
+        sdpa_modules=("diffusers.models.attention_processor",),
+        local=("transformer_blocks.*.attn2", "temporal_transformer_blocks"),
+    ),
+    notes="Each frame's tokens split at transformer_blocks.0 (positions added before); the temporal blocks' "
+    "(B·N, 6·D) timestep split per sample (`groups_of`); cross-attention and the temporal attention over frames "
+    "are local.",
+)
+
 # Tensor parallelism: both block lists use AttnProcessor2_0, which views q/k/v with attn.heads, so every attention's
 # heads are divided and its q/k/v split by heads (to_out row-wise): the spatial blocks' self- and cross-attention
 # (q from the frame, k/v from the prompt) and the temporal blocks' self-attention. Every FFN is split by hidden size.
@@ -119,6 +144,7 @@ ADAPTER = register(
                 interleaved=BlockGroup(path="temporal_transformer_blocks", pattern=ForwardPattern.P3),
             ),
         ),
+        cp_plan=CP_PLAN,
         tp_plan=TP_PLAN,
         tiny_pipelines=(TinyPipeline(name="t2v", build=tiny_t2v, call_kwargs=_CALL),),
         presets=(
@@ -140,12 +166,13 @@ ADAPTER = register(
             " run interleaved with reshapes between them; the cache groups the spatial blocks only and treats each "
             "temporal block as loop-body work (fn/bn count spatial blocks; the residual of the middle segment spans "
             "the temporal blocks inside it, which a cached step skips: the group declares them as interleaved). CFG "
-            "is batched. Context parallelism is not supported: a split of the N tokens of a frame (exact for both "
-            "block kinds) must also split the temporal blocks' `timestep`, which forward repeats to (B·N, 6·D) before"
-            " the loop from the full N; for B > 1 (CFG) a rank's rows are N-strided, not one contiguous slice, and "
-            "the plan vocabulary has no such split. Splitting the frames instead meets the temporal position table, a"
-            " (1, video_length, D) buffer added in forward (no input to split). The latent frame count must equal the"
-            " model's `video_length` (16)."
+            "is batched. Context parallelism splits the N tokens of each frame at the first spatial block (exact "
+            "for both block kinds: the spatial self-attention is context-parallel, the temporal attention over one "
+            "token position's frames is whole on each rank); the temporal blocks' `timestep`, which forward repeats "
+            "to (B·N, 6·D) from the full N, is split per sample (`SplitInput.groups_of`), since for B > 1 (CFG) a "
+            "rank's rows are N-strided. The frames are not split: the temporal position table is a "
+            "(1, video_length, D) buffer added in forward. The latent frame count must equal the model's "
+            "`video_length` (16)."
         ),
     )
 )

@@ -28,6 +28,7 @@ from typing import Any
 from fastdit.models._lazy import LazyKwargs, tiny_image
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, HeadParallel, SplitInput
 from fastdit.parallel.tp_plan import Colwise, Rowwise, TensorParallelPlan
 from fastdit.parallel.tp_shapes import attention, under
 
@@ -155,6 +156,30 @@ _CALL = {
     "use_kv_cache": False,
 }
 
+# Context parallelism: forward builds the joint sequence itself (condition-image tokens substituted into the text at
+# the encoder's image slots, the target appended), so the tokens are split at the first block, and the per-token
+# modulation-row mask (`target_token_mask`, (S,)) at every block. Both processors work on the global sequence: the
+# default one slices q/k/v by global segment positions for one attention call per segment, the flex one hands a
+# BlockMask over the whole sequence to flex attention, and the prefix KV cache stores the prefix's keys and values
+# whole. So every block's attention is head-parallel: q/k/v leave to_q/to_k/to_v (the QK-norms are per head) as the
+# whole sequence of this rank's heads, the processor runs as on one device with the RoPE table, segments, key mask,
+# BlockMask and cache slice all global (passed whole), each rank's KV cache holding its heads, and to_out.0 takes the
+# result back to the rank's tokens. The processors reshape by `inner_dim // heads` (the head dim), which stays right
+# with both attributes whole. The output is gathered after the last block (norm_out reads the whole mask).
+CP_PLAN = ContextParallelPlan(
+    inputs={
+        "transformer_blocks.0": {"hidden_states": SplitInput(dim=1, expected_dims=3)},
+        "transformer_blocks.*": {"target_token_mask": SplitInput(dim=0, expected_dims=1)},
+    },
+    gather={"transformer_blocks.-1": GatherOutput(dim=1, expected_dims=3)},
+    attention=AttentionRouting(
+        head_parallel={"transformer_blocks.*.attn": HeadParallel(inputs=("to_q", "to_k", "to_v"), output="to_out.0")}
+    ),
+    notes="Joint tokens split at transformer_blocks.0 and the target-token mask at every block; attention "
+    "head-parallel (each processor, its global segments, BlockMask and prefix KV cache on the whole sequence of the "
+    "rank's heads); gathered after the last block.",
+)
+
 # Tensor parallelism (diffusers' `_tp_plan`): one joint stream whose attention and SwiGLU (separate gate and up
 # projections) split Megatron-style. The one shared modulation linear feeds every block and stays whole. The
 # processors take head_dim as inner_dim // heads, so both are divided.
@@ -177,6 +202,7 @@ ADAPTER = register(
         family="qwenimage21",
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P3),),
+        cp_plan=CP_PLAN,
         tp_plan=TP_PLAN,
         tiny_pipelines=(
             TinyPipeline(
@@ -207,12 +233,12 @@ ADAPTER = register(
             "sequence and later steps only the target tokens, so the step after the first is always computed (its "
             "residuals do not match the first step's shape) and caching starts from the third step; the blocks' KV "
             "cache is only read on later steps, so skipped blocks leave it valid. Sampled without CFG by default "
-            "(true_cfg_scale 1.0). No context-parallel plan: the default processor (QwenImage21AttnProcessor) "
-            "slices q/k/v by global segment positions before each attention call (one call per text run or image "
-            "block, causal inside text), so a split sequence gives wrong segments; the flex processor passes a flex "
-            "BlockMask, which the routed attention cannot reorder; and under the KV cache later steps attend to a "
-            "prefix stored whole. Supporting it needs an engine feature (a mask/segment-aware attention that "
-            "gathers the sequence per attention module, or a block-causal BlockMask router)."
+            "(true_cfg_scale 1.0). Context parallelism splits the joint tokens at the first block; since both "
+            "processors work on the global sequence (the default one slices q/k/v by global segment positions, the "
+            "flex one passes a BlockMask over the whole sequence, the prefix KV cache stores the prefix whole), the "
+            "attention is head-parallel (`AttentionRouting.head_parallel`): each processor runs unchanged on the "
+            "whole sequence of the rank's heads (Ulysses: heads/U each; ring: the sequence gathered, all heads), "
+            "every rank's KV cache holding its heads."
         ),
     )
 )

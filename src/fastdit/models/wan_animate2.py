@@ -28,6 +28,7 @@ import torch
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, HeadParallel, SplitInput
 from fastdit.parallel.tp_plan import Colwise, Rowwise, ShardedNorm, Style, TensorParallelPlan
 from fastdit.parallel.tp_shapes import attention, under
 
@@ -178,12 +179,37 @@ TP_PLAN = TensorParallelPlan(
     "reference K/V), FFN split; modulation, embeddings, head and CLIP projection whole.",
 )
 
+# Context parallelism: forward patch-embeds and checks the token count before the loop, so the tokens are split at
+# the first block (block 0 runs on both branches) and gathered after the head (unpatchify reads the whole grid). The
+# generation self-attention scatters the tokens into a buffer laid out by frame for the whole video and attends
+# through a flex BlockMask over it; the reference pass stores pre-RoPE keys and values per block. So the
+# self-attention is head-parallel: q/k leave the QK-norms (RMSNorms over the whole width, which must see every head:
+# on a token shard they do) and v leaves to_v as the whole sequence of this rank's heads (`heads`, which the
+# processor unflattens with, holds the rank's share meanwhile); the processor's RoPE (from grid_sizes), buffer, block
+# mask and KV cache (each rank caching its heads, on both passes) then apply as on one device, and to_out.0 takes the
+# result back to the rank's tokens. Cross-attention reads the whole, replicated text and CLIP tokens: local.
+CP_PLAN = ContextParallelPlan(
+    inputs={"blocks.0": {"hidden_states": SplitInput(dim=1, expected_dims=3)}},
+    gather={"head": GatherOutput(dim=1, expected_dims=3)},
+    attention=AttentionRouting(
+        head_parallel={
+            "blocks.*.self_attn": HeadParallel(
+                inputs=("norm_q", "norm_k", "to_v"), output="to_out.0", divide=("heads",)
+            )
+        },
+        local=("blocks.*.cross_attn",),
+    ),
+    notes="Tokens split at blocks.0, gathered after the head; self-attention head-parallel (the frame buffer, its "
+    "BlockMask and the reference KV cache on the whole sequence of the rank's heads); cross-attention local.",
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="wan_animate2",
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="blocks", pattern=ForwardPattern.P2),),
         unstepped_calls={"kv_cache_mode": ("extract",)},
+        cp_plan=CP_PLAN,
         tp_plan=TP_PLAN,
         cfg_parallel=False,
         example="fastdit.models.wan_animate2:example",
@@ -192,10 +218,12 @@ ADAPTER = register(
             "timestep; it is declared an unstepped call (computed in full, not counted). The unconditional branch "
             "skips block 9 (`is_uncondtion`). No tiny pipeline and no CLI preset: diffusers 0.42.1 ships "
             "Wan-Animate-2 as a ModularPipeline only (WanAnimate2ModularPipeline), which fastdit's pipeline harness "
-            "does not drive yet; cache and TP are tested on the bare transformer. No context-parallel plan: the "
-            "generation self-attention scatters the tokens into a buffer laid out by frame for the full video and "
-            "attends through a flex BlockMask built over that whole buffer, which a token shard cannot take (the "
-            "context-parallel attention takes tensor masks, not BlockMasks). No CFG parallelism: the branches are "
+            "does not drive yet; cache, CP and TP are tested on the bare transformer. Context parallelism splits "
+            "the tokens at blocks.0; the generation self-attention scatters them into a buffer laid out by frame for "
+            "the full video and attends through a flex BlockMask over that whole buffer, so it is head-parallel "
+            "(`AttentionRouting.head_parallel`): the processor runs on the whole sequence of the rank's heads, its "
+            "KV cache holding those heads (fused projections are not supported under CP: the exchange is hooked on "
+            "to_v). No CFG parallelism: the branches are "
             "unannounced calls, and the reference pass shares their first timestep, so pairing them by timestep "
             "would pair the wrong calls."
         ),

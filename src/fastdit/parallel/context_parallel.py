@@ -12,7 +12,8 @@
   that may skip the call, so a cached last block still gathers;
 * the attention routing (:mod:`fastdit.parallel.attention.dispatch`: ``dispatch_attention_fn`` and/or the ``F``
   of processors that call SDPA themselves); the processors of the attention modules the
-  plan lists as ``local`` stay unmarked and run ordinary attention.
+  plan lists as ``local`` stay unmarked and run ordinary attention, and those it lists as ``head_parallel`` run on
+  the whole sequence of the rank's heads (:mod:`fastdit.parallel.attention.head_parallel`).
 
 Sizes that do not divide the degree are split unevenly (the first ``size % degree`` ranks get one more; one log
 line says so). Every decision that leads to a collective depends only on global sizes, never on a rank's own share.
@@ -45,6 +46,7 @@ from fastdit.parallel.attention.dispatch import (
     route_sdpa_calls,
     route_sdpa_modules,
 )
+from fastdit.parallel.attention.head_parallel import install_head_parallel
 from fastdit.parallel.plan import (
     ContextParallelPlan,
     GatherInput,
@@ -54,6 +56,7 @@ from fastdit.parallel.plan import (
     LocalExtent,
     SplitInput,
     SplitOutput,
+    head_parallel_paths,
     linear_attention_paths,
     local_attention_paths,
     match_modules,
@@ -163,6 +166,27 @@ class _Splitter:
             start += sum(lens)
         self.layout.record(name, [sum(row) for row in zip(*sizes, strict=True)])
         return torch.cat(pieces, dim=dim)
+
+    def split_groups(self, tensor: Any, dim: int, expected_dims: int | None, name: str, of: str) -> Any:
+        """``tensor`` whose ``dim`` flattens groups of ``of``'s global tokens, each group split as ``of`` was."""
+        if isinstance(tensor, (tuple, list)):
+            return type(tensor)(self.split_groups(t, dim, expected_dims, name, of) for t in tensor)
+        if not isinstance(tensor, torch.Tensor) or (expected_dims is not None and tensor.ndim != expected_dims):
+            return tensor
+        lens = self.layout.splits.get(of)
+        if lens is None:
+            return tensor  # ``of`` is whole in this forward, so are its groups
+        dim = dim % tensor.ndim
+        group, size = sum(lens), tensor.shape[dim]
+        if size % group:  # global sizes: every rank raises alike
+            raise ShardError(
+                f"context parallel: {name} has {size} rows along dim {dim}, not whole groups of the {group} tokens of "
+                f"{of} (SplitInput.groups_of)"
+            )
+        groups = tensor.unflatten(dim, (size // group, group))
+        local = groups.narrow(dim + 1, sum(lens[: self.rank]), lens[self.rank]).flatten(dim, dim + 1)
+        self.layout.record(name, [n * (size // group) for n in lens])
+        return local
 
     def count(self, value: Any, of: str, *, trailing: bool = False) -> Any:
         """A count ``value`` of leading (or, ``trailing``, last) tokens of ``of``, narrowed to this rank's contiguous
@@ -383,10 +407,13 @@ def _install_routing(
     """Route the plan's attention to ``marker`` (and linear attention, halos to their hooks); undos go to ``undo``."""
     routing = plan.attention
     linear = linear_attention_paths(transformer, routing)
-    # Linear attention is not routed like softmax attention: its modules are left unmarked.
-    local_paths = local_attention_paths(transformer, routing) | set(linear)
+    heads = head_parallel_paths(transformer, routing)
+    # Linear and head-parallel attention are not routed like softmax attention: their modules are left unmarked.
+    local_paths = local_attention_paths(transformer, routing) | set(linear) | set(heads)
     if linear:
         undo.append(install_token_sums(transformer, linear, group))
+    if heads:
+        undo.append(install_head_parallel(transformer, heads, marker))
     if plan.halo:
         undo.append(install_halos(transformer, plan.halo, group))
     if routing.modules:

@@ -6,7 +6,9 @@ A plan names module paths (``""`` is the transformer itself; ``"transformer_bloc
 * :class:`SplitInput` — split a ``forward`` argument (by name, whether passed by position or keyword) along a dim
   before the module runs. Splitting the root's inputs suits models whose forward is "embed, loop over blocks,
   project out" (Flux); splitting at ``blocks.0`` suits models that build the sequence inside forward. With
-  ``segments``, an argument spanning several split inputs (a RoPE table over ``[image, text]``) is split per segment.
+  ``segments``, an argument spanning several split inputs (a RoPE table over ``[image, text]``) is split per segment;
+  with ``groups_of``, a dim that flattens groups of another split input's tokens (a per-token table repeated per
+  sample, ``(B·N, ...)``) is split group by group.
 * :class:`SplitOutput` — split what a sub-module *returns* (a RoPE or position-embedding module that produces
   full-length tensors inside forward).
 * :class:`GatherInput` — all-gather a split ``forward`` argument before the module runs: a module inside the loop
@@ -23,6 +25,10 @@ A plan names module paths (``""`` is the transformer itself; ``"transformer_bloc
   the local length gives the global one's logarithm (proportional attention).
 * :class:`Halo` — pad a (convolution) module's input with the neighbouring ranks' edge rows, crop its output.
 * :class:`TokenSum` — a reduction over the tokens inside linear attention, summed over the ranks.
+* :class:`HeadParallel` — an attention module whose processor runs unchanged on the whole sequence of this rank's
+  heads: its q/k/v are exchanged from token shards to head shards where the named sub-modules return them, and back
+  where the output projection takes them (processors that slice by global positions, build masks from the whole
+  sequence or attend through a flex ``BlockMask``).
 * :class:`AttentionRouting` — which Python modules' ``dispatch_attention_fn`` (or, for processors that call
   ``F.scaled_dot_product_attention`` themselves, ``F``) is routed to context-parallel attention, and which split
   tensors, concatenated, form the joint sequence a model-built attention mask indexes.
@@ -49,6 +55,7 @@ __all__ = [
     "GatherInput",
     "GatherOutput",
     "Halo",
+    "HeadParallel",
     "LeadingCount",
     "LengthLogBase",
     "LocalExtent",
@@ -56,6 +63,7 @@ __all__ = [
     "SplitOutput",
     "TokenSum",
     "TrailingCount",
+    "head_parallel_paths",
     "linear_attention_paths",
     "local_attention_paths",
     "match_modules",
@@ -88,6 +96,8 @@ class Splitter(Protocol):
         self, tensor: Any, dim: int, expected_dims: int | None, name: str, segments: tuple[str, ...]
     ) -> Any: ...
 
+    def split_groups(self, tensor: Any, dim: int, expected_dims: int | None, name: str, of: str) -> Any: ...
+
     def count(self, value: Any, of: str, *, trailing: bool = False) -> Any: ...
 
     def extent(self, value: Any, of: str) -> Any: ...
@@ -111,6 +121,13 @@ class SplitInput:
     input got in this call, and the rank's pieces are concatenated, so the result lines up with the rank's
     ``[image_shard, text_shard]``. Applied after every plain split of the same module (it reads their split record).
 
+    With ``groups_of``, the argument's ``dim`` flattens groups of the tokens of another split input (Latte's temporal
+    blocks take a timestep repeated per token position, ``(B·N, 6·D)``, while the loop reshapes the rank's
+    ``(B, N_local, ...)`` shard to ``(B·N_local, ...)`` rows, N-strided in the global order): each group of ``N`` rows
+    (``N`` the global length of that input in this forward) is split with the shard sizes that input got, and the
+    rank's pieces are concatenated group by group. Applied after every plain split of the same module; an input not
+    split in this forward (its tokens are whole) leaves the argument whole.
+
     Attributes:
         dim: The sequence dim of the argument.
         expected_dims: Split only tensors with this many dims (others pass through whole: e.g. a timestep that is
@@ -125,6 +142,8 @@ class SplitInput:
             it is laid out like a token stream (see :func:`passes_whole`).
         segments: Names of plain (unsegmented) :class:`SplitInput` s of the same path whose concatenation this
             argument spans; ``()``: one contiguous split.
+        groups_of: Name of a plain :class:`SplitInput` of the plan (any path, split earlier in the same forward)
+            whose global token count is the group size of ``dim``; ``None``: one contiguous split.
     """
 
     dim: int
@@ -133,6 +152,7 @@ class SplitInput:
     unit: tuple[str, ...] = ()
     keep_singleton: bool | None = None
     segments: tuple[str, ...] = ()
+    groups_of: str | None = None
 
     def __post_init__(self) -> None:
         _check_dim("SplitInput", self.dim, self.expected_dims)
@@ -142,16 +162,27 @@ class SplitInput:
         if isinstance(self.segments, str) or not all(isinstance(s, str) and s for s in self.segments):
             raise ValueError(f"SplitInput.segments={self.segments!r}: expected a tuple of split input names")
         object.__setattr__(self, "segments", tuple(self.segments))
+        if self.groups_of is not None:
+            if not isinstance(self.groups_of, str) or not self.groups_of:
+                raise ValueError(f"SplitInput.groups_of={self.groups_of!r}: must name a split input")
+            if self.segments or self.unit:
+                raise ValueError(
+                    f"SplitInput.groups_of={self.groups_of!r}: cannot be combined with segments or unit (a grouped "
+                    "split takes its shard sizes from the input it names)"
+                )
 
     @property
     def reads_record(self) -> bool:
-        """Whether applying it reads this forward's split record (segment-wise splits do, plain splits write it)."""
-        return bool(self.segments)
+        """Whether applying it reads this forward's split record (segment-wise and grouped splits do, plain splits
+        write it)."""
+        return bool(self.segments) or self.groups_of is not None
 
     def adjust(self, value: Any, splitter: Splitter, name: str, unit: int = 1) -> Any:
         """``value`` split per this spec; with :attr:`index`, only that element of a tuple/list argument."""
 
         def split(item: Any, label: str) -> Any:
+            if self.groups_of is not None:
+                return splitter.split_groups(item, self.dim, self.expected_dims, label, self.groups_of)
             if self.segments:
                 return splitter.split_segments(item, self.dim, self.expected_dims, label, self.segments)
             return splitter.split(item, self.dim, self.expected_dims, label, unit, self.keep_singleton)
@@ -442,6 +473,62 @@ class TokenSum:
             raise ValueError(f"TokenSum.occurrence={self.occurrence!r}: must be a non-negative integer")
 
 
+def _names(owner: str, value: Any, *, allow_empty: bool = False) -> tuple[str, ...]:
+    if isinstance(value, str) or not all(isinstance(v, str) and v for v in value):
+        raise ValueError(f"{owner}={value!r}: expected a tuple of names")
+    value = tuple(value)
+    if not value and not allow_empty:
+        raise ValueError(f"{owner}=(): name at least one")
+    return value
+
+
+@dataclass(frozen=True)
+class HeadParallel:
+    """An attention module whose processor runs on the whole sequence of this rank's heads (Ulysses at its edges).
+
+    Some processors need the global sequence, not a shard of it: Qwen-Image 2.1 slices q/k/v by global segment
+    positions before each of its attention calls and keeps a prefix KV cache; Wan-Animate-2 scatters the tokens into a
+    buffer laid out by frame for a flex ``BlockMask`` over the whole video; Kandinsky 6 SR builds its NABLA
+    ``BlockMask`` from block averages of the queries and keys over the whole sequence. Routing the attention call
+    itself comes too late for them. Instead, while the module runs, the tensors that the sub-modules named in
+    :attr:`inputs` return (``(B, S_local, H·D)`` projections or ``(B, S_local, H, D)``) are exchanged from token shards
+    to head shards — under Ulysses one all-to-all gives this rank every token of ``H / U`` heads (zero-padded when
+    ``U`` does not divide ``H``); under ring the ring ranks' shards are all-gathered (every rank computes all heads of
+    the whole sequence: exact, not faster); USP does both — and the input of :attr:`output` (``(B, S_global, ·)``,
+    the processor's result before the output projection) is exchanged back to this rank's tokens with all heads. In
+    between, the processor runs unchanged on a global sequence: its global positions, masks over the whole sequence,
+    ``BlockMask`` s and caches of keys and values (each rank's holding its heads) all apply as on one device. Its own
+    attention calls run locally (its processor is not marked: diffusers' attention on this rank's heads).
+
+    Attributes:
+        inputs: Sub-module paths (relative to the attention module) whose outputs are exchanged to head shards, the
+            query's first: its lengths give the output's shards. Name the last module before the processor reshapes
+            by heads and after anything that mixes heads (a QK-norm over the whole width: ``norm_q``, not ``to_q``).
+        output: Sub-module path whose first input is exchanged back to token shards (``"to_out.0"``).
+        heads: Attribute of the attention module giving its head count (read when the module starts).
+        divide: Attributes of the attention module proportional to the heads (``heads``, ``inner_dim``) that the
+            processor reshapes with: each is replaced by this rank's share (``value * local_heads // heads``) while
+            the module runs, then restored. ``()``: the processor infers the head count from the tensors.
+    """
+
+    inputs: tuple[str, ...]
+    output: str
+    heads: str = "heads"
+    divide: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "inputs", _names("HeadParallel.inputs", self.inputs))
+        object.__setattr__(self, "divide", _names("HeadParallel.divide", self.divide, allow_empty=True))
+        for name in ("output", "heads"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"HeadParallel.{name}={value!r}: expected a name")
+        if len(set(self.inputs)) != len(self.inputs) or self.output in self.inputs:
+            raise ValueError(
+                f"HeadParallel.inputs={self.inputs!r}, output={self.output!r}: each sub-module is exchanged once"
+            )
+
+
 @dataclass(frozen=True)
 class AttentionRouting:
     """Which attention calls become context-parallel.
@@ -490,6 +577,9 @@ class AttentionRouting:
             (covering, like ``local``, the attention modules at or below the match): while such a module runs, the
             named reductions over its local tokens are all-reduced over the ranks, so its local queries meet the
             sums over every token. Its processor needs no other routing. May be the only routing of a plan.
+        head_parallel: Module path pattern -> :class:`HeadParallel`: the attention modules (those with a
+            ``processor``) it matches run their processor on the whole sequence of this rank's heads. Their
+            processors need no other routing. May be the only routing of a plan.
     """
 
     modules: tuple[str, ...] = ()
@@ -501,8 +591,14 @@ class AttentionRouting:
     exchange_lengths: bool = False
     sdpa_calls: tuple[str, ...] = ()
     linear: Mapping[str, tuple[TokenSum, ...]] = field(default_factory=dict)
+    head_parallel: Mapping[str, HeadParallel] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        heads = dict(self.head_parallel)
+        for path, spec in heads.items():
+            if not isinstance(spec, HeadParallel):
+                raise ValueError(f"AttentionRouting.head_parallel[{path!r}]={spec!r}: expected HeadParallel")
+        object.__setattr__(self, "head_parallel", MappingProxyType(heads))
         linear = {p: (s if isinstance(s, tuple) else (s,)) for p, s in dict(self.linear).items()}
         for path, sums in linear.items():
             if not sums or not all(isinstance(t, TokenSum) for t in sums):
@@ -517,10 +613,10 @@ class AttentionRouting:
             object.__setattr__(self, name, tuple(getattr(self, name)))
         object.__setattr__(self, "mask_segments", tuple(self.mask_segments))
         object.__setattr__(self, "local", tuple(self.local))
-        if not any(getattr(self, name) for name in kinds) and not self.linear:
+        if not any(getattr(self, name) for name in kinds) and not self.linear and not self.head_parallel:
             raise ValueError(
-                "AttentionRouting: modules, sdpa_modules, dispatch_modules and sdpa_calls are empty, and linear too; "
-                "name a module"
+                "AttentionRouting: modules, sdpa_modules, dispatch_modules and sdpa_calls are empty, and linear and "
+                "head_parallel too; name a module"
             )
         both = set(self.modules) & set(self.dispatch_modules)
         if both:
@@ -610,6 +706,19 @@ class ContextParallelPlan:
                         f"ContextParallelPlan.inputs[{path!r}][{name!r}]: LengthLogBase.of={base.of!r} is neither a "
                         f"split input nor a split output of the plan ({sorted(split_names | output_names)})"
                     )
+        plain = {
+            name
+            for args in self.inputs.values()
+            for name, s in args.items()
+            if isinstance(s, SplitInput) and not s.reads_record
+        }
+        for path, args in self.inputs.items():
+            for name, split in args.items():
+                if isinstance(split, SplitInput) and split.groups_of is not None and split.groups_of not in plain:
+                    raise ValueError(
+                        f"ContextParallelPlan.inputs[{path!r}][{name!r}]: SplitInput.groups_of={split.groups_of!r} is "
+                        "not a plain split input of the plan"
+                    )
         for path, args in self.inputs.items():
             for name, count in args.items():
                 if isinstance(count, (LeadingCount, LocalExtent)) and count.of not in split_names:
@@ -678,6 +787,21 @@ def linear_attention_paths(transformer: torch.nn.Module, routing: AttentionRouti
             if path in found:
                 raise ValueError(f"context-parallel plan: AttentionRouting.linear covers {path!r} twice")
             found[path] = sums
+    return found
+
+
+def head_parallel_paths(transformer: torch.nn.Module, routing: AttentionRouting) -> dict[str, HeadParallel]:
+    """The attention modules (those with a ``processor``) that ``routing.head_parallel`` covers, with their specs.
+
+    Raises:
+        ValueError: a pattern covers no attention module, or a module is covered twice.
+    """
+    found: dict[str, HeadParallel] = {}
+    for pattern, spec in routing.head_parallel.items():
+        for path in _covered_attention(transformer, pattern, "head_parallel"):
+            if path in found:
+                raise ValueError(f"context-parallel plan: AttentionRouting.head_parallel covers {path!r} twice")
+            found[path] = spec
     return found
 
 
@@ -818,13 +942,25 @@ def _validate_attention(
     both = sorted(local & set(linear))
     if both:
         raise ValueError(f"context-parallel plan: {both} are both local and linear in AttentionRouting")
+    heads = head_parallel_paths(transformer, routing)
+    both = sorted(set(heads) & (local | set(linear)))
+    if both:
+        raise ValueError(
+            f"context-parallel plan: {both} are head_parallel and also local or linear in AttentionRouting"
+        )
+    for path, spec in heads.items():
+        _validate_head_parallel(transformer.get_submodule(path), path, spec, degree, uneven_heads, tp_degree)
     inline = sdpa_call_paths(transformer, routing)
     attention = [
         (n, m)
         for n, m in transformer.named_modules()
-        if getattr(m, "processor", None) is not None and n not in local and n not in linear and not _below(n, inline)
+        if getattr(m, "processor", None) is not None
+        and n not in local
+        and n not in linear
+        and n not in heads
+        and not _below(n, inline)
     ]
-    if not attention and not linear and not inline:
+    if not attention and not linear and not inline and not heads:
         raise ValueError(f"context-parallel plan: {type(transformer).__name__} has no attention processors to route")
     for path, module in attention:
         processor = module.processor
@@ -864,3 +1000,32 @@ def _validate_attention(
                 raise ValueError(f"context-parallel plan: module {name!r} has no F (torch.nn.functional) to route")
         elif not callable(getattr(py_module, attr, None)):
             raise ValueError(f"context-parallel plan: module {name!r} has no dispatch_attention_fn to route")
+
+
+def _validate_head_parallel(
+    module: torch.nn.Module, path: str, spec: HeadParallel, degree: int, uneven_heads: bool, tp_degree: int
+) -> None:
+    """The sub-modules and attributes a :class:`HeadParallel` names exist on the attention module at ``path``."""
+    where = f"AttentionRouting.head_parallel: {path!r} ({type(module).__name__})"
+    for sub in (*spec.inputs, spec.output):
+        try:
+            module.get_submodule(sub)
+        except AttributeError:
+            raise ValueError(f"context-parallel plan: {where} has no sub-module {sub!r}") from None
+    heads = getattr(module, spec.heads, None)
+    if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
+        raise ValueError(f"context-parallel plan: {where}.{spec.heads}={heads!r} is not a head count")
+    for name in spec.divide:
+        value = getattr(module, name, None)
+        if not isinstance(value, int) or isinstance(value, bool) or value % heads:
+            raise ValueError(
+                f"context-parallel plan: {where}.{name}={value!r} (HeadParallel.divide) is not an integer multiple of "
+                f"its {heads} heads"
+            )
+    if heads % tp_degree == 0:
+        heads //= tp_degree
+    if heads % degree and not uneven_heads:
+        raise ValueError(
+            f"context-parallel plan: {path!r} has {heads} heads per tensor-parallel shard, which do not divide the "
+            f"Ulysses degree {degree}"
+        )

@@ -275,6 +275,13 @@ class ContextParallelAttention:
                 "context-parallel attention supports neither dropout, causal masks nor backend-specific "
                 f"attention_kwargs (got dropout_p={dropout_p}, is_causal={is_causal}, kwargs={attention_kwargs})"
             )
+        if _is_block_mask(attn_mask):
+            raise ValueError(
+                "context-parallel attention got a flex BlockMask: a BlockMask is built over the whole sequence and "
+                "cannot be reordered or sliced for a rank's token shard; declare the attention module in "
+                "AttentionRouting.head_parallel, which runs its processor (and the BlockMask) on the whole sequence "
+                "of the rank's heads"
+            )
         if attn_mask is not None and self.mask_transform is not None:
             attn_mask = self.mask_transform(attn_mask)
         q_lens, kv_lens = self._lengths(query, key)
@@ -300,19 +307,25 @@ class ContextParallelAttention:
 
     def _lengths(self, query: torch.Tensor, key: torch.Tensor) -> tuple[list[int], list[int]]:
         """Every rank's query and key shard lengths, in cp-group order."""
+        rows = self.shard_lengths([query.shape[1], key.shape[1]], query.device)
+        return [row[0] for row in rows], [row[1] for row in rows]
+
+    def shard_lengths(self, local: list[int], device: torch.device) -> list[list[int]]:
+        """Every rank's ``local`` shard lengths (one list per rank, cp-group order); called by every rank alike.
+
+        Derived without communication when every split of this forward was even; exchanged otherwise (or recalled in
+        calls served by CUDA graphs, see :meth:`ForwardLayout.shard_lengths`), and always with
+        :attr:`exchange_lengths`.
+        """
         degree = self.ulysses_degree * self.ring_degree
         if self.exchange_lengths:  # data-dependent lengths: nothing can be derived or remembered
-            exchanged = gather_lengths([query.shape[1], key.shape[1]], self.cp_group, query.device)
-            return [e[0] for e in exchanged], [e[1] for e in exchanged]
+            return gather_lengths(local, self.cp_group, device)
         if self.forward.even:
-            return [query.shape[1]] * degree, [key.shape[1]] * degree
+            return [list(local) for _ in range(degree)]
         # Some split was uneven (a decision on global sizes: all ranks come here): exchange, or recall under graphs.
-        rows = self.forward.shard_lengths(
-            [query.shape[1], key.shape[1]],
-            lambda local: gather_lengths(local, self.cp_group, query.device),
-            dist.get_rank(self.cp_group),
+        return self.forward.shard_lengths(
+            list(local), lambda values: gather_lengths(values, self.cp_group, device), dist.get_rank(self.cp_group)
         )
-        return [row[0] for row in rows], [row[1] for row in rows]
 
     def _ring(self, query, key, value, attn_mask, scale, q_lens, kv_lens, layout) -> torch.Tensor:
         """Ring (or USP) attention; a mask becomes this rank's query rows over keys in shard order."""
@@ -336,6 +349,17 @@ class ContextParallelAttention:
         from fastdit.parallel.attention.ring import ring_attention
 
         return ring_attention(query, key, value, group=self.ring_group, attn_mask=mask, scale=scale, kv_lens=kv_lens)
+
+
+def _is_block_mask(mask: Any) -> bool:
+    """Whether ``mask`` is a flex-attention ``BlockMask`` (imported lazily: flex attention is optional)."""
+    if mask is None or isinstance(mask, torch.Tensor):
+        return False
+    try:
+        from torch.nn.attention.flex_attention import BlockMask
+    except ImportError:  # pragma: no cover - torch without flex attention has no BlockMask to receive
+        return False
+    return isinstance(mask, BlockMask)
 
 
 # --- routing: rebinding the entry point in processor modules ---
