@@ -8,7 +8,9 @@ Nothing here parses command lines, prints or times; :mod:`fastdit.bench` times a
     kwargs = call_arguments(session.pipeline_class, source.defaults, {"num_inference_steps": 28})
     image = session.call(Case("a cat", seed=0), kwargs)
 
-Outputs are float32 arrays in [0, 1]: ``(H, W, C)`` for an image, ``(F, H, W, C)`` for a video. :meth:`Session.call`
+Outputs are float32 arrays in [0, 1]: ``(H, W, C)`` for an image, ``(F, H, W, C)`` for a video; an audio pipeline's
+(its result has ``audios``) are ``(channels, samples)`` waveforms in [-1, 1] (:attr:`Session.output_kind` says which
+kind the last call produced). :meth:`Session.call`
 runs one prompt per pipeline call with a generator seeded from its :class:`Case`, so an output depends on its prompt
 and seed only. An output holding NaN or infinite values is never returned: the call raises
 :class:`fastdit.errors.NonFiniteOutputError` (a :class:`FloatingPointError`) naming the likely cause, because clipped
@@ -49,6 +51,7 @@ from fastdit.errors import FieldError, NonFiniteOutputError
 from fastdit.models.registry import get_preset
 
 __all__ = [
+    "AUDIO",
     "CALL_OWNER",
     "MAX_SEED",
     "MODEL_OWNER",
@@ -62,7 +65,9 @@ __all__ = [
     "default_steps",
     "frame_multiple",
     "import_pipeline_class",
+    "is_audio_pipeline",
     "is_video_pipeline",
+    "output_kind",
     "output_paths",
     "resolve_model",
     "save_output",
@@ -241,6 +246,12 @@ def call_parameters(pipeline_class: type) -> dict[str, inspect.Parameter]:
     return {name: p for name, p in parameters.items() if name != "self" and p.kind is not p.VAR_POSITIONAL}
 
 
+def is_audio_pipeline(pipeline_class: type) -> bool:
+    """Whether the pipeline produces waveforms: its ``__call__`` is annotated to return an ``AudioPipelineOutput``."""
+    annotation = inspect.signature(pipeline_class.__call__).return_annotation
+    return "AudioPipelineOutput" in (annotation if isinstance(annotation, str) else repr(annotation))
+
+
 def is_video_pipeline(pipeline_class: type) -> bool:
     """Whether the pipeline produces videos (it takes a number of frames)."""
     return "num_frames" in call_parameters(pipeline_class)
@@ -367,9 +378,22 @@ def _to_array(item: Any) -> np.ndarray:
     return array.astype(np.float32)
 
 
+AUDIO = "audio"
+"""The :attr:`Session.output_kind` of waveforms (a diffusers ``AudioPipelineOutput``'s ``audios``)."""
+_KINDS = {"frames": "video", "images": "image", "image": "image", "audios": AUDIO}
+# Full scale of each kind: images and videos in [0, 1], waveforms in [-1, 1].
+_RANGES = {AUDIO: (-1.0, 1.0)}
+
+
+def output_kind(result: Any) -> str:
+    """``"video"``, ``"image"`` or ``"audio"``: what a pipeline result holds, by the attribute that holds it."""
+    return next((kind for name, kind in _KINDS.items() if hasattr(result, name)), "image")
+
+
 def _outputs(result: Any) -> list[np.ndarray]:
-    # Videos come as .frames, images as .images, except a few pipelines' outputs that name them .image (Kandinsky 5).
-    name = next((name for name in ("frames", "images", "image") if hasattr(result, name)), "images")
+    # Videos come as .frames, images as .images, except a few pipelines' outputs that name them .image (Kandinsky 5);
+    # audio pipelines return .audios.
+    name = next((name for name in _KINDS if hasattr(result, name)), "images")
     return [_to_array(item) for item in getattr(result, name)]
 
 
@@ -407,8 +431,9 @@ def _uses_float16(pipe: Any) -> bool:
     return any(p.dtype == torch.float16 for module in modules for p in module.parameters())
 
 
-def _finite(pipe: Any, outputs: list[np.ndarray], call: Mapping[str, Any]) -> list[np.ndarray]:
-    """``outputs`` clipped to [0, 1], or :class:`NonFiniteOutputError` if any value is NaN or infinite.
+def _finite(pipe: Any, outputs: list[np.ndarray], call: Mapping[str, Any], kind: str = "image") -> list[np.ndarray]:
+    """``outputs`` clipped to the full scale of their kind ([0, 1]; waveforms [-1, 1]), or
+    :class:`NonFiniteOutputError` if any value is NaN or infinite.
 
     Checked before clipping, which would turn +inf into white and leave NaN to become black when saved. Under
     context parallelism every rank holds the same gathered outputs, so every rank raises alike.
@@ -422,7 +447,8 @@ def _finite(pipe: Any, outputs: list[np.ndarray], call: Mapping[str, Any]) -> li
             components=_non_finite_components(pipe),
             float16=_uses_float16(pipe),
         )
-    return [np.clip(output, 0.0, 1.0) for output in outputs]
+    low, high = _RANGES.get(kind, (0.0, 1.0))
+    return [np.clip(output, low, high) for output in outputs]
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -520,6 +546,7 @@ class Session:
         pipe: The diffusers pipeline.
         source: Where it came from.
         device: The device it runs on.
+        output_kind: What the last call produced: ``"image"`` (also before any call), ``"video"`` or ``"audio"``.
     """
 
     def __init__(self, pipe: Any, source: ModelSource, device: torch.device | str) -> None:
@@ -527,6 +554,7 @@ class Session:
         self.source = source
         self.device = torch.device(device)
         self._accelerated = False
+        self.output_kind = "image"
 
     @classmethod
     def load(
@@ -607,7 +635,8 @@ class Session:
             kwargs: Call arguments from :func:`call_arguments` (no prompt or generator).
 
         Returns:
-            A float32 array in [0, 1], ``(H, W, C)`` or ``(F, H, W, C)``.
+            A float32 array in [0, 1], ``(H, W, C)`` or ``(F, H, W, C)``; for audio ``(channels, samples)`` in
+            [-1, 1].
 
         Raises:
             NonFiniteOutputError: The output holds NaN or infinite values (nothing is returned).
@@ -616,7 +645,7 @@ class Session:
         if case.prompt is not None:
             call["prompt"] = case.prompt
         call["generator"] = _generator(case.seed)
-        return _finite(self.pipe, _outputs(self.pipe(**call)), call)[0]
+        return self._finished(self.pipe(**call), call)[0]
 
     def call_batch(self, cases: Sequence[Case], kwargs: Mapping[str, Any]) -> list[np.ndarray]:
         """Generate several outputs in one pipeline call, each from a generator seeded with its case's seed.
@@ -635,7 +664,11 @@ class Session:
         if not cases or None in prompts:
             raise ValueError(f"a batch needs one or more cases, each with a prompt; got prompts {prompts}")
         call = {**kwargs, "prompt": prompts, "generator": [_generator(case.seed) for case in cases]}
-        return _finite(self.pipe, _outputs(self.pipe(**call)), call)
+        return self._finished(self.pipe(**call), call)
+
+    def _finished(self, result: Any, call: Mapping[str, Any]) -> list[np.ndarray]:
+        self.output_kind = output_kind(result)
+        return _finite(self.pipe, _outputs(result), call, self.output_kind)
 
 
 def output_paths(out: Path, count: int, suffix: str) -> list[Path]:

@@ -24,14 +24,17 @@ def build_tiny(family: str, variant: str | None = None) -> tuple[Any, TinyPipeli
 def run_tiny(pipe: Any, tiny: TinyPipeline, *, seed: int = 0, **overrides: Any) -> np.ndarray:
     """Run ``pipe`` with the tiny call arguments and return its output as a float numpy array.
 
-    Image pipelines return ``(batch, H, W, C)``; video pipelines ``(batch, frames, H, W, C)``.
+    Image pipelines return ``(batch, H, W, C)``; video pipelines ``(batch, frames, H, W, C)``; audio pipelines
+    (``audios``) ``(batch, channels, samples)``.
     """
     kwargs = {**tiny.call_kwargs, **overrides}
     kwargs.setdefault("output_type", "np")
     torch.manual_seed(seed)  # a few pipelines draw from the global RNG besides the generator
     with torch.no_grad():
         result = pipe(**kwargs, generator=torch.Generator().manual_seed(seed))
-    out = next(getattr(result, name) for name in ("frames", "images", "image") if hasattr(result, name))
+    out = next(getattr(result, name) for name in ("frames", "images", "image", "audios") if hasattr(result, name))
+    if isinstance(out, torch.Tensor):  # audio pipelines return tensors unless asked for numpy
+        out = out.detach().float().cpu().numpy()
     return np.asarray(out, dtype=np.float32)
 
 
