@@ -9,7 +9,8 @@ Nothing here parses command lines, prints or times; :mod:`fastdit.bench` times a
     image = session.call(Case("a cat", seed=0), kwargs)
 
 Outputs are float32 arrays in [0, 1]: ``(H, W, C)`` for an image, ``(F, H, W, C)`` for a video; an audio pipeline's
-(its result has ``audios``) are ``(channels, samples)`` waveforms in [-1, 1] (:attr:`Session.output_kind` says which
+(its result has ``audios``) are ``(channels, samples)`` waveforms, full scale [-1, 1], as the pipeline produced them
+(not clipped: some pipelines clamp, others leave that to the file writer; :attr:`Session.output_kind` says which
 kind the last call produced). :meth:`Session.call`
 runs one prompt per pipeline call with a generator seeded from its :class:`Case`, so an output depends on its prompt
 and seed only. An output holding NaN or infinite values is never returned: the call raises
@@ -381,8 +382,6 @@ def _to_array(item: Any) -> np.ndarray:
 AUDIO = "audio"
 """The :attr:`Session.output_kind` of waveforms (a diffusers ``AudioPipelineOutput``'s ``audios``)."""
 _KINDS = {"frames": "video", "images": "image", "image": "image", "audios": AUDIO}
-# Full scale of each kind: images and videos in [0, 1], waveforms in [-1, 1].
-_RANGES = {AUDIO: (-1.0, 1.0)}
 
 
 def output_kind(result: Any) -> str:
@@ -432,8 +431,8 @@ def _uses_float16(pipe: Any) -> bool:
 
 
 def _finite(pipe: Any, outputs: list[np.ndarray], call: Mapping[str, Any], kind: str = "image") -> list[np.ndarray]:
-    """``outputs`` clipped to the full scale of their kind ([0, 1]; waveforms [-1, 1]), or
-    :class:`NonFiniteOutputError` if any value is NaN or infinite.
+    """``outputs`` clipped to [0, 1] (waveforms as they are), or :class:`NonFiniteOutputError` if any value is NaN
+    or infinite.
 
     Checked before clipping, which would turn +inf into white and leave NaN to become black when saved. Under
     context parallelism every rank holds the same gathered outputs, so every rank raises alike.
@@ -447,8 +446,9 @@ def _finite(pipe: Any, outputs: list[np.ndarray], call: Mapping[str, Any], kind:
             components=_non_finite_components(pipe),
             float16=_uses_float16(pipe),
         )
-    low, high = _RANGES.get(kind, (0.0, 1.0))
-    return [np.clip(output, low, high) for output in outputs]
+    if kind == AUDIO:  # a waveform is not clipped: its peaks are part of what a comparison must see
+        return outputs
+    return [np.clip(output, 0.0, 1.0) for output in outputs]
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -635,8 +635,8 @@ class Session:
             kwargs: Call arguments from :func:`call_arguments` (no prompt or generator).
 
         Returns:
-            A float32 array in [0, 1], ``(H, W, C)`` or ``(F, H, W, C)``; for audio ``(channels, samples)`` in
-            [-1, 1].
+            A float32 array in [0, 1], ``(H, W, C)`` or ``(F, H, W, C)``; for audio a ``(channels, samples)``
+            waveform, unclipped.
 
         Raises:
             NonFiniteOutputError: The output holds NaN or infinite values (nothing is returned).

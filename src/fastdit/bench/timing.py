@@ -68,7 +68,7 @@ class RunResult:
         peak_memory: Peak bytes over the timed passes (``None`` unless tracked).
         memory_kind: What :attr:`peak_memory` measures.
         output_kind: What the outputs are (:attr:`Session.output_kind`): ``"image"``, ``"video"`` or ``"audio"``
-            (waveforms in [-1, 1], compared by :func:`fastdit.metrics.compare_audio`).
+            (waveforms, full scale [-1, 1], compared by :func:`fastdit.metrics.compare_audio`).
     """
 
     outputs: list[np.ndarray] = field(default_factory=list)

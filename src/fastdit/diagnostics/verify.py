@@ -653,7 +653,7 @@ def _psnr_only(
     reference: Sequence[np.ndarray], test: Sequence[np.ndarray], data_range: float = 1.0
 ) -> tuple[float, float]:
     """Mean and minimum PSNR over outputs of any shape, values spanning ``data_range`` (what the session returns:
-    [0, 1], waveforms [-1, 1])."""
+    [0, 1]; waveforms full scale [-1, 1])."""
     values = []
     for a, b in zip(reference, test, strict=True):
         mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))

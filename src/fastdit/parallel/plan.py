@@ -85,6 +85,8 @@ class Splitter(Protocol):
         self, tensor: Any, dim: int, expected_dims: int | None, name: str, segments: tuple[str, ...]
     ) -> Any: ...
 
+    def split_tail(self, tensor: Any, dim: int, expected_dims: int | None, name: str, of: str) -> Any: ...
+
     def count(self, value: Any, of: str, *, trailing: bool = False) -> Any: ...
 
     def extent(self, value: Any, of: str) -> Any: ...
@@ -119,6 +121,12 @@ class SplitInput:
             it is laid out like a token stream (see :func:`passes_whole`).
         segments: Names of plain (unsegmented) :class:`SplitInput` s of the same path whose concatenation this
             argument spans; ``()``: one contiguous split.
+        tail_of: Name of a plain split input (of this path or an earlier module of the same forward) whose *last*
+            tokens this argument lines up with, one for one: a per-token conditioning of the audio frames that the
+            model adds after tokens it prepended itself (Stable Audio 3's memory tokens). Each rank takes the part
+            of it that falls inside its own shard of that input (possibly none: a rank holding only prepended
+            tokens gets an empty slice), so ``x[:, n_prepended_local:] + tail`` keeps working locally with the
+            prepended count narrowed by a :class:`LeadingCount`. ``""``: not such an argument.
     """
 
     dim: int
@@ -127,6 +135,7 @@ class SplitInput:
     unit: tuple[str, ...] = ()
     keep_singleton: bool | None = None
     segments: tuple[str, ...] = ()
+    tail_of: str = ""
 
     def __post_init__(self) -> None:
         _check_dim("SplitInput", self.dim, self.expected_dims)
@@ -136,16 +145,21 @@ class SplitInput:
         if isinstance(self.segments, str) or not all(isinstance(s, str) and s for s in self.segments):
             raise ValueError(f"SplitInput.segments={self.segments!r}: expected a tuple of split input names")
         object.__setattr__(self, "segments", tuple(self.segments))
+        if not isinstance(self.tail_of, str) or (self.tail_of and self.segments):
+            raise ValueError(f"SplitInput.tail_of={self.tail_of!r}: a split input's name, not combined with segments")
 
     @property
     def reads_record(self) -> bool:
-        """Whether applying it reads this forward's split record (segment-wise splits do, plain splits write it)."""
-        return bool(self.segments)
+        """Whether applying it reads this forward's split record (segment-wise and tail splits do, plain splits
+        write it)."""
+        return bool(self.segments or self.tail_of)
 
     def adjust(self, value: Any, splitter: Splitter, name: str, unit: int = 1) -> Any:
         """``value`` split per this spec; with :attr:`index`, only that element of a tuple/list argument."""
 
         def split(item: Any, label: str) -> Any:
+            if self.tail_of:
+                return splitter.split_tail(item, self.dim, self.expected_dims, label, self.tail_of)
             if self.segments:
                 return splitter.split_segments(item, self.dim, self.expected_dims, label, self.segments)
             return splitter.split(item, self.dim, self.expected_dims, label, unit, self.keep_singleton)
@@ -552,6 +566,19 @@ class ContextParallelPlan:
                             f"ContextParallelPlan.inputs[{path!r}][{name!r}]: segment {segment!r} is not another "
                             "plain SplitInput of the same path"
                         )
+        plain = {
+            name
+            for args in self.inputs.values()
+            for name, s in args.items()
+            if isinstance(s, SplitInput) and not s.reads_record
+        }
+        for path, args in self.inputs.items():
+            for name, split in args.items():
+                if isinstance(split, SplitInput) and split.tail_of and split.tail_of not in plain:
+                    raise ValueError(
+                        f"ContextParallelPlan.inputs[{path!r}][{name!r}]: tail_of={split.tail_of!r} is not a plain "
+                        "SplitInput of the plan"
+                    )
         for path, args in self.inputs.items():
             for name, count in args.items():
                 if isinstance(count, (LeadingCount, LocalExtent)) and count.of not in split_names:
