@@ -77,7 +77,9 @@ def tiny_stable_audio(seed: int = 0):
 
 
 # The sequence [global token, audio frames] exists only inside forward, so it is split at the first block; the RoPE
-# table (a (cos, sin) pair over that whole sequence, built by the pipeline) is split alike at every block. The
+# table (a (cos, sin) pair over that whole sequence, built by the pipeline) is split alike at every block, and so is
+# the optional self-attention padding mask (B, 1 + frames): the processor then builds a key-padding mask over the
+# local keys, which context-parallel attention gathers (a whole mask would be padded to the local length). The
 # cross-attention (attn2) reads the replicated prompt and stays local; StableAudioAttnProcessor2_0 calls
 # F.scaled_dot_product_attention itself (after repeating the grouped key/value heads), so its module's F is routed.
 # The output is gathered after proj_out, before forward drops the global token.
@@ -85,14 +87,17 @@ _TOKENS = SplitInput(dim=1, expected_dims=3)
 CP_PLAN = ContextParallelPlan(
     inputs={
         "transformer_blocks.0": {"hidden_states": _TOKENS},
-        "transformer_blocks.*": {"rotary_embedding": SplitInput(dim=0, expected_dims=2)},
+        "transformer_blocks.*": {
+            "rotary_embedding": SplitInput(dim=0, expected_dims=2),
+            "attention_mask": SplitInput(dim=1, expected_dims=2),
+        },
     },
     gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
     attention=AttentionRouting(
         sdpa_modules=("diffusers.models.attention_processor",), local=("transformer_blocks.*.attn2",)
     ),
-    notes="[global token, audio frames] split at transformer_blocks.0, the RoPE pair at every block; cross-attention "
-    "to the prompt is local; gathered after proj_out.",
+    notes="[global token, audio frames] split at transformer_blocks.0, the RoPE pair and the padding mask at every "
+    "block; cross-attention to the prompt is local; gathered after proj_out.",
 )
 
 # Tensor parallelism: self- and cross-attention by heads (the processor reshapes with attn.heads, divided, and derives
@@ -136,8 +141,7 @@ ADAPTER = register(
             "Audio: outputs are (channels, samples) waveforms, compared by waveform PSNR / SNR and log-spectrogram "
             "SSIM. The blocks see [global token, latent frames]; the global token carries the timestep and the "
             "duration, the RoPE pair comes from the pipeline. CFG is batched. The self-attention `attention_mask` "
-            "(a padding mask over the latent frames, never passed by the pipeline) is not supported under context "
-            "parallelism."
+            "(a padding mask over the latent frames, which the pipeline never passes) is split with the tokens."
         ),
     )
 )
