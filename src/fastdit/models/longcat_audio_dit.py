@@ -46,9 +46,11 @@ def tiny_transformer(seed: int = 0):
     )
     generator = torch.Generator().manual_seed(seed + 100)
     with torch.no_grad():
-        for layer in (model.adaln_global_mlp.mlp[-1], model.norm_out.linear, model.proj_out):
+        # Unit-scale AdaLN gates: the blocks' updates must not vanish next to the long skip, or a random model
+        # would look converged to a step cache.
+        for layer, scale in ((model.adaln_global_mlp.mlp[-1], 1.0), (model.norm_out.linear, 0.2), (model.proj_out, 0.2)):
             for param in (layer.weight, layer.bias):
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+                param.copy_(torch.randn(param.shape, generator=generator) * scale)
     return model
 
 
