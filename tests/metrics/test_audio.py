@@ -94,7 +94,7 @@ def test_short_waveforms_get_a_smaller_stft_or_no_spectral_ssim() -> None:
     a = _music(seconds=0.016)  # 128 samples
     assert 0.0 < spectral_ssim(a, a + 0.01) <= 1.0
     too_short = np.zeros((2, 79))
-    with pytest.raises(ValueError, match="spectral SSIM needs at least 11 STFT frames.*got 79"):
+    with pytest.raises(ValueError, match=r"spectral SSIM needs at least 11 STFT frames.*got 79"):
         compare_audio(too_short, too_short)
     assert compare_audio(too_short, too_short, metrics=("psnr", "snr")).psnr == math.inf
 

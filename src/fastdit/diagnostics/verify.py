@@ -38,10 +38,10 @@ from fastdit.bench.timing import RunResult, run
 from fastdit.config import Parallel
 from fastdit.diagnostics.target import TargetError, call_function
 from fastdit.errors import ArgumentError, ShardError, UnavailableError
+from fastdit.metrics.audio import AUDIO_RANGE
 from fastdit.models.base import ModelAdapter
 from fastdit.parallel.cfg_parallel import CfgParallelError
 from fastdit.parallel.failures import CollectiveError, collective_failures
-from fastdit.metrics.audio import AUDIO_RANGE
 from fastdit.session import AUDIO, Case, ModelSource, Session, default_steps
 
 __all__ = [

@@ -48,7 +48,11 @@ def tiny_transformer(seed: int = 0):
     with torch.no_grad():
         # Unit-scale AdaLN gates: the blocks' updates must not vanish next to the long skip, or a random model
         # would look converged to a step cache.
-        for layer, scale in ((model.adaln_global_mlp.mlp[-1], 1.0), (model.norm_out.linear, 0.2), (model.proj_out, 0.2)):
+        for layer, scale in (
+            (model.adaln_global_mlp.mlp[-1], 1.0),
+            (model.norm_out.linear, 0.2),
+            (model.proj_out, 0.2),
+        ):
             for param in (layer.weight, layer.bias):
                 param.copy_(torch.randn(param.shape, generator=generator) * scale)
     return model

@@ -154,9 +154,7 @@ ADAPTER = register(
     ModelAdapter(
         family="stable_audio3",
         transformer_classes=(TRANSFORMER,),
-        block_groups=(
-            BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P2, encoder_arg="context"),
-        ),
+        block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P2, encoder_arg="context"),),
         cp_plan=CP_PLAN,
         tp_plan=TP_PLAN,
         tiny_pipelines=(

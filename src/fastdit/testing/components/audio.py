@@ -11,8 +11,12 @@ __all__ = ["autoencoder_oobleck", "autoencoder_same", "t5gemma_encoder", "wavefo
 
 
 def autoencoder_oobleck(
-    *, latent_channels: int = 4, audio_channels: int = 2, sampling_rate: int = 16, ratios: tuple[int, ...] = (2, 4),
-    seed: int = 0
+    *,
+    latent_channels: int = 4,
+    audio_channels: int = 2,
+    sampling_rate: int = 16,
+    ratios: tuple[int, ...] = (2, 4),
+    seed: int = 0,
 ):
     """An ``AutoencoderOobleck`` (Stable Audio, ACE-Step) with a hop of ``prod(ratios)`` samples per latent frame.
 
