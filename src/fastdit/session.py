@@ -60,6 +60,7 @@ __all__ = [
     "Case",
     "ModelSource",
     "Session",
+    "audio_sample_rate",
     "call_arguments",
     "call_parameters",
     "check_size",
@@ -678,31 +679,56 @@ def output_paths(out: Path, count: int, suffix: str) -> list[Path]:
     return [out / f"{index:04d}{suffix}" for index in range(count)]
 
 
-def _encode(file: Path, output: np.ndarray, suffix: str, fps: float) -> None:
-    from fastdit.io import encode_image, encode_video
+def audio_sample_rate(pipe: Any) -> int | None:
+    """The sample rate of an audio pipeline's waveforms (its VAE's ``sampling_rate`` or ``sample_rate``), else
+    ``None``."""
+    config = getattr(getattr(pipe, "vae", None), "config", None)
+    for name in ("sampling_rate", "sample_rate"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
-    if output.ndim == 4:
+
+def _audio_rate(path: Path, sample_rate: int | None) -> int:
+    if sample_rate is None:
+        raise ValueError(f"{path}: saving audio needs the sample rate (the pipeline's VAE names none)")
+    return sample_rate
+
+
+def _encode(file: Path, output: np.ndarray, suffix: str, fps: float, sample_rate: int | None) -> None:
+    from fastdit.io import AUDIO_SUFFIXES, encode_audio, encode_image, encode_video
+
+    if suffix.lower() in AUDIO_SUFFIXES:
+        encode_audio(file, output, sample_rate=_audio_rate(file, sample_rate))
+    elif output.ndim == 4:
         encode_video(file, output, suffix=suffix, fps=fps)
     else:
         encode_image(file, output, suffix=suffix)
 
 
-def save_output(path: Path, output: np.ndarray, *, fps: float = 8.0) -> Path:
-    """Atomically save one output: an image, or a video when ``output`` has a frame axis."""
-    from fastdit.io import save_image, save_video
+def save_output(path: Path, output: np.ndarray, *, fps: float = 8.0, sample_rate: int | None = None) -> Path:
+    """Atomically save one output: an image, a video when ``output`` has a frame axis, a waveform to a ``.wav``
+    path (at ``sample_rate``)."""
+    from fastdit.io import AUDIO_SUFFIXES, save_audio, save_image, save_video
 
+    if Path(path).suffix.lower() in AUDIO_SUFFIXES:
+        return save_audio(path, output, sample_rate=_audio_rate(path, sample_rate))
     if output.ndim == 4:
         return save_video(path, output, fps=fps)
     return save_image(path, output)
 
 
-def save_outputs(paths: Sequence[Path], outputs: Sequence[np.ndarray], *, fps: float = 8.0) -> list[Path]:
+def save_outputs(
+    paths: Sequence[Path], outputs: Sequence[np.ndarray], *, fps: float = 8.0, sample_rate: int | None = None
+) -> list[Path]:
     """Save outputs all or nothing: one atomically, several (in one directory) staged and moved into place together.
 
     Args:
         paths: Destinations, e.g. from :func:`output_paths`.
         outputs: One output per path.
         fps: Frame rate of videos.
+        sample_rate: Sample rate of waveforms saved to ``.wav`` paths (:func:`audio_sample_rate`).
 
     Returns:
         ``paths``.
@@ -716,8 +742,8 @@ def save_outputs(paths: Sequence[Path], outputs: Sequence[np.ndarray], *, fps: f
     if len(paths) != len(outputs):
         raise ValueError(f"save_outputs got {len(paths)} paths for {len(outputs)} outputs")
     if len(paths) == 1:
-        return [save_output(paths[0], outputs[0], fps=fps)]
+        return [save_output(paths[0], outputs[0], fps=fps, sample_rate=sample_rate)]
     with atomic_outputs(paths) as temps:
         for path, temp, output in zip(paths, temps, outputs, strict=True):
-            _encode(temp, output, path.suffix, fps)
+            _encode(temp, output, path.suffix, fps, sample_rate)
     return list(paths)
