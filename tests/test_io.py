@@ -333,3 +333,25 @@ def test_check_writable_accepts_new_paths_and_leaves_nothing(tmp_path: Path) -> 
     fio.check_writable(tmp_path / "dir", directory=True)
     fio.check_writable(tmp_path, directory=True)
     assert _listing(tmp_path) == []
+
+
+def test_save_audio_writes_16_bit_pcm_wav(tmp_path: Path) -> None:
+    import wave
+
+    t = np.arange(400) / 100.0
+    waveform = np.stack([0.5 * np.sin(2 * np.pi * t), np.clip(2.0 * np.cos(2 * np.pi * t), -3, 3)])
+    path = fio.save_audio(tmp_path / "out" / "tone.wav", waveform, sample_rate=100)
+    with wave.open(str(path)) as read:
+        assert (read.getnchannels(), read.getsampwidth(), read.getframerate(), read.getnframes()) == (2, 2, 100, 400)
+        pcm = np.frombuffer(read.readframes(400), dtype="<i2").reshape(400, 2).T / 32767.0
+    np.testing.assert_allclose(pcm[0], waveform[0], atol=1 / 32767)
+    assert pcm[1].max() == 1.0 and pcm[1].min() == -1.0  # beyond full scale: clipped, not wrapped
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["tone.wav"]  # no temporary left
+    fio.save_audio(tmp_path / "mono.wav", waveform[0], sample_rate=100)
+    with pytest.raises(ValueError, match=r"audio is saved as one of \.wav"):
+        fio.save_audio(tmp_path / "tone.mp3", waveform, sample_rate=100)
+    with pytest.raises(ValueError, match="sample_rate=0"):
+        fio.save_audio(tmp_path / "bad.wav", waveform, sample_rate=0)
+    with pytest.raises(ValueError, match=r"\(channels, samples\) or \(samples,\), got shape \(1, 2, 400\)"):
+        fio.save_audio(tmp_path / "bad.wav", waveform[None], sample_rate=100)
+    assert not (tmp_path / "bad.wav").exists()

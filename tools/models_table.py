@@ -27,14 +27,10 @@ OUT = ROOT / "docs" / "models.md"
 # DiTs that are simply not integrated yet.
 NOT_A_DIT = "not a diffusion transformer over image/video latents"
 REASONS = {
-    "AceStepTransformer1DModel": "audio model (1-D); out of scope for now",
     "DualTransformer2DModel": "legacy UNet-era cross-attention wrapper, " + NOT_A_DIT,
     "MiniMaxMusic3RVQDepthDecoder": "audio codec decoder, " + NOT_A_DIT,
     "MiniMaxMusic3Transformer1DModel": "audio model (1-D); out of scope for now",
     "PriorTransformer": "CLIP-embedding prior (unCLIP), " + NOT_A_DIT,
-    "StableAudioDiTModel": "audio model (1-D); out of scope for now",
-    "StableAudio3DiTModel": "audio model (1-D); out of scope for now",
-    "LongCatAudioDiTTransformer": "audio model (1-D); out of scope for now",
     "T5FilmDecoder": "spectrogram diffusion decoder, " + NOT_A_DIT,
     "TransformerTemporalModel": "temporal layer inside UNet video models, " + NOT_A_DIT,
     "Transformer2DModel": "generic UNet/DiT building block; served through DiT and PixArt pipelines' own classes",

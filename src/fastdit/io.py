@@ -35,17 +35,20 @@ import numpy as np
 from PIL import Image, ImageSequence
 
 __all__ = [
+    "AUDIO_SUFFIXES",
     "FFMPEG_VIDEO_SUFFIXES",
     "IMAGE_SUFFIXES",
     "VIDEO_SUFFIXES",
     "atomic_output",
     "atomic_outputs",
     "check_writable",
+    "encode_audio",
     "encode_image",
     "encode_video",
     "image_bytes",
     "load_image",
     "load_video",
+    "save_audio",
     "save_image",
     "save_video",
     "write_json",
@@ -60,6 +63,9 @@ FFMPEG_VIDEO_SUFFIXES: frozenset[str] = frozenset({".mp4", ".mov", ".mkv", ".web
 
 VIDEO_SUFFIXES: frozenset[str] = FFMPEG_VIDEO_SUFFIXES | {".gif"}
 """File suffixes read and written as videos (GIF through Pillow, the rest through ffmpeg)."""
+
+AUDIO_SUFFIXES: frozenset[str] = frozenset({".wav"})
+"""File suffixes written as audio (16-bit PCM WAV through the standard library)."""
 
 _VIDEO_EXTRA_HINT = "install it with: pip install fastdit[video]"
 
@@ -395,6 +401,52 @@ def save_image(path: str | os.PathLike[str], image: Any, **save_kwargs: Any) -> 
     _image_format(suffix)  # fail before creating anything
     with atomic_output(path) as temp:
         encode_image(temp, image, suffix=suffix, **save_kwargs)
+    return Path(path)
+
+
+def encode_audio(file: str | os.PathLike[str], waveform: Any, *, sample_rate: int) -> None:
+    """Write one waveform to ``file`` (not atomically) as 16-bit PCM WAV; :func:`save_audio` does it atomically.
+
+    Args:
+        file: Where the bytes go (a path or a writable binary file).
+        waveform: ``(channels, samples)`` or ``(samples,)`` floats at full scale [-1, 1] (clipped there, as a
+            converter to integer samples must).
+        sample_rate: Samples per second.
+
+    Raises:
+        ValueError: A waveform of another shape, or a sample rate that is not a positive integer.
+    """
+    import wave
+
+    array = np.asarray(waveform, dtype=np.float64)
+    if array.ndim == 1:
+        array = array[None]
+    if array.ndim != 2 or array.shape[-1] == 0:
+        raise ValueError(f"a waveform is (channels, samples) or (samples,), got shape {tuple(array.shape)}")
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, int) or sample_rate < 1:
+        raise ValueError(f"sample_rate={sample_rate!r}: must be a positive integer")
+    pcm = np.round(np.clip(array, -1.0, 1.0) * 32767.0).astype("<i2")
+    with wave.open(file if hasattr(file, "write") else os.fspath(file), "wb") as out:
+        out.setnchannels(array.shape[0])
+        out.setsampwidth(2)
+        out.setframerate(sample_rate)
+        out.writeframes(pcm.T.tobytes())  # frames interleave the channels
+
+
+def save_audio(path: str | os.PathLike[str], waveform: Any, *, sample_rate: int) -> Path:
+    """Atomically save one waveform as a 16-bit PCM ``.wav`` file (see :func:`encode_audio`).
+
+    Returns:
+        The destination path.
+
+    Raises:
+        ValueError: ``path`` does not end in ``.wav``, or the waveform or rate is invalid (before creating anything).
+    """
+    if Path(path).suffix.lower() not in AUDIO_SUFFIXES:
+        raise ValueError(f"{os.fspath(path)!r}: audio is saved as one of {', '.join(sorted(AUDIO_SUFFIXES))}")
+    encode_audio(io.BytesIO(), waveform, sample_rate=sample_rate)  # fail before creating anything
+    with atomic_output(path) as temp:
+        encode_audio(temp, waveform, sample_rate=sample_rate)
     return Path(path)
 
 

@@ -8,7 +8,10 @@ Nothing here parses command lines, prints or times; :mod:`fastdit.bench` times a
     kwargs = call_arguments(session.pipeline_class, source.defaults, {"num_inference_steps": 28})
     image = session.call(Case("a cat", seed=0), kwargs)
 
-Outputs are float32 arrays in [0, 1]: ``(H, W, C)`` for an image, ``(F, H, W, C)`` for a video. :meth:`Session.call`
+Outputs are float32 arrays in [0, 1]: ``(H, W, C)`` for an image, ``(F, H, W, C)`` for a video; an audio pipeline's
+(its result has ``audios``) are ``(channels, samples)`` waveforms, full scale [-1, 1], as the pipeline produced them
+(not clipped: some pipelines clamp, others leave that to the file writer; :attr:`Session.output_kind` says which
+kind the last call produced). :meth:`Session.call`
 runs one prompt per pipeline call with a generator seeded from its :class:`Case`, so an output depends on its prompt
 and seed only. An output holding NaN or infinite values is never returned: the call raises
 :class:`fastdit.errors.NonFiniteOutputError` (a :class:`FloatingPointError`) naming the likely cause, because clipped
@@ -49,6 +52,7 @@ from fastdit.errors import FieldError, NonFiniteOutputError
 from fastdit.models.registry import get_preset
 
 __all__ = [
+    "AUDIO",
     "CALL_OWNER",
     "MAX_SEED",
     "MODEL_OWNER",
@@ -56,13 +60,16 @@ __all__ = [
     "Case",
     "ModelSource",
     "Session",
+    "audio_sample_rate",
     "call_arguments",
     "call_parameters",
     "check_size",
     "default_steps",
     "frame_multiple",
     "import_pipeline_class",
+    "is_audio_pipeline",
     "is_video_pipeline",
+    "output_kind",
     "output_paths",
     "resolve_model",
     "save_output",
@@ -241,6 +248,12 @@ def call_parameters(pipeline_class: type) -> dict[str, inspect.Parameter]:
     return {name: p for name, p in parameters.items() if name != "self" and p.kind is not p.VAR_POSITIONAL}
 
 
+def is_audio_pipeline(pipeline_class: type) -> bool:
+    """Whether the pipeline produces waveforms: its ``__call__`` is annotated to return an ``AudioPipelineOutput``."""
+    annotation = inspect.signature(pipeline_class.__call__).return_annotation
+    return "AudioPipelineOutput" in (annotation if isinstance(annotation, str) else repr(annotation))
+
+
 def is_video_pipeline(pipeline_class: type) -> bool:
     """Whether the pipeline produces videos (it takes a number of frames)."""
     return "num_frames" in call_parameters(pipeline_class)
@@ -367,12 +380,22 @@ def _to_array(item: Any) -> np.ndarray:
     return array.astype(np.float32)
 
 
+AUDIO = "audio"
+"""The :attr:`Session.output_kind` of waveforms (a diffusers ``AudioPipelineOutput``'s ``audios``)."""
+_KINDS = {"frames": "video", "images": "image", "image": "image", "video": "video", "audios": AUDIO}
+
+
+def output_kind(result: Any) -> str:
+    """``"video"``, ``"image"`` or ``"audio"``: what a pipeline result holds, by the attribute that holds it."""
+    return next((kind for name, kind in _KINDS.items() if hasattr(result, name)), "image")
+
+
 def _outputs(result: Any) -> list[np.ndarray]:
     # Videos come as .frames, images as .images, except a few pipelines' outputs that name them .image (Kandinsky 5)
-    # or .video (Cosmos 3); SANA-WM's refiner returns its tensor bare.
+    # or .video (Cosmos 3); audio pipelines return .audios; SANA-WM's refiner returns its tensor bare.
     if isinstance(result, (torch.Tensor, np.ndarray)):
         return [_to_array(item) for item in result]
-    name = next((name for name in ("frames", "images", "image", "video") if hasattr(result, name)), "images")
+    name = next((name for name in _KINDS if hasattr(result, name)), "images")
     return [_to_array(item) for item in getattr(result, name)]
 
 
@@ -410,8 +433,9 @@ def _uses_float16(pipe: Any) -> bool:
     return any(p.dtype == torch.float16 for module in modules for p in module.parameters())
 
 
-def _finite(pipe: Any, outputs: list[np.ndarray], call: Mapping[str, Any]) -> list[np.ndarray]:
-    """``outputs`` clipped to [0, 1], or :class:`NonFiniteOutputError` if any value is NaN or infinite.
+def _finite(pipe: Any, outputs: list[np.ndarray], call: Mapping[str, Any], kind: str = "image") -> list[np.ndarray]:
+    """``outputs`` clipped to [0, 1] (waveforms as they are), or :class:`NonFiniteOutputError` if any value is NaN
+    or infinite.
 
     Checked before clipping, which would turn +inf into white and leave NaN to become black when saved. Under
     context parallelism every rank holds the same gathered outputs, so every rank raises alike.
@@ -425,6 +449,8 @@ def _finite(pipe: Any, outputs: list[np.ndarray], call: Mapping[str, Any]) -> li
             components=_non_finite_components(pipe),
             float16=_uses_float16(pipe),
         )
+    if kind == AUDIO:  # a waveform is not clipped: its peaks are part of what a comparison must see
+        return outputs
     return [np.clip(output, 0.0, 1.0) for output in outputs]
 
 
@@ -523,6 +549,7 @@ class Session:
         pipe: The diffusers pipeline.
         source: Where it came from.
         device: The device it runs on.
+        output_kind: What the last call produced: ``"image"`` (also before any call), ``"video"`` or ``"audio"``.
     """
 
     def __init__(self, pipe: Any, source: ModelSource, device: torch.device | str) -> None:
@@ -530,6 +557,7 @@ class Session:
         self.source = source
         self.device = torch.device(device)
         self._accelerated = False
+        self.output_kind = "image"
 
     @classmethod
     def load(
@@ -610,7 +638,8 @@ class Session:
             kwargs: Call arguments from :func:`call_arguments` (no prompt or generator).
 
         Returns:
-            A float32 array in [0, 1], ``(H, W, C)`` or ``(F, H, W, C)``.
+            A float32 array in [0, 1], ``(H, W, C)`` or ``(F, H, W, C)``; for audio a ``(channels, samples)``
+            waveform, unclipped.
 
         Raises:
             NonFiniteOutputError: The output holds NaN or infinite values (nothing is returned).
@@ -619,7 +648,7 @@ class Session:
         if case.prompt is not None:
             call["prompt"] = case.prompt
         call["generator"] = _generator(case.seed)
-        return _finite(self.pipe, _outputs(self.pipe(**call)), call)[0]
+        return self._finished(self.pipe(**call), call)[0]
 
     def call_batch(self, cases: Sequence[Case], kwargs: Mapping[str, Any]) -> list[np.ndarray]:
         """Generate several outputs in one pipeline call, each from a generator seeded with its case's seed.
@@ -638,7 +667,11 @@ class Session:
         if not cases or None in prompts:
             raise ValueError(f"a batch needs one or more cases, each with a prompt; got prompts {prompts}")
         call = {**kwargs, "prompt": prompts, "generator": [_generator(case.seed) for case in cases]}
-        return _finite(self.pipe, _outputs(self.pipe(**call)), call)
+        return self._finished(self.pipe(**call), call)
+
+    def _finished(self, result: Any, call: Mapping[str, Any]) -> list[np.ndarray]:
+        self.output_kind = output_kind(result)
+        return _finite(self.pipe, _outputs(result), call, self.output_kind)
 
 
 def output_paths(out: Path, count: int, suffix: str) -> list[Path]:
@@ -648,31 +681,56 @@ def output_paths(out: Path, count: int, suffix: str) -> list[Path]:
     return [out / f"{index:04d}{suffix}" for index in range(count)]
 
 
-def _encode(file: Path, output: np.ndarray, suffix: str, fps: float) -> None:
-    from fastdit.io import encode_image, encode_video
+def audio_sample_rate(pipe: Any) -> int | None:
+    """The sample rate of an audio pipeline's waveforms (its VAE's ``sampling_rate`` or ``sample_rate``), else
+    ``None``."""
+    config = getattr(getattr(pipe, "vae", None), "config", None)
+    for name in ("sampling_rate", "sample_rate"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
-    if output.ndim == 4:
+
+def _audio_rate(path: Path, sample_rate: int | None) -> int:
+    if sample_rate is None:
+        raise ValueError(f"{path}: saving audio needs the sample rate (the pipeline's VAE names none)")
+    return sample_rate
+
+
+def _encode(file: Path, output: np.ndarray, suffix: str, fps: float, sample_rate: int | None) -> None:
+    from fastdit.io import AUDIO_SUFFIXES, encode_audio, encode_image, encode_video
+
+    if suffix.lower() in AUDIO_SUFFIXES:
+        encode_audio(file, output, sample_rate=_audio_rate(file, sample_rate))
+    elif output.ndim == 4:
         encode_video(file, output, suffix=suffix, fps=fps)
     else:
         encode_image(file, output, suffix=suffix)
 
 
-def save_output(path: Path, output: np.ndarray, *, fps: float = 8.0) -> Path:
-    """Atomically save one output: an image, or a video when ``output`` has a frame axis."""
-    from fastdit.io import save_image, save_video
+def save_output(path: Path, output: np.ndarray, *, fps: float = 8.0, sample_rate: int | None = None) -> Path:
+    """Atomically save one output: an image, a video when ``output`` has a frame axis, a waveform to a ``.wav``
+    path (at ``sample_rate``)."""
+    from fastdit.io import AUDIO_SUFFIXES, save_audio, save_image, save_video
 
+    if Path(path).suffix.lower() in AUDIO_SUFFIXES:
+        return save_audio(path, output, sample_rate=_audio_rate(path, sample_rate))
     if output.ndim == 4:
         return save_video(path, output, fps=fps)
     return save_image(path, output)
 
 
-def save_outputs(paths: Sequence[Path], outputs: Sequence[np.ndarray], *, fps: float = 8.0) -> list[Path]:
+def save_outputs(
+    paths: Sequence[Path], outputs: Sequence[np.ndarray], *, fps: float = 8.0, sample_rate: int | None = None
+) -> list[Path]:
     """Save outputs all or nothing: one atomically, several (in one directory) staged and moved into place together.
 
     Args:
         paths: Destinations, e.g. from :func:`output_paths`.
         outputs: One output per path.
         fps: Frame rate of videos.
+        sample_rate: Sample rate of waveforms saved to ``.wav`` paths (:func:`audio_sample_rate`).
 
     Returns:
         ``paths``.
@@ -686,8 +744,8 @@ def save_outputs(paths: Sequence[Path], outputs: Sequence[np.ndarray], *, fps: f
     if len(paths) != len(outputs):
         raise ValueError(f"save_outputs got {len(paths)} paths for {len(outputs)} outputs")
     if len(paths) == 1:
-        return [save_output(paths[0], outputs[0], fps=fps)]
+        return [save_output(paths[0], outputs[0], fps=fps, sample_rate=sample_rate)]
     with atomic_outputs(paths) as temps:
         for path, temp, output in zip(paths, temps, outputs, strict=True):
-            _encode(temp, output, path.suffix, fps)
+            _encode(temp, output, path.suffix, fps, sample_rate)
     return list(paths)

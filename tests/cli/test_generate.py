@@ -597,3 +597,27 @@ def test_quantize_fp8_on_cpu_names_the_flag(tiny_flux_dir: Path, capsys: Any) ->
     assert code == 2
     (line,) = _error_lines(err)
     assert line.startswith("fastdit: error: argument --quantize fp8: ") and "compute capability 8.9" in line
+
+
+@pytest.fixture(scope="module")
+def tiny_stable_audio_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return Path(save_tiny("stable_audio", str(tmp_path_factory.mktemp("tiny-stable-audio"))))
+
+
+def test_audio_pipeline_saves_wav_and_compares_waveforms(
+    capsys: pytest.CaptureFixture[str], tiny_stable_audio_dir: Path, tmp_path: Path
+) -> None:
+    import wave
+
+    out = tmp_path / "hammer.wav"
+    argv = ("--model-path", str(tiny_stable_audio_dir), "--prompt", "a cat", "--steps", "2", "--cache", "--compare")
+    code, stdout, err = _run(capsys, *argv, "--out", str(out), "--json")
+    assert code == 0, err
+    payload = _last_json(stdout)
+    assert payload["files"] == [str(out)] and payload["snr"] == "inf" and payload["ssim"] == 1.0
+    with wave.open(str(out)) as read:  # stereo at the tiny VAE's 16 Hz, 8 s
+        assert (read.getnchannels(), read.getframerate(), read.getnframes()) == (2, 16, 128)
+    code, _, err = _run(capsys, *argv, "--out", str(tmp_path / "hammer.png"))
+    assert code == 2 and _error_lines(err) == [
+        f"fastdit: error: argument --out {tmp_path / 'hammer.png'}: audio needs one of the suffixes .wav"
+    ]

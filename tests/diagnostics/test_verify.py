@@ -218,3 +218,25 @@ def test_check_disable_fails_a_rung_that_leaves_the_pipeline_changed(monkeypatch
     finally:
         fastdit.disable(pipe)
     assert row.status == Status.FAIL and "after disable the output differs from the baseline" in row.reason
+
+
+def test_audio_rows_are_judged_on_waveforms_and_spectrograms(tmp_path: Any) -> None:
+    """An audio pipeline: outputs are unclipped (channels, samples) waveforms; rows carry waveform PSNR and SNR and
+    the spectral SSIM; a cache that serves steps lowers them; the grid shows spectrograms."""
+    import numpy as np
+
+    from fastdit.diagnostics.verify import save_grid
+
+    pipe, tiny = _built("longcat_audio_dit")
+    rungs = ["cache", Rung("served", (), CACHE, _served_from_cache)]
+    report = verify_ladder(pipe, tiny.call_kwargs, rungs, VerifyRuntime(world_size=1))
+    assert report.output_kind == "audio" and report.to_dict()["output_kind"] == "audio"
+    baseline, cache, served = report.rows
+    (output,) = baseline.outputs
+    assert output.ndim == 2 and output.shape[0] == 1 and np.abs(output).max() > 1.0  # mono, not clipped to [0, 1]
+    assert output.min() < 0.0
+    assert cache.status == Status.PASS and cache.snr == math.inf and cache.ssim == pytest.approx(1.0)
+    assert served.cached_steps and served.snr < math.inf and served.ssim is not None and served.ssim < 1.0
+    assert served.to_dict()["snr_min"] == served.snr_min
+    path = save_grid(report, tmp_path / "grid.png")
+    assert path.exists()

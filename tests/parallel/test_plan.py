@@ -132,6 +132,20 @@ def test_plan_is_frozen_data() -> None:
         (lambda: _plan(gather={}), "gather"),
         (lambda: _plan(inputs={"": {"x": GatherOutput(1)}}), r"inputs\[''\]\['x'\]"),
         (lambda: _plan(attention=AttentionRouting(modules=(FLUX_MODULE,), mask_segments=("txt",))), "'txt'"),
+        (lambda: SplitInput(dim=1, tail_of="x", segments=("y",)), "SplitInput.tail_of"),
+        (lambda: _plan(inputs={"": {"local": SplitInput(1, tail_of="img")}}), r"tail_of='img' is not a plain"),
+        (
+            lambda: _plan(
+                inputs={
+                    "": {
+                        "hidden_states": SplitInput(1, 3),
+                        "a": SplitInput(1, tail_of="hidden_states"),
+                        "b": SplitInput(1, tail_of="a"),
+                    }
+                }
+            ),
+            r"tail_of='a' is not a plain",
+        ),
         (lambda: LeadingCount(of=""), "LeadingCount.of"),
         (lambda: LeadingCount(of="hidden_states", position=-1), "LeadingCount.position"),
         (lambda: _plan(inputs={"": {"n": LeadingCount(of="img")}}), r"LeadingCount\.of='img' is not a split input"),
@@ -432,3 +446,51 @@ def test_gather_input_follows_the_splits_of_its_module() -> None:
     specs = {"hidden_states": GatherInput(1, 3), "encoder_hidden_states": SplitInput(1, 3)}
     splits, later = _splits_then_counts(specs)
     assert list(splits) == ["encoder_hidden_states"] and list(later) == ["hidden_states"]
+
+
+# --- SplitInput.tail_of: rows lined up with the last tokens of a split input ---
+
+
+def _tail_splitter(rank: int, lens: list[int]):
+    """A splitter of rank ``rank`` whose forward split ``hidden_states`` as ``lens`` (no process group needed)."""
+    from fastdit.parallel.attention.dispatch import ForwardLayout
+    from fastdit.parallel.context_parallel import _Splitter
+
+    splitter = _Splitter.__new__(_Splitter)
+    splitter.degree, splitter.rank, splitter.layout = len(lens), rank, ForwardLayout()
+    splitter.layout.record("hidden_states", lens)
+    return splitter
+
+
+@pytest.mark.parametrize(
+    ("lens", "prepended", "expected"),
+    [
+        ([6, 6, 6], 12, [[], [], [0, 1, 2, 3, 4, 5]]),  # two ranks hold prepended tokens only: empty slices
+        ([7, 7, 6], 4, [[0, 1, 2], [3, 4, 5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15]]),
+        ([5, 5], 0, [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]),  # no prepended tokens: a plain split
+    ],
+)
+def test_tail_split_gives_each_rank_the_rows_of_its_own_tokens(
+    lens: list[int], prepended: int, expected: list[list[int]]
+) -> None:
+    spec = SplitInput(dim=1, expected_dims=3, tail_of="hidden_states")
+    assert spec.reads_record
+    rows = torch.arange(sum(lens) - prepended, dtype=torch.float32).view(1, -1, 1)
+    for rank, want in enumerate(expected):
+        local = spec.adjust(rows, _tail_splitter(rank, lens), "local_seq")
+        assert local.view(-1).tolist() == want
+        # What the block adds them to: its shard's tokens after the prepended ones it holds (LeadingCount).
+        held = _tail_splitter(rank, lens).count(prepended, "hidden_states")
+        assert local.shape[1] == lens[rank] - held
+
+
+def test_tail_split_passes_whole_when_its_input_was_not_split_and_refuses_a_longer_tail() -> None:
+    from fastdit.errors import ShardError
+
+    spec = SplitInput(dim=1, tail_of="hidden_states")
+    rows = torch.zeros(1, 4, 2)
+    unsplit = _tail_splitter(0, [3, 3])
+    unsplit.layout.splits.clear()
+    assert spec.adjust(rows, unsplit, "local_seq") is rows
+    with pytest.raises(ShardError, match="local_seq has 7 tokens along dim 1, more than hidden_states"):
+        spec.adjust(torch.zeros(1, 7, 2), _tail_splitter(0, [3, 3]), "local_seq")

@@ -106,7 +106,7 @@ def bench_row(name: str, config: Any, result: RunResult, baseline: RunResult | N
         row.blocks_computed_fraction = result.cache.blocks_computed_fraction
         row.cached_steps = result.cache.cached_steps
     if baseline is not None:
-        quality = compare_outputs(baseline.outputs, result.outputs)
+        quality = compare_outputs(baseline.outputs, result.outputs, audio=result.output_kind == "audio")
         row.speedup = baseline.median_seconds / result.median_seconds
         row.psnr, row.psnr_min, row.ssim, row.ssim_min = quality.psnr, quality.psnr_min, quality.ssim, quality.ssim_min
     return row

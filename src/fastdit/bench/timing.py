@@ -67,6 +67,8 @@ class RunResult:
         summary: :func:`fastdit.summary` of the last call (``None`` when the pipeline is not accelerated).
         peak_memory: Peak bytes over the timed passes (``None`` unless tracked).
         memory_kind: What :attr:`peak_memory` measures.
+        output_kind: What the outputs are (:attr:`Session.output_kind`): ``"image"``, ``"video"`` or ``"audio"``
+            (waveforms, full scale [-1, 1], compared by :func:`fastdit.metrics.compare_audio`).
     """
 
     outputs: list[np.ndarray] = field(default_factory=list)
@@ -77,10 +79,11 @@ class RunResult:
     summary: fastdit.Summary | None = None
     peak_memory: int | None = None
     memory_kind: str = ""
+    output_kind: str = "image"
 
     def extend(self, later: RunResult) -> None:
         """Add the passes of a later run of the same variant (outputs and statistics are the later ones)."""
-        self.outputs = later.outputs
+        self.outputs, self.output_kind = later.outputs, later.output_kind
         self.seconds += later.seconds
         self.call_seconds += later.call_seconds
         self.warmup_seconds += later.warmup_seconds
@@ -216,6 +219,7 @@ def run(
                 result.summary = session.summary()
                 result.cache.add(result.summary)
         result.seconds.append(pass_seconds)
+    result.output_kind = session.output_kind
     if memory is not None:
         result.peak_memory, result.memory_kind = memory.peak(), memory.kind
     return result

@@ -44,9 +44,11 @@ from fastdit.session import (
     Case,
     ModelSource,
     Session,
+    audio_sample_rate,
     call_arguments,
     call_parameters,
     default_steps,
+    is_audio_pipeline,
     is_video_pipeline,
     save_outputs,
 )
@@ -174,13 +176,14 @@ def _check_configs(session: Session, sweep: Sweep) -> None:
         session.disable()
 
 
-def _save_images(plan: _Plan, results: list[RunResult]) -> None:
-    suffix = ".mp4" if is_video_pipeline(plan.sweep.pipeline_class) else ".png"
+def _save_images(plan: _Plan, results: list[RunResult], sample_rate: int | None = None) -> None:
+    audio = is_audio_pipeline(plan.sweep.pipeline_class)
+    suffix = ".wav" if audio else ".mp4" if is_video_pipeline(plan.sweep.pipeline_class) else ".png"
     for index, result in enumerate(results):
         # Numbered directories: configuration names hold characters that do not belong in file names.
         directory = plan.out / "images" / f"{index:02d}"
         paths = [directory / f"{number:04d}{suffix}" for number in range(len(result.outputs))]
-        save_outputs(paths, result.outputs)  # all of a row or none of it
+        save_outputs(paths, result.outputs, sample_rate=sample_rate)  # all of a row or none of it
 
 
 def run(args: argparse.Namespace) -> int:
@@ -205,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     report, table = write_reports(plan.out, sweep, [row for row, _ in measured])
     if args.save_images:
-        _save_images(plan, [result for _, result in measured])
+        _save_images(plan, [result for _, result in measured], audio_sample_rate(session.pipe))
     print(table, end="", file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(report["rows"], allow_nan=False))

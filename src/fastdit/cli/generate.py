@@ -58,17 +58,20 @@ from fastdit.config import (
     Parallel,
 )
 from fastdit.errors import FieldError
-from fastdit.io import IMAGE_SUFFIXES, VIDEO_SUFFIXES, check_writable
+from fastdit.io import AUDIO_SUFFIXES, IMAGE_SUFFIXES, VIDEO_SUFFIXES, check_writable
 from fastdit.parallel.failures import CollectiveError, collective_failures
 from fastdit.parallel.load_broadcast import LoadBroadcastError
 from fastdit.process import is_main_process, process_count, process_group_scope
 from fastdit.session import (
+    AUDIO,
     Case,
     ModelSource,
     Session,
+    audio_sample_rate,
     call_arguments,
     call_parameters,
     default_steps,
+    is_audio_pipeline,
     is_video_pipeline,
     output_paths,
     save_outputs,
@@ -181,8 +184,8 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--out",
         metavar="PATH",
-        help="output file for one prompt (.png, ... ; .mp4 or .gif for videos); a directory for several "
-        "(0000.png, 0001.png, ... in prompt order)",
+        help="output file for one prompt (.png, ... ; .mp4 or .gif for videos; .wav for audio); a directory for "
+        "several (0000.png, 0001.png, ... in prompt order)",
     )
     group.add_argument("--fps", type=float, default=16.0, help="frames per second of saved videos (default 16)")
     group.add_argument("--json", action="store_true", help="end with one JSON line of results (the rest on stderr)")
@@ -301,26 +304,26 @@ def _check_step_mask(cache: DBCache | DBPrune | None, num_steps: int | None) -> 
         check_run_length(cache.step_mask, num_steps)
 
 
-def _output_files(args: argparse.Namespace, out: Path, count: int, video: bool) -> list[Path]:
-    suffixes = VIDEO_SUFFIXES if video else IMAGE_SUFFIXES
+def _output_files(args: argparse.Namespace, out: Path, count: int, video: bool, audio: bool = False) -> list[Path]:
+    suffixes = AUDIO_SUFFIXES if audio else VIDEO_SUFFIXES if video else IMAGE_SUFFIXES
     if count > 1:
-        if out.suffix.lower() in IMAGE_SUFFIXES | VIDEO_SUFFIXES or out.is_file():
+        if out.suffix.lower() in IMAGE_SUFFIXES | VIDEO_SUFFIXES | AUDIO_SUFFIXES or out.is_file():
             raise CLIError(f"argument --out {args.out}: {count} prompts need a directory, not a file")
-        return output_paths(out, count, ".mp4" if video else ".png")
+        return output_paths(out, count, ".wav" if audio else ".mp4" if video else ".png")
     if out.is_dir():
         raise CLIError(f"argument --out {args.out}: is a directory; one prompt is saved to a file")
     if out.suffix.lower() not in suffixes:
-        kind = "a video" if video else "an image"
+        kind = "audio" if audio else "a video" if video else "an image"
         raise CLIError(f"argument --out {args.out}: {kind} needs one of the suffixes {', '.join(sorted(suffixes))}")
     return [out]
 
 
-def _outputs(args: argparse.Namespace, count: int, video: bool) -> list[Path]:
+def _outputs(args: argparse.Namespace, count: int, video: bool, audio: bool = False) -> list[Path]:
     """Where the outputs go, checked to be writable before any weights are loaded (nothing is created)."""
     if args.out is None:
         return []
     out = output_path(args.out)
-    paths = _output_files(args, out, count, video)
+    paths = _output_files(args, out, count, video, audio)
     if video and any(p.suffix.lower() != ".gif" for p in paths) and importlib.util.find_spec("imageio") is None:
         raise CLIError(f"argument --out {args.out}: mp4 needs imageio and imageio-ffmpeg (pip install fastdit[video])")
     try:
@@ -365,7 +368,7 @@ def plan_from_args(args: argparse.Namespace) -> GeneratePlan:
         warmup=default_warmup if args.warmup is None else args.warmup,
         repeat=args.repeat,
         compare=compare,
-        outputs=_outputs(args, len(cases), video),
+        outputs=_outputs(args, len(cases), video, is_audio_pipeline(pipeline_class)),
         video=video,
         num_steps=num_steps,
         loading=loading,
@@ -481,11 +484,13 @@ def _payload(plan: GeneratePlan, done: GenerateRun) -> dict:
         payload["peak_memory_bytes"] = result.peak_memory
         payload["memory_kind"] = result.memory_kind
     if baseline is not None:
-        quality = compare_outputs(baseline.outputs, result.outputs)
+        quality = compare_outputs(baseline.outputs, result.outputs, audio=result.output_kind == AUDIO)
         payload["baseline_seconds"] = baseline.median_seconds
         payload["speedup"] = baseline.median_seconds / result.median_seconds
-        for name in ("psnr", "psnr_min", "ssim", "ssim_min"):
-            payload[name] = json_safe(getattr(quality, name))
+        # Audio: waveform PSNR and SNR, spectrogram SSIM (none for a waveform too short for a spectrogram).
+        for name in ("psnr", "psnr_min", "ssim", "ssim_min", "snr", "snr_min"):
+            if getattr(quality, name) is not None:
+                payload[name] = json_safe(getattr(quality, name))
         if baseline.peak_memory is not None:
             payload["baseline_peak_memory_bytes"] = baseline.peak_memory
     return payload
@@ -517,7 +522,13 @@ def _report(payload: dict[str, Any], stream: TextIO) -> None:
     if "speedup" in payload:
         line("baseline", f"{payload['baseline_seconds']:.3f} s, speed-up {payload['speedup']:.2f}x")
         psnr, psnr_min = (f"{v:.2f}" if isinstance(v, float) else v for v in (payload["psnr"], payload["psnr_min"]))
-        line("quality", f"PSNR {psnr} dB (min {psnr_min}), SSIM {payload['ssim']:.4f} (min {payload['ssim_min']:.4f})")
+        text = f"PSNR {psnr} dB (min {psnr_min})"
+        if "ssim" in payload:
+            text += f", SSIM {payload['ssim']:.4f} (min {payload['ssim_min']:.4f})"
+        if "snr" in payload:
+            snr = payload["snr"]
+            text += f", SNR {snr:.2f} dB" if isinstance(snr, float) else f", SNR {snr} dB"
+        line("quality", text)
     if "peak_memory_bytes" in payload:
         line("memory", f"{_gib(payload['peak_memory_bytes'])} ({payload['memory_kind']})")
     line("saved", ", ".join(payload["files"]) if payload["files"] else "nothing (pass --out PATH to save)")
@@ -525,7 +536,8 @@ def _report(payload: dict[str, Any], stream: TextIO) -> None:
 
 def _save(plan: GeneratePlan, done: GenerateRun, args: argparse.Namespace) -> None:
     try:
-        save_outputs(plan.outputs, done.result.outputs, fps=args.fps)
+        rate = audio_sample_rate(done.session.pipe) if done.result.output_kind == AUDIO else None
+        save_outputs(plan.outputs, done.result.outputs, fps=args.fps, sample_rate=rate)
     except OSError as error:  # a full disk, a directory changed meanwhile: all or nothing, so nothing was saved
         raise CLIError(f"argument --out {args.out}: cannot save ({error}); nothing was saved") from None
 

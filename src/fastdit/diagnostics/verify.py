@@ -38,10 +38,11 @@ from fastdit.bench.timing import RunResult, run
 from fastdit.config import Parallel
 from fastdit.diagnostics.target import TargetError, call_function
 from fastdit.errors import ArgumentError, ShardError, UnavailableError
+from fastdit.metrics.audio import AUDIO_RANGE
 from fastdit.models.base import ModelAdapter
 from fastdit.parallel.cfg_parallel import CfgParallelError
 from fastdit.parallel.failures import CollectiveError, collective_failures
-from fastdit.session import Case, ModelSource, Session, default_steps
+from fastdit.session import AUDIO, Case, ModelSource, Session, default_steps
 
 __all__ = [
     "BASELINE",
@@ -378,7 +379,10 @@ class VerifyRow:
         options: The ``fastdit.accelerate`` arguments as plain data (empty when none were built).
         seconds: Median seconds per output (``None``: not run).
         speedup: Baseline seconds / these seconds.
-        psnr, psnr_min, ssim, ssim_min: Quality against the baseline (mean and worst output).
+        psnr, psnr_min, ssim, ssim_min: Quality against the baseline (mean and worst output). For audio outputs
+            PSNR is the waveform's over full scale and SSIM that of the log spectrogram
+            (:func:`fastdit.metrics.compare_audio`).
+        snr, snr_min: Waveform SNR in dB against the baseline (audio outputs only, else ``None``).
         peak_memory: Peak bytes of this rank (``None``: not run or not measurable).
         memory_kind: What :attr:`peak_memory` measures.
         max_abs: Largest absolute difference from the reference over every output value.
@@ -400,6 +404,8 @@ class VerifyRow:
     psnr_min: float | None = None
     ssim: float | None = None
     ssim_min: float | None = None
+    snr: float | None = None
+    snr_min: float | None = None
     peak_memory: int | None = None
     memory_kind: str = ""
     max_abs: float | None = None
@@ -423,7 +429,8 @@ class VerifyRow:
         from fastdit.bench.plain import json_ready
 
         keys = ("name", "configuration", "kind", "status", "reason", "options", "seconds", "speedup")
-        more = ("psnr", "psnr_min", "ssim", "ssim_min", "peak_memory", "memory_kind", "max_abs", "cached_steps")
+        more = ("psnr", "psnr_min", "ssim", "ssim_min", "snr", "snr_min", "peak_memory", "memory_kind", "max_abs")
+        more += ("cached_steps",)
         more += ("blocks_computed", "summary")
         return json_ready({key: getattr(self, key) for key in keys + more})
 
@@ -456,6 +463,7 @@ class VerifyReport:
         call: The call's scalar arguments (steps, size, ...).
         thresholds: The minima rows were judged by.
         rows: The baseline, then one row per selected rung, in ladder order.
+        output_kind: What the pipeline produces: ``"image"``, ``"video"`` or ``"audio"`` (how rows were compared).
     """
 
     model: str
@@ -465,6 +473,7 @@ class VerifyReport:
     call: dict[str, Any]
     thresholds: Thresholds
     rows: list[VerifyRow]
+    output_kind: str = "image"
 
     @property
     def passed(self) -> bool:
@@ -500,6 +509,7 @@ class VerifyReport:
             "device": self.device,
             "call": self.call,
             "thresholds": asdict(self.thresholds),
+            "output_kind": self.output_kind,
             "passed": self.passed,
             "rows": [row.to_dict() for row in self.rows],
         }
@@ -617,12 +627,15 @@ def _measured(row: VerifyRow, result: RunResult, ladder: _Ladder, reference: Run
         shapes = f"{[o.shape for o in result.outputs]} vs {[o.shape for o in reference.outputs]}"
         row.status, row.reason = Status.FAIL, f"output shapes differ from the reference: {shapes}"
         return row
+    audio = result.output_kind == AUDIO
     try:
-        quality = compare_outputs(reference.outputs, result.outputs)
+        quality = compare_outputs(reference.outputs, result.outputs, audio=audio)
         row.psnr, row.psnr_min = quality.psnr, quality.psnr_min
         row.ssim, row.ssim_min = quality.ssim, quality.ssim_min
-    except ValueError:  # not images SSIM can read (latents, tiles below its 11-pixel window)
-        row.psnr, row.psnr_min = _psnr_only(reference.outputs, result.outputs)
+        row.snr, row.snr_min = quality.snr, quality.snr_min
+    except ValueError:  # not images SSIM can read (latents, tiles below its 11-pixel window, very short audio)
+        data_range = AUDIO_RANGE if audio else 1.0
+        row.psnr, row.psnr_min = _psnr_only(reference.outputs, result.outputs, data_range)
     row.max_abs = _max_abs(reference.outputs, result.outputs)
     row.status, row.reason = ladder.runtime.thresholds.judge(row.kind, row.psnr_min, row.ssim_min, row.max_abs)
     parallel = row.options.get("parallel") or {}
@@ -636,12 +649,15 @@ def _measured(row: VerifyRow, result: RunResult, ladder: _Ladder, reference: Run
     return row
 
 
-def _psnr_only(reference: Sequence[np.ndarray], test: Sequence[np.ndarray]) -> tuple[float, float]:
-    """Mean and minimum PSNR over outputs of any shape, values in [0, 1] (what the session returns)."""
+def _psnr_only(
+    reference: Sequence[np.ndarray], test: Sequence[np.ndarray], data_range: float = 1.0
+) -> tuple[float, float]:
+    """Mean and minimum PSNR over outputs of any shape, values spanning ``data_range`` (what the session returns:
+    [0, 1]; waveforms full scale [-1, 1])."""
     values = []
     for a, b in zip(reference, test, strict=True):
         mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
-        values.append(math.inf if mse == 0 else 10 * math.log10(1.0 / mse))
+        values.append(math.inf if mse == 0 else 10 * math.log10(data_range**2 / mse))
     return float(np.mean(values)), min(values)
 
 
@@ -803,6 +819,7 @@ def verify_ladder(
         call=_call_summary(kwargs),
         thresholds=runtime.thresholds,
         rows=rows,
+        output_kind=baseline.output_kind,
     )
 
 
@@ -940,8 +957,18 @@ def load_target(
     return VerifyTarget(_SeededSession(pipe, source, device), dict(tiny.call_kwargs))
 
 
-def _tile(output: np.ndarray) -> np.ndarray | None:
-    """An image of one output: itself, the middle frame of a video, the first channel of latents; ``None``: none."""
+def _tile(output: np.ndarray, kind: str = "image") -> np.ndarray | None:
+    """An image of one output: itself, the middle frame of a video, the first channel of latents, the log spectrogram
+    of a waveform's first channel (low frequencies at the bottom); ``None``: none."""
+    if kind == AUDIO:
+        from fastdit.metrics.audio import DYNAMIC_RANGE_DB, log_spectrogram, spectral_n_fft
+
+        waveform = output.reshape(-1, output.shape[-1])[:1].astype(np.float64)
+        try:
+            spectrum = log_spectrogram(waveform, spectral_n_fft(waveform.shape[-1]))[0]
+        except ValueError:  # too short for a spectrogram: nothing to show
+            return None
+        return np.clip((spectrum[::-1] - spectrum.max()) / DYNAMIC_RANGE_DB + 1.0, 0.0, 1.0)
     tile = np.squeeze(output)
     if tile.ndim == 4:
         tile = tile[len(tile) // 2]
@@ -970,9 +997,10 @@ def save_grid(report: VerifyReport, path: Any) -> Any:
     for axis in axes.flat:
         axis.axis("off")
     for axis, row in zip(axes.flat, rows, strict=False):
-        tile = _tile(row.outputs[0])
+        tile = _tile(row.outputs[0], report.output_kind)
         if tile is not None:
-            axis.imshow(tile, interpolation="nearest", cmap="gray", vmin=0.0, vmax=1.0)
+            aspect = "auto" if report.output_kind == AUDIO else "equal"  # a spectrogram fills its tile
+            axis.imshow(tile, interpolation="nearest", cmap="gray", vmin=0.0, vmax=1.0, aspect=aspect)
         title = (
             row.configuration if row.name == BASELINE else f"{row.configuration}\n{row.status}, {_db(row.psnr_min)} dB"
         )

@@ -55,6 +55,9 @@ class Comparison:
         ssim_min: Lowest per-item SSIM, or ``None``.
         psnr_per_frame: PSNR of each item, in input order (empty if not requested).
         ssim_per_frame: SSIM of each item, in input order (empty if not requested).
+        snr: Mean SNR in dB over items (audio only, :func:`fastdit.metrics.audio.compare_audio`), else ``None``.
+        snr_min: Lowest per-item SNR, or ``None``.
+        snr_per_frame: SNR of each item (empty if not computed).
     """
 
     count: int
@@ -64,6 +67,9 @@ class Comparison:
     ssim_min: float | None = None
     psnr_per_frame: tuple[float, ...] = ()
     ssim_per_frame: tuple[float, ...] = ()
+    snr: float | None = None
+    snr_min: float | None = None
+    snr_per_frame: tuple[float, ...] = ()
 
     def to_dict(self, *, per_frame: bool = False) -> dict[str, Any]:
         """Return a JSON-safe dict of the computed metrics (``inf`` written as the string ``"inf"``).
@@ -75,7 +81,7 @@ class Comparison:
             ``count`` plus, for each computed metric, its mean and minimum (and per-item values if asked).
         """
         out: dict[str, Any] = {"count": self.count}
-        for name in METRICS:
+        for name in (*METRICS, "snr"):
             mean = getattr(self, name)
             if mean is None:
                 continue

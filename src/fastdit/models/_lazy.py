@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from PIL import Image
 
-__all__ = ["Deferred", "LazyKwargs", "tiny_image"]
+__all__ = ["Deferred", "LazyKwargs", "tiny_image", "tiny_waveform"]
 
 
 @dataclass(frozen=True)
@@ -70,3 +70,14 @@ def _random_image(size: int) -> Image.Image:
 def tiny_image(size: int = 32) -> Deferred:
     """:func:`fastdit.testing.components.images.random_image` of ``size``, drawn on first read."""
     return Deferred(_random_image, (size,))
+
+
+def _waveform(channels: int, samples: int) -> Any:
+    from fastdit.testing.components.audio import waveform
+
+    return waveform(channels, samples)
+
+
+def tiny_waveform(channels: int = 2, samples: int = 128) -> Deferred:
+    """:func:`fastdit.testing.components.audio.waveform`, ``(1, channels, samples)``, built on first read."""
+    return Deferred(_waveform, (channels, samples))

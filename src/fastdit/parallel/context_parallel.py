@@ -188,6 +188,23 @@ class _Splitter:
         self.layout.record(name, [n * (size // group) for n in lens])
         return local
 
+    def split_tail(self, tensor: Any, dim: int, expected_dims: int | None, name: str, of: str) -> Any:
+        """``tensor``, lined up with the last tokens of the split input ``of``: the part inside this rank's shard."""
+        if isinstance(tensor, (tuple, list)):
+            return type(tensor)(self.split_tail(t, dim, expected_dims, name, of) for t in tensor)
+        if not isinstance(tensor, torch.Tensor) or (expected_dims is not None and tensor.ndim != expected_dims):
+            return tensor
+        lens = self.layout.splits.get(of)
+        if lens is None:  # ``of`` passed whole in this forward: so does its tail
+            return tensor
+        total, length = sum(lens), tensor.shape[dim]
+        if length > total:  # global sizes: every rank raises alike
+            raise ShardError(f"context parallel: {name} has {length} tokens along dim {dim}, more than {of} ({total})")
+        offset = total - length  # the tokens of ``of`` before its tail
+        start = sum(lens[: self.rank])
+        first = max(start, offset)
+        return tensor.narrow(dim, first - offset, max(start + lens[self.rank] - first, 0))
+
     def count(self, value: Any, of: str, *, trailing: bool = False) -> Any:
         """A count ``value`` of leading (or, ``trailing``, last) tokens of ``of``, narrowed to this rank's contiguous
         shard of ``of``."""

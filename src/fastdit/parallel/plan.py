@@ -97,6 +97,7 @@ class Splitter(Protocol):
     ) -> Any: ...
 
     def split_groups(self, tensor: Any, dim: int, expected_dims: int | None, name: str, of: str) -> Any: ...
+    def split_tail(self, tensor: Any, dim: int, expected_dims: int | None, name: str, of: str) -> Any: ...
 
     def count(self, value: Any, of: str, *, trailing: bool = False) -> Any: ...
 
@@ -144,6 +145,12 @@ class SplitInput:
             argument spans; ``()``: one contiguous split.
         groups_of: Name of a plain :class:`SplitInput` of the plan (any path, split earlier in the same forward)
             whose global token count is the group size of ``dim``; ``None``: one contiguous split.
+        tail_of: Name of a plain split input (of this path or an earlier module of the same forward) whose *last*
+            tokens this argument lines up with, one for one: a per-token conditioning of the audio frames that the
+            model adds after tokens it prepended itself (Stable Audio 3's memory tokens). Each rank takes the part
+            of it that falls inside its own shard of that input (possibly none: a rank holding only prepended
+            tokens gets an empty slice), so ``x[:, n_prepended_local:] + tail`` keeps working locally with the
+            prepended count narrowed by a :class:`LeadingCount`. ``""``: not such an argument.
     """
 
     dim: int
@@ -153,6 +160,7 @@ class SplitInput:
     keep_singleton: bool | None = None
     segments: tuple[str, ...] = ()
     groups_of: str | None = None
+    tail_of: str = ""
 
     def __post_init__(self) -> None:
         _check_dim("SplitInput", self.dim, self.expected_dims)
@@ -165,17 +173,19 @@ class SplitInput:
         if self.groups_of is not None:
             if not isinstance(self.groups_of, str) or not self.groups_of:
                 raise ValueError(f"SplitInput.groups_of={self.groups_of!r}: must name a split input")
-            if self.segments or self.unit:
+            if self.segments or self.unit or self.tail_of:
                 raise ValueError(
-                    f"SplitInput.groups_of={self.groups_of!r}: cannot be combined with segments or unit (a grouped "
-                    "split takes its shard sizes from the input it names)"
+                    f"SplitInput.groups_of={self.groups_of!r}: cannot be combined with segments, unit or tail_of (a "
+                    "grouped split takes its shard sizes from the input it names)"
                 )
+        if not isinstance(self.tail_of, str) or (self.tail_of and self.segments):
+            raise ValueError(f"SplitInput.tail_of={self.tail_of!r}: a split input's name, not combined with segments")
 
     @property
     def reads_record(self) -> bool:
-        """Whether applying it reads this forward's split record (segment-wise and grouped splits do, plain splits
-        write it)."""
-        return bool(self.segments) or self.groups_of is not None
+        """Whether applying it reads this forward's split record (segment-wise, grouped and tail splits do, plain
+        splits write it)."""
+        return bool(self.segments or self.tail_of) or self.groups_of is not None
 
     def adjust(self, value: Any, splitter: Splitter, name: str, unit: int = 1) -> Any:
         """``value`` split per this spec; with :attr:`index`, only that element of a tuple/list argument."""
@@ -183,6 +193,8 @@ class SplitInput:
         def split(item: Any, label: str) -> Any:
             if self.groups_of is not None:
                 return splitter.split_groups(item, self.dim, self.expected_dims, label, self.groups_of)
+            if self.tail_of:
+                return splitter.split_tail(item, self.dim, self.expected_dims, label, self.tail_of)
             if self.segments:
                 return splitter.split_segments(item, self.dim, self.expected_dims, label, self.segments)
             return splitter.split(item, self.dim, self.expected_dims, label, unit, self.keep_singleton)
@@ -718,6 +730,11 @@ class ContextParallelPlan:
                     raise ValueError(
                         f"ContextParallelPlan.inputs[{path!r}][{name!r}]: SplitInput.groups_of={split.groups_of!r} is "
                         "not a plain split input of the plan"
+                    )
+                if isinstance(split, SplitInput) and split.tail_of and split.tail_of not in plain:
+                    raise ValueError(
+                        f"ContextParallelPlan.inputs[{path!r}][{name!r}]: tail_of={split.tail_of!r} is not a plain "
+                        "SplitInput of the plan"
                     )
         for path, args in self.inputs.items():
             for name, count in args.items():

@@ -24,7 +24,8 @@ def build_tiny(family: str, variant: str | None = None) -> tuple[Any, TinyPipeli
 def run_tiny(pipe: Any, tiny: TinyPipeline, *, seed: int = 0, **overrides: Any) -> np.ndarray:
     """Run ``pipe`` with the tiny call arguments and return its output as a float numpy array.
 
-    Image pipelines return ``(batch, H, W, C)``; video pipelines ``(batch, frames, H, W, C)``.
+    Image pipelines return ``(batch, H, W, C)``; video pipelines ``(batch, frames, H, W, C)``; audio pipelines
+    (``audios``) ``(batch, channels, samples)``.
     """
     kwargs = {**tiny.call_kwargs, **overrides}
     kwargs.setdefault("output_type", "np")
@@ -35,7 +36,11 @@ def run_tiny(pipe: Any, tiny: TinyPipeline, *, seed: int = 0, **overrides: Any) 
         result = result.detach().float().cpu().numpy()
     if isinstance(result, np.ndarray):
         return result.astype(np.float32)
-    out = next(getattr(result, name) for name in ("frames", "images", "image", "video") if hasattr(result, name))
+    out = next(
+        getattr(result, name) for name in ("frames", "images", "image", "video", "audios") if hasattr(result, name)
+    )
+    if isinstance(out, torch.Tensor):  # audio pipelines return tensors unless asked for numpy
+        out = out.detach().float().cpu().numpy()
     return np.asarray(out, dtype=np.float32)
 
 
