@@ -213,6 +213,11 @@ def report(result: Calibrated) -> str:
     return "\n".join(lines)
 
 
+def _measured(row: BenchRow | None) -> dict[str, Any] | None:
+    """A row without its config (the file holds the chosen one once; a candidate is named by its spec)."""
+    return None if row is None else {k: v for k, v in row.to_dict().items() if k != "config"}
+
+
 def _provenance(plan: _Plan, result: Calibrated) -> dict[str, Any]:
     return json_ready(
         {
@@ -222,9 +227,9 @@ def _provenance(plan: _Plan, result: Calibrated) -> dict[str, Any]:
             "calibration_seeds": list(plan.split.calibration_seeds),
             "heldout_seeds": list(plan.split.heldout_seeds),
             "call": {k: v for k, v in plan.kwargs.items() if isinstance(v, (int, float, str, bool))},
-            "calibration": result.calibration.to_dict() if result.calibration else None,
-            "heldout": result.heldout.to_dict() if result.heldout else None,
-            "candidates": [row.to_dict() for row in result.candidates],
+            "calibration": _measured(result.calibration),
+            "heldout": _measured(result.heldout),
+            "candidates": [_measured(row) for row in result.candidates],
         }
     )  # fmt: skip
 
