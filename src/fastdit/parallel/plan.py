@@ -79,6 +79,7 @@ class Splitter(Protocol):
         name: str,
         unit: int = 1,
         keep_singleton: bool | None = None,
+        allow_empty: bool = False,
     ) -> Any: ...
 
     def split_segments(
@@ -119,6 +120,12 @@ class SplitInput:
             it is laid out like a token stream (see :func:`passes_whole`).
         segments: Names of plain (unsegmented) :class:`SplitInput` s of the same path whose concatenation this
             argument spans; ``()``: one contiguous split.
+        allow_empty: Whether a sequence with fewer tokens than ranks is split anyway, the last ranks holding empty
+            shards (``shard_sizes``: the first ``total`` ranks get one token each), instead of being refused as too
+            short. For a stream that joins attention beside another split stream which every rank still holds tokens
+            of (GLM-Image's glyph text: one token for the empty negative prompt, none in the condition-image pass),
+            and whose every consumer inside the blocks works on zero tokens (linear layers, norms, concatenation).
+            The decision reads global sizes only, so every rank takes it alike.
     """
 
     dim: int
@@ -127,6 +134,7 @@ class SplitInput:
     unit: tuple[str, ...] = ()
     keep_singleton: bool | None = None
     segments: tuple[str, ...] = ()
+    allow_empty: bool = False
 
     def __post_init__(self) -> None:
         _check_dim("SplitInput", self.dim, self.expected_dims)
@@ -136,6 +144,10 @@ class SplitInput:
         if isinstance(self.segments, str) or not all(isinstance(s, str) and s for s in self.segments):
             raise ValueError(f"SplitInput.segments={self.segments!r}: expected a tuple of split input names")
         object.__setattr__(self, "segments", tuple(self.segments))
+        if not isinstance(self.allow_empty, bool):
+            raise ValueError(f"SplitInput.allow_empty={self.allow_empty!r}: expected a bool")
+        if self.allow_empty and self.segments:
+            raise ValueError("SplitInput.allow_empty=True: a segment-wise split follows its segments' shards")
 
     @property
     def reads_record(self) -> bool:
@@ -148,6 +160,8 @@ class SplitInput:
         def split(item: Any, label: str) -> Any:
             if self.segments:
                 return splitter.split_segments(item, self.dim, self.expected_dims, label, self.segments)
+            if self.allow_empty:
+                return splitter.split(item, self.dim, self.expected_dims, label, unit, self.keep_singleton, True)
             return splitter.split(item, self.dim, self.expected_dims, label, unit, self.keep_singleton)
 
         if self.index is None or not isinstance(value, (tuple, list)):
