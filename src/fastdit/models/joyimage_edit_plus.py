@@ -17,7 +17,13 @@ from __future__ import annotations
 
 from fastdit.models._lazy import Deferred, LazyKwargs, tiny_image
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
-from fastdit.models.joyimage import SIZE, components, double_block_tp, keep_size_image_processor_class, transformer_config
+from fastdit.models.joyimage import (
+    SIZE,
+    components,
+    double_block_tp,
+    keep_size_image_processor_class,
+    transformer_config,
+)
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.parallel.tp_plan import TensorParallelPlan
