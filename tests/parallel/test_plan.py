@@ -132,6 +132,8 @@ def test_plan_is_frozen_data() -> None:
         (lambda: _plan(gather={}), "gather"),
         (lambda: _plan(inputs={"": {"x": GatherOutput(1)}}), r"inputs\[''\]\['x'\]"),
         (lambda: _plan(attention=AttentionRouting(modules=(FLUX_MODULE,), mask_segments=("txt",))), "'txt'"),
+        (lambda: SplitInput(dim=1, allow_empty=1), "SplitInput.allow_empty"),
+        (lambda: SplitInput(dim=1, allow_empty=True, segments=("a",)), "SplitInput.allow_empty=True"),
         (lambda: LeadingCount(of=""), "LeadingCount.of"),
         (lambda: LeadingCount(of="hidden_states", position=-1), "LeadingCount.position"),
         (lambda: _plan(inputs={"": {"n": LeadingCount(of="img")}}), r"LeadingCount\.of='img' is not a split input"),
