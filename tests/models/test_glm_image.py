@@ -74,3 +74,21 @@ def test_kv_cache_and_short_glyph_text_under_context_parallelism_match_one_proce
     for outputs in get_pool(2).run(_run_calls, parallel, timeout=120):
         for out, ref in zip(outputs, expected, strict=True):
             assert (out - ref).abs().max() < 1e-5, f"max abs error {(out - ref).abs().max():.2e}"
+
+
+def _run_with_text_mask(rank: int, world_size: int) -> str:
+    transformer, calls, _ = _calls()
+    kwargs = {**calls[1][1], "attention_mask": torch.tensor([[1, 1, 1, 1, 0, 0]])}
+    fastdit.accelerate(transformer, parallel=fastdit.Parallel(ulysses=2))
+    try:
+        with torch.no_grad(), pytest.raises(ValueError, match="attention_mask") as error:
+            transformer(**kwargs)
+        return str(error.value)
+    finally:
+        fastdit.disable(transformer)
+
+
+@pytest.mark.distributed
+def test_a_text_mask_under_context_parallelism_is_refused_on_every_rank() -> None:
+    for message in get_pool(2).run(_run_with_text_mask, timeout=120):
+        assert "not supported" in message

@@ -130,17 +130,21 @@ def writes_kv_cache(kv_caches: object) -> bool:
     return bool(caches) and getattr(caches[0], "mode", None) == "write"
 
 
-def key_padding_of_square(mask: torch.Tensor) -> torch.Tensor:
-    """The key-padding mask ``(B, 1, 1, S)`` behind the processor's square ``(B, 1, S, S)`` text mask.
+def refuse_text_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Refuse the processor's text mask under context parallelism (the pipeline passes none).
 
-    ``GlmImageAttnProcessor`` widens the ``(B, S_txt)`` text mask with ones for the image tokens to ``m`` and passes
-    ``m_i * m_j`` over the rank's local ``[text, image]`` tokens; only a key-padding mask over local keys can be
-    gathered into the global key order under context parallelism. Its diagonal is ``m``: only the rows of padded text
-    queries change (they read the valid keys), and no valid token reads a padded one in any block.
+    ``GlmImageAttnProcessor`` turns a ``(B, S_txt)`` text mask into ``m_i * m_j`` over the rank's local ``[text,
+    image]`` tokens and passes it as a *float* mask, which attention adds to the scores (+1 for valid pairs, +0
+    otherwise: padded tokens are biased, not hidden). The global square needs every rank's text mask, which a rank
+    does not hold, and no key-padding mask adds the same biases.
+
+    Raises:
+        ValueError: always (on every rank alike: whether a mask is passed is the same everywhere).
     """
-    if mask.ndim == 4 and mask.shape[-1] == mask.shape[-2] and mask.shape[-1] > 1:
-        return mask.diagonal(dim1=-2, dim2=-1).unsqueeze(-2)
-    return mask
+    raise ValueError(
+        f"GLM-Image under context parallelism: attention_mask (a text mask, seen by attention as "
+        f"{tuple(mask.shape)}) is not supported; the pipeline passes none: call the transformer without it"
+    )
 
 
 # Context parallelism: forward patchifies the latent, adds the prior tokens and projects the glyph text, so both
@@ -148,7 +152,7 @@ def key_padding_of_square(mask: torch.Tensor) -> torch.Tensor:
 # output (or at the root when a caller passes them). Each rank's joint sequence is [text shard, image shard]; without
 # a mask the order of keys does not matter. The glyph text can be shorter than the ranks (the empty negative prompt
 # is one token, the condition-image pass has none): it is split with empty shards allowed, every rank still holding
-# image tokens. A text mask is split like the text at every block and its square turned into a key-padding mask.
+# image tokens. A text mask is refused (see refuse_text_mask).
 # In the condition-image pass each rank stores its shard's keys and values in the KV cache and each later call
 # prepends them to its own: the exchange gathers every cached key once. The output projection is gathered.
 _TEXT = SplitInput(dim=1, expected_dims=3, allow_empty=True)
@@ -156,13 +160,14 @@ CP_PLAN = ContextParallelPlan(
     inputs={
         "": {"image_rotary_emb": SplitInput(dim=0, expected_dims=2)},
         "transformer_blocks.0": {"hidden_states": SplitInput(dim=1, expected_dims=3), "encoder_hidden_states": _TEXT},
+        # Split like the text, so that the processor builds its mask over local tokens and attention refuses it.
         "transformer_blocks.*": {"attention_mask": SplitInput(dim=1, expected_dims=2, allow_empty=True)},
     },
     outputs={"rope": (SplitOutput(dim=0, expected_dims=2, index=0), SplitOutput(dim=0, expected_dims=2, index=1))},
     gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
-    attention=AttentionRouting(modules=(_MODULE,), mask_transform=key_padding_of_square),
+    attention=AttentionRouting(modules=(_MODULE,), mask_transform=refuse_text_mask),
     notes="Both streams split at transformer_blocks.0 (the glyph text may leave ranks empty), image RoPE at the rope "
-    "module's output, a text mask per block; the KV cache of condition images holds each rank's shard; gathered "
+    "module's output; the KV cache of condition images holds each rank's shard; gathered "
     "after proj_out.",
 )
 
@@ -206,7 +211,8 @@ ADAPTER = register(
             "exists yet. Text is the glyph text only (ByT5), the empty negative prompt one token. Image-to-image "
             "runs a write pass per condition image (timestep 0, kv_caches in write mode) declared unstepped: cache "
             "and CFG parallelism compute it on every rank and count no step. CFG runs two unannounced calls per step "
-            "(paired by timestep). Under context parallelism a text `attention_mask` is reduced to key padding."
+            "(paired by timestep). Under context parallelism a text `attention_mask` (which the pipeline never passes) "
+            "is refused: the processor builds an additive square over local tokens that no rank can globalise."
         ),
     )
 )
