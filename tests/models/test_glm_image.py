@@ -92,3 +92,19 @@ def _run_with_text_mask(rank: int, world_size: int) -> str:
 def test_a_text_mask_under_context_parallelism_is_refused_on_every_rank() -> None:
     for message in get_pool(2).run(_run_with_text_mask, timeout=120):
         assert "not supported" in message
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_i2i_under_cfg_parallel_and_a_cache_matches_the_same_cache_on_one_process() -> None:
+    """The condition pass is no branch of a step: both CFG ranks compute it (unpaired) and the cache counts no step
+    for it, so the cached steps and the output match the same cache on one process."""
+    from fastdit.diagnostics.family_ladder import RungSpec, assert_rows, cached_call_overrides, run_family_ladder
+
+    spec = RungSpec("cfg2-cache", {"cfg": 2}, cache_bn=0)
+    overrides = cached_call_overrides("glm_image", "i2i")
+    reports = get_pool(2).run(run_family_ladder, "glm_image", "i2i", [spec], overrides, timeout=300)
+    rows = assert_rows(reports)
+    assert rows[1]["cached_steps"] > 0
+    stats = [info["cfg_parallel"] for info in rows[1]["summary"].values()]
+    assert sum(s["skipped_calls"] for s in stats) > 0, stats
