@@ -212,7 +212,8 @@ ADAPTER = register(
             "runs a write pass per condition image (timestep 0, kv_caches in write mode) declared unstepped: cache "
             "and CFG parallelism compute it on every rank and count no step. CFG runs two unannounced calls per step "
             "(paired by timestep). Under context parallelism a text `attention_mask` (which the pipeline never passes) "
-            "is refused: the processor builds an additive square over local tokens that no rank can globalise."
+            "is refused: the processor builds an additive square over local tokens that no rank can globalise. "
+            "No expert layers."
         ),
     )
 )
