@@ -45,9 +45,13 @@ def _run_padded(rank: int, world_size: int, parallel: dict | None, masked: bool)
             fastdit.disable(transformer)
 
 
+_LAYOUTS = [({"ulysses": 2}, 2, True), ({"ring": 2}, 2, True), ({"ulysses": 3}, 3, True), ({"ulysses": 2}, 2, False)]
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("masked", [True, False], ids=["mask", "no-mask"])
-@pytest.mark.parametrize(("parallel", "world"), [({"ulysses": 2}, 2), ({"ring": 2}, 2), ({"ulysses": 3}, 3)])
+@pytest.mark.parametrize(
+    ("parallel", "world", "masked"), _LAYOUTS, ids=["ulysses2-mask", "ring2-mask", "ulysses3-mask", "ulysses2-no-mask"]
+)
 def test_padded_batch_under_context_parallelism_matches_one_process(parallel: dict, world: int, masked: bool) -> None:
     """The global [image, text] key-padding mask is reordered into shard order (unevenly on 3 ranks); without a mask
     the per-sample RoPE tables alone are split."""
