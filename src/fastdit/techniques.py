@@ -283,6 +283,7 @@ class _CfgParallel:
                 item.adapter.cfg_batch_dims,
                 item.adapter.timestep_arg,
                 item.adapter.cfg_pairs_by_timestep,
+                item.adapter.unstepped_calls,
             )
             context.add(self.name, item.name, applied.undo, applied.state)
             hooks.append(applied.state)

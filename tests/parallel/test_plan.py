@@ -146,6 +146,8 @@ def test_plan_is_frozen_data() -> None:
             ),
             r"tail_of='a' is not a plain",
         ),
+        (lambda: SplitInput(dim=1, allow_empty=1), "SplitInput.allow_empty"),
+        (lambda: SplitInput(dim=1, allow_empty=True, segments=("a",)), "SplitInput.allow_empty=True"),
         (lambda: LeadingCount(of=""), "LeadingCount.of"),
         (lambda: LeadingCount(of="hidden_states", position=-1), "LeadingCount.position"),
         (lambda: _plan(inputs={"": {"n": LeadingCount(of="img")}}), r"LeadingCount\.of='img' is not a split input"),

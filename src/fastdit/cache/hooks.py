@@ -27,7 +27,7 @@ from fastdit.cache.taylorseer import taylor_position, taylor_predict, taylor_upd
 from fastdit.config import DBCache, MagCache
 from fastdit.errors import FastditWarning, FieldsError
 from fastdit.hooks import layers
-from fastdit.hooks.args import ForwardArgs
+from fastdit.hooks.args import ForwardArgs, UnsteppedCalls
 from fastdit.models.base import BlockGroup, ForwardPattern
 from fastdit.models.validate import AdapterError, bind_block_args, check_block_call
 
@@ -119,8 +119,7 @@ class TransformerCacheHook(layers.LayerHook):
         self.engine = engine
         self.timestep_arg = timestep_arg
         self._reader = ForwardArgs(module, (timestep_arg,) if timestep_arg else ())
-        self._unstepped = dict(unstepped or {})
-        self._marks = ForwardArgs(module, tuple(self._unstepped))
+        self._unstepped = UnsteppedCalls(module, unstepped)
         self._owner = type(module).__name__
         self._last: float | None = None
         self._repeats = 0
@@ -157,22 +156,8 @@ class TransformerCacheHook(layers.LayerHook):
                 stacklevel=2,
             )
 
-    def _is_unstepped(self, args: tuple, kwargs: dict) -> bool:
-        """Whether the call is no denoising step (:attr:`ModelAdapter.unstepped_calls`): read on the host, global."""
-        for name, values in self._unstepped.items():
-            value = self._marks.get(name, args, kwargs)
-            if isinstance(value, torch.Tensor):  # marks are plain values (a mode string, a flag in a dict)
-                continue
-            for mark in values:
-                if isinstance(mark, Mapping):  # a dict argument holding these entries (AnyFlow-FAR's kv_cache_flag)
-                    if isinstance(value, Mapping) and all(k in value and value[k] == v for k, v in mark.items()):
-                        return True
-                elif value == mark:
-                    return True
-        return False
-
     def around(self, inner: Callable[..., Any], module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if self._unstepped and self._is_unstepped(args, kwargs):
+        if self._unstepped and self._unstepped(args, kwargs):
             # No call begins: the block hooks find no active step and compute, and no step, branch or run counts it.
             return inner(*args, **kwargs)
         signature = tuple(tuple(a.shape) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))

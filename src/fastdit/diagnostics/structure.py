@@ -86,8 +86,21 @@ def _norm_width(norm: torch.nn.Module) -> int | None:
     return shape if isinstance(shape, int) else None
 
 
+def _named_fused(module: torch.nn.Module) -> tuple[str, torch.nn.Linear] | None:
+    """The first fused q/k/v linear of an attention module (one with a ``processor``) under a model-specific name
+    (JoyImage's ``img_attn_qkv``, PRX's ``img_qkv_proj``); packed q/k/v + MLP projections are not attention."""
+    if getattr(module, "processor", None) is None:
+        return None
+    for name, child in module.named_children():
+        if isinstance(child, torch.nn.Linear) and "qkv" in name and "mlp" not in name:
+            return name, child
+    return None
+
+
 def _one(path: str, module: torch.nn.Module) -> AttentionFacts | None:
     q, fused = _child_linear(module, _Q), _child_linear(module, _FUSED)
+    if q is None and fused is None:
+        fused = _named_fused(module)
     if q is None and fused is None:
         return None
     heads = _int_attr(module, _HEADS)

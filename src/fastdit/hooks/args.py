@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ForwardArgs", "forward_parameters"]
+__all__ = ["ForwardArgs", "UnsteppedCalls", "forward_parameters"]
 
 
 def forward_parameters(module: torch.nn.Module) -> list[str]:
@@ -65,3 +65,39 @@ class ForwardArgs:
         """Whether the call passed ``name``."""
         position = self.positions.get(name)
         return name in kwargs or (position is not None and position < len(args))
+
+
+class UnsteppedCalls:
+    """Recognises the calls of a module that are no denoising step (:attr:`ModelAdapter.unstepped_calls`).
+
+    A mark is a plain value the argument equals (Wan-Animate-2's ``kv_cache_mode="extract"``), a ``dict`` whose
+    entries a ``dict`` argument holds (AnyFlow-FAR's ``kv_cache_flag={"is_cache_step": True, ...}``) or a function of
+    the argument's value returning ``True`` for such a call (GLM-Image's ``kv_caches`` object in its write mode).
+    Read on the host from the call's global arguments, so every rank decides alike.
+
+    Args:
+        module: The module whose calls are read.
+        marks: Argument name -> the values (or predicates) marking an unstepped call.
+    """
+
+    def __init__(self, module: torch.nn.Module, marks: Mapping[str, tuple[Any, ...]] | None) -> None:
+        self.marks = dict(marks or {})
+        self._args = ForwardArgs(module, tuple(self.marks))
+
+    def __bool__(self) -> bool:
+        return bool(self.marks)
+
+    def __call__(self, args: tuple | list, kwargs: Mapping[str, Any]) -> bool:
+        """Whether this call is an unstepped one."""
+        for name, marks in self.marks.items():
+            value = self._args.get(name, args, kwargs)
+            for mark in marks:
+                if callable(mark):
+                    if mark(value):
+                        return True
+                elif isinstance(mark, Mapping):
+                    if isinstance(value, Mapping) and all(k in value and value[k] == v for k, v in mark.items()):
+                        return True
+                elif not isinstance(value, torch.Tensor) and value == mark:  # plain values (a mode string)
+                    return True
+        return False

@@ -248,10 +248,12 @@ class ModelAdapter:
             (:class:`~fastdit.parallel.tp_plan.TensorParallelPlan`); ``None``: tensor parallelism is unsupported.
         unstepped_calls: ``forward`` arguments whose value marks a call that is no denoising step, argument name ->
             the values that mark it: Wan-Animate-2's reference pass (``kv_cache_mode="extract"``) fills a KV cache
-            that every step then reads, at the first step's timestep. Such a call computes every block (the cache
-            never serves it) and step caching does not count it: no step, branch or run of its own. A ``dict``
-            among the values marks a ``dict`` argument holding all its entries (AnyFlow-FAR's KV-cache prefill:
-            ``{"kv_cache_flag": ({"is_cache_step": True},)}``).
+            that every step then reads, at the first step's timestep. A mark is a plain value, a ``dict`` (marking a
+            ``dict`` argument holding all its entries: AnyFlow-FAR's KV-cache prefill,
+            ``{"kv_cache_flag": ({"is_cache_step": True},)}``) or a function of the argument returning ``True`` for
+            such a call (GLM-Image's ``kv_caches`` object in its write mode). Such a call computes every block (the
+            cache never serves it) and step caching does not count it: no step, branch or run of its own; under CFG
+            parallelism every rank computes it (it belongs to no branch).
         example: ``module.path:function`` giving a small transformer and one call of it, ``(model, kwargs)``, for
             ``fastdit inspect`` of a family without a tiny pipeline (one served by a pipeline fastdit does not build,
             e.g. a diffusers ModularPipeline); ``""``: the first tiny pipeline's first transformer call is used.

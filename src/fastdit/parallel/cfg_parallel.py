@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from fastdit.hooks.args import UnsteppedCalls
 from fastdit.hooks.layers import Layer, LayerHook, announced_context, install
 from fastdit.hooks.state import Applied
 
@@ -233,8 +234,10 @@ class CfgParallelHook(LayerHook):
         timestep_arg: str | None = None,
         pairs_by_timestep: bool = False,
         branch_of: Mapping[int, str] | None = None,
+        unstepped: UnsteppedCalls | None = None,
     ) -> None:
         self.branch_of = dict(branch_of or {})  # id(denoiser) -> its branch, for one denoiser per branch
+        self.unstepped = unstepped
         self.pairs_by_timestep = pairs_by_timestep
         self.batch_dims = dict(batch_dims or {})
         self.timestep_arg = timestep_arg
@@ -249,6 +252,9 @@ class CfgParallelHook(LayerHook):
         self.batched = False  # read by the cache's reducer during a call
 
     def around(self, inner: Callable[..., Any], module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if self.unstepped and self.unstepped(args, kwargs):
+            # No branch of a step (a pass filling a KV cache that the steps read): every rank computes it, unpaired.
+            return inner(*args, **kwargs)
         name = self.branch_of.get(id(module)) or announced_context(module)
         if name in BRANCHES:
             return self._sequential(name, inner, args, kwargs)
@@ -428,6 +434,7 @@ def apply_cfg_parallel(
     batch_dims: Mapping[str, int | None] | None = None,
     timestep_arg: str | None = None,
     pairs_by_timestep: bool = False,
+    unstepped: Mapping[str, tuple[Any, ...]] | None = None,
 ) -> Applied:
     """Install CFG parallelism on ``transformer`` over the CFG ``group`` (``rank`` is this process's index in it).
 
@@ -435,14 +442,16 @@ def apply_cfg_parallel(
     states: dim 1), or that hold no batch at all (``None``: Allegro's RoPE tables); every other tensor whose dim 0 is
     the call's batch is split there. ``timestep_arg`` pairs the two calls of a step in pipelines that announce no
     branch (the calls of one step share a timestep) when ``pairs_by_timestep``: only for pipelines known not to use
-    a branch's output before the step's other call (the placeholder is filled at that call).
+    a branch's output before the step's other call (the placeholder is filled at that call). ``unstepped`` marks
+    calls that are no step (:attr:`~fastdit.models.base.ModelAdapter.unstepped_calls`): every rank computes them.
 
     Returns:
         The undo and the :class:`CfgParallelHook` (its ``stats`` and ``batched`` flag).
     """
     if degree != 2:
         raise ValueError(f"CFG parallelism: degree={degree}: exactly 2 (one rank per guidance branch)")
-    hook = CfgParallelHook(group, rank, degree, device, batch_dims, timestep_arg, pairs_by_timestep)
+    marks = UnsteppedCalls(transformer, unstepped) if unstepped else None
+    hook = CfgParallelHook(group, rank, degree, device, batch_dims, timestep_arg, pairs_by_timestep, unstepped=marks)
     return Applied(install(transformer, Layer.BRANCH, "cfg_parallel", hook), hook)
 
 

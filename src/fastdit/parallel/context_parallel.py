@@ -108,21 +108,26 @@ class _Splitter:
         name: str,
         unit: int = 1,
         keep_singleton: bool | None = None,
+        allow_empty: bool = False,
     ) -> Any:
         if isinstance(tensor, (tuple, list)):  # e.g. a (cos, sin) RoPE pair passed as one argument
-            return type(tensor)(self.split(t, dim, expected_dims, name, unit, keep_singleton) for t in tensor)
+            return type(tensor)(
+                self.split(t, dim, expected_dims, name, unit, keep_singleton, allow_empty) for t in tensor
+            )
         if isinstance(tensor, dict):  # e.g. RoPE tables by role, {"query": ..., "key": ...} (AnyFlow)
-            return {k: self.split(t, dim, expected_dims, name, unit, keep_singleton) for k, t in tensor.items()}
+            return {
+                k: self.split(t, dim, expected_dims, name, unit, keep_singleton, allow_empty) for k, t in tensor.items()
+            }
         if not isinstance(tensor, torch.Tensor) or (expected_dims is not None and tensor.ndim != expected_dims):
             return tensor
-        if self.degree > 1 and passes_whole(tensor, dim, keep_singleton):
+        if self.degree > 1 and not allow_empty and passes_whole(tensor, dim, keep_singleton):
             return tensor  # one row broadcast against the split tokens: every rank needs it whole (not recorded)
         total = tensor.shape[dim]
         if unit < 1 or total % unit:  # global sizes: every rank raises alike
             raise ShardError(
                 f"context parallel: {name} has {total} tokens along dim {dim}, not a multiple of its split unit {unit}"
             )
-        if total // unit < self.degree:
+        if total // unit < self.degree and not allow_empty:
             what = "tokens" if unit == 1 else f"units of {unit} tokens"
             raise ShardError(
                 f"context parallel: {name} has {total // unit} {what} along dim {dim}, fewer than the "

@@ -90,6 +90,7 @@ class Splitter(Protocol):
         name: str,
         unit: int = 1,
         keep_singleton: bool | None = None,
+        allow_empty: bool = False,
     ) -> Any: ...
 
     def split_segments(
@@ -151,6 +152,12 @@ class SplitInput:
             of it that falls inside its own shard of that input (possibly none: a rank holding only prepended
             tokens gets an empty slice), so ``x[:, n_prepended_local:] + tail`` keeps working locally with the
             prepended count narrowed by a :class:`LeadingCount`. ``""``: not such an argument.
+        allow_empty: Whether a sequence with fewer tokens than ranks is split anyway, the last ranks holding empty
+            shards (``shard_sizes``: the first ``total`` ranks get one token each), instead of being refused as too
+            short. For a stream that joins attention beside another split stream which every rank still holds tokens
+            of (GLM-Image's glyph text: one token for the empty negative prompt, none in the condition-image pass),
+            and whose every consumer inside the blocks works on zero tokens (linear layers, norms, concatenation).
+            The decision reads global sizes only, so every rank takes it alike.
     """
 
     dim: int
@@ -161,6 +168,7 @@ class SplitInput:
     segments: tuple[str, ...] = ()
     groups_of: str | None = None
     tail_of: str = ""
+    allow_empty: bool = False
 
     def __post_init__(self) -> None:
         _check_dim("SplitInput", self.dim, self.expected_dims)
@@ -180,6 +188,10 @@ class SplitInput:
                 )
         if not isinstance(self.tail_of, str) or (self.tail_of and self.segments):
             raise ValueError(f"SplitInput.tail_of={self.tail_of!r}: a split input's name, not combined with segments")
+        if not isinstance(self.allow_empty, bool):
+            raise ValueError(f"SplitInput.allow_empty={self.allow_empty!r}: expected a bool")
+        if self.allow_empty and self.segments:
+            raise ValueError("SplitInput.allow_empty=True: a segment-wise split follows its segments' shards")
 
     @property
     def reads_record(self) -> bool:
@@ -197,6 +209,8 @@ class SplitInput:
                 return splitter.split_tail(item, self.dim, self.expected_dims, label, self.tail_of)
             if self.segments:
                 return splitter.split_segments(item, self.dim, self.expected_dims, label, self.segments)
+            if self.allow_empty:
+                return splitter.split(item, self.dim, self.expected_dims, label, unit, self.keep_singleton, True)
             return splitter.split(item, self.dim, self.expected_dims, label, unit, self.keep_singleton)
 
         if self.index is None or not isinstance(value, (tuple, list)):
