@@ -57,6 +57,7 @@ __all__ = [
     "local_attention_paths",
     "match_modules",
     "passes_whole",
+    "split_class_filter",
     "validate_plan",
 ]
 
@@ -591,12 +592,26 @@ def _resolve_last(root: torch.nn.Module, path: str) -> str | None:
     return ".".join(resolved)
 
 
+_CLASS_FILTER = re.compile(r"^(?P<path>.*)\[(?P<cls>[A-Za-z_][A-Za-z0-9_]*)\]$")
+
+
+def split_class_filter(path: str) -> tuple[str, str | None]:
+    """``path`` without a trailing ``[ClassName]`` filter, and the class name (``None``: no filter)."""
+    found = _CLASS_FILTER.match(path)
+    return (found["path"], found["cls"]) if found else (path, None)
+
+
 def match_modules(root: torch.nn.Module, path: str) -> list[tuple[str, torch.nn.Module]]:
     """Modules under ``root`` matching ``path``.
 
     ``""`` is the root; a ``*`` component matches any one path component; a ``-1`` component names the last entry
-    of the ``ModuleList`` / ``Sequential`` before it (``"blocks.-1"``: the last block).
+    of the ``ModuleList`` / ``Sequential`` before it (``"blocks.-1"``: the last block). A trailing ``[ClassName]``
+    keeps only the matches whose class has that name (``"blocks.*.mlp[MoELayer]"``: the mixture-of-experts
+    feed-forwards of a list whose other blocks have a dense one at the same path).
     """
+    path, class_name = split_class_filter(path)
+    if class_name is not None:
+        return [(n, m) for n, m in match_modules(root, path) if type(m).__name__ == class_name]
     if path == "":
         return [("", root)]
     if _LAST in path.split("."):
