@@ -38,13 +38,13 @@ _TEXT_DIM = 32  # tiny Qwen3-VL hidden size
 _TEXT_LAYERS = 2
 
 
-def tiny_transformer(seed: int = 0, *, num_layers: int = 2, strategy: str = "leave_first_block_dense"):
+def tiny_transformer(seed: int = 0, *, num_layers: int = 3, strategy: str = "leave_first_block_dense"):
     """A ``NucleusMoEImageTransformer2DModel`` of 4 query heads over 2 KV heads of 16, 4 experts.
 
     Width 64 is the least whose dense SwiGLU is not empty (its hidden size rounds ``8/3 * dim`` down to 128s).
 
-    Block 0 is dense and block 1 a mixture of experts (``leave_first_block_dense``), so the cache, the splits and the
-    plans meet both kinds of feed-forward.
+    Block 0 is dense and blocks 1 and 2 mixtures of experts (``leave_first_block_dense``), so the cache (whose middle
+    block is then an MoE block), the splits and the plans meet both kinds of feed-forward.
     """
     from diffusers import NucleusMoEImageTransformer2DModel
 

@@ -1,0 +1,221 @@
+"""Motif-Video (T2V, I2V): ``MotifVideoTransformer3DModel``.
+
+Blocks (diffusers 0.42.1): two lists, run in order. ``transformer_blocks`` (dual-stream ``MotifVideoTransformerBlock``)
+and ``single_transformer_blocks`` (``MotifVideoSingleTransformerBlock``, which concatenates the streams for its
+parallel attention + MLP and splits them again), both called positionally as ``block(hidden_states,
+encoder_hidden_states, temb, attention_mask, image_rotary_emb, image_embed_seq_len)`` and both returning
+``(hidden_states, encoder_hidden_states)`` (pattern 0). Joint attention runs over ``[video, text]`` with RoPE on the
+video tokens only and a key-padding mask over the joint sequence (``(B, 1, 1, S_video + S_text)``, built in forward).
+Image-to-video feeds SigLIP embeddings of the first frame (``image_embeds``), projected and prepended to the text
+stream, plus the first frame's latents as extra input channels.
+
+Optional parts of the architecture: per-block text cross-attention (``enable_text_cross_attention_*``) and "decoder"
+single blocks (``num_decoder_layers``) that run at the end on a copy of the patch-embedded input, with the main stream
+as their encoder stream; see the notes for what each supports.
+"""
+
+from __future__ import annotations
+
+from fastdit.models._lazy import LazyKwargs, tiny_image
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitOutput
+from fastdit.parallel.plan_shapes import streams
+from fastdit.parallel.tp_plan import Colwise, Rowwise, TensorParallelPlan
+from fastdit.parallel.tp_shapes import feed_forward, joint_attention, modulation, under
+
+TRANSFORMER = "diffusers.models.transformers.transformer_motif_video.MotifVideoTransformer3DModel"
+_MODULE = "diffusers.models.transformers.transformer_motif_video"
+
+_LATENT = 4
+_TEXT_DIM = 32  # tiny T5Gemma 2 encoder width
+_IMAGE_DIM = 16  # its SigLIP vision tower's width
+_MAX_TEXT = 16
+
+
+def tiny_transformer(seed: int = 0, *, image_embed_dim: int | None = None):
+    """A ``MotifVideoTransformer3DModel`` of 2 heads x 16: one dual-stream and two single-stream blocks."""
+    from diffusers import MotifVideoTransformer3DModel
+
+    from fastdit.testing.components.encoders import build
+
+    return build(
+        MotifVideoTransformer3DModel,
+        seed=seed,
+        in_channels=2 * _LATENT + 1,  # noise + first-frame condition latents + condition mask
+        out_channels=_LATENT,
+        num_attention_heads=2,
+        attention_head_dim=16,
+        num_layers=1,
+        num_single_layers=2,
+        mlp_ratio=2.0,
+        patch_size=2,
+        patch_size_t=1,
+        text_embed_dim=_TEXT_DIM,
+        image_embed_dim=image_embed_dim,
+        rope_axes_dim=(4, 6, 6),
+    )
+
+
+def _text_encoder(seed: int):
+    """A two-layer ``T5Gemma2Encoder`` (with its one-layer SigLIP vision tower) and the tiny Gemma tokenizer."""
+    import copy
+
+    from transformers import SiglipVisionConfig, T5Gemma2Encoder, T5Gemma2EncoderConfig, T5Gemma2TextConfig
+
+    from fastdit.testing.components.decoder_lm import decoder_lm_kwargs
+    from fastdit.testing.components.encoders import build
+    from fastdit.testing.components.gemma2 import gemma_tokenizer
+
+    tokenizer = copy.deepcopy(gemma_tokenizer())
+    # The full T5Gemma2Config would set dropout_rate on its text config; the encoder alone reads it from there.
+    text = T5Gemma2TextConfig(**decoder_lm_kwargs(tokenizer, _TEXT_DIM, 2, sliding_window=64), dropout_rate=0.0)
+    vision = SiglipVisionConfig(
+        hidden_size=_IMAGE_DIM,
+        intermediate_size=2 * _IMAGE_DIM,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+    )
+    # Image special-token ids stay outside the tiny vocabulary, so text never matches them.
+    config = T5Gemma2EncoderConfig(text_config=text, vision_config=vision, mm_tokens_per_image=16)
+    return build(T5Gemma2Encoder, config, seed=seed), tokenizer
+
+
+def _components(seed: int, *, image: bool) -> dict:
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.guiders import ClassifierFreeGuidance
+    from transformers import SiglipImageProcessorPil
+
+    from fastdit.testing.components.autoencoder_kl_wan import autoencoder_kl_wan
+
+    text_encoder, tokenizer = _text_encoder(seed + 1)
+    tokenizer.model_max_length = _MAX_TEXT
+    return {
+        "transformer": tiny_transformer(seed, image_embed_dim=_IMAGE_DIM if image else None),
+        "vae": autoencoder_kl_wan(latent_channels=_LATENT, seed=seed),
+        "text_encoder": text_encoder,
+        "tokenizer": tokenizer,
+        "scheduler": FlowMatchEulerDiscreteScheduler(shift=5.0),
+        "guider": ClassifierFreeGuidance(guidance_scale=5.0),
+        "feature_extractor": SiglipImageProcessorPil(size={"height": 32, "width": 32}) if image else None,
+    }
+
+
+def tiny_motif_video(seed: int = 0):
+    """A complete tiny ``MotifVideoPipeline`` (text to video, CFG through a ``ClassifierFreeGuidance`` guider)."""
+    from diffusers import MotifVideoPipeline
+
+    return MotifVideoPipeline(**_components(seed, image=False))
+
+
+def tiny_motif_video_i2v(seed: int = 0):
+    """A complete tiny ``MotifVideoImage2VideoPipeline`` (first frame through the VAE and the SigLIP tower)."""
+    from diffusers import MotifVideoImage2VideoPipeline
+
+    return MotifVideoImage2VideoPipeline(**_components(seed, image=True))
+
+
+# Context parallelism. Forward computes RoPE over the full latent grid and the joint key mask from the full video and
+# text lengths, then loops over blocks that only mix tokens inside attention: both streams are split at the first
+# dual-stream block (the text with the prepended image embeddings, for I2V), the `rope` (cos, sin) tables on their
+# token dim, and the mask over the global [video, text] keys is reordered into the exchanged keys' order. The single
+# blocks carry on with the split streams (their concatenation and split are per rank), and the video tokens are
+# gathered after `proj_out`, before the unpatchify.
+CP_PLAN = ContextParallelPlan(
+    inputs={"transformer_blocks.0": streams()},
+    outputs={"rope": (SplitOutput(dim=0, expected_dims=2, index=0), SplitOutput(dim=0, expected_dims=2, index=1))},
+    gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
+    attention=AttentionRouting(modules=(_MODULE,), mask_segments=("hidden_states", "encoder_hidden_states")),
+    notes="both streams split at the first block, RoPE tables like the video tokens, the joint mask reordered.",
+)
+
+# Tensor parallelism, Megatron-style: joint attention by heads (QK-norms are per head), both streams' FFNs, the
+# single blocks' q/k/v and MLP column-wise with `proj_out` over cat([attention, MLP]) row-wise per part, and the
+# per-block AdaLN linears split with a gathered output. The optional text cross-attention splits by heads too.
+_CROSS = {
+    "cross_attn.to_q": Colwise(),
+    "cross_attn.to_k": Colwise(),
+    "cross_attn.to_v": Colwise(),
+    "cross_attn.to_out.0": Rowwise(),
+}
+_DUAL = {
+    **joint_attention("attn"),
+    **feed_forward("ff"),
+    **feed_forward("ff_context"),
+    **modulation("norm1.linear", "norm1_context.linear"),
+}
+_SINGLE = {
+    "attn.to_q": Colwise(),
+    "attn.to_k": Colwise(),
+    "attn.to_v": Colwise(),
+    "proj_mlp": Colwise(),
+    "proj_out": Rowwise(segments=("attn.inner_dim", "proj_mlp.out_features")),
+    **modulation("norm.linear"),
+}
+TP_PLAN = TensorParallelPlan(
+    layers={
+        **under("transformer_blocks.*", {**_DUAL, **_CROSS}),
+        **under("single_transformer_blocks.*", {**_SINGLE, **_CROSS}),
+    },
+    divide=(
+        "transformer_blocks.*.attn.heads",
+        "single_transformer_blocks.*.attn.heads",
+        "transformer_blocks.*.cross_attn.heads",
+        "single_transformer_blocks.*.cross_attn.heads",
+    ),
+    optional=(
+        *(f"transformer_blocks.*.{p}" for p in _CROSS),
+        *(f"single_transformer_blocks.*.{p}" for p in _CROSS),
+        "transformer_blocks.*.cross_attn",
+        "single_transformer_blocks.*.cross_attn",
+    ),
+    notes="joint attention by heads, FFNs and the single blocks' MLP Megatron-split, AdaLN split with a gathered output.",
+)
+
+_CALL = {
+    "prompt": "a cat walking",
+    "negative_prompt": "blue",
+    "num_inference_steps": 2,
+    "height": 32,
+    "width": 32,
+    "num_frames": 5,
+    "max_sequence_length": _MAX_TEXT,
+}
+
+ADAPTER = register(
+    ModelAdapter(
+        family="motif_video",
+        transformer_classes=(TRANSFORMER,),
+        block_groups=(
+            BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P0),
+            BlockGroup(path="single_transformer_blocks", pattern=ForwardPattern.P0),
+        ),
+        cp_plan=CP_PLAN,
+        tp_plan=TP_PLAN,
+        tiny_pipelines=(
+            TinyPipeline(name="t2v", build=tiny_motif_video, call_kwargs=_CALL),
+            TinyPipeline(name="i2v", build=tiny_motif_video_i2v, call_kwargs=LazyKwargs({**_CALL, "image": tiny_image()})),
+        ),
+        presets=(
+            ModelPreset(
+                name="motif-video",
+                pipeline_class="diffusers.MotifVideoPipeline",
+                hub_id="Motif-Technologies/Motif-Video-2B",
+                defaults={"num_inference_steps": 50, "height": 736, "width": 1280, "num_frames": 121},
+            ),
+            ModelPreset(
+                name="motif-video-i2v",
+                pipeline_class="diffusers.MotifVideoImage2VideoPipeline",
+                hub_id="Motif-Technologies/Motif-Video-2B",
+                defaults={"num_inference_steps": 50, "height": 736, "width": 1280, "num_frames": 121},
+            ),
+        ),
+        notes=(
+            "Dual-stream then single-stream blocks over [video, text] with a joint key-padding mask; I2V prepends the "
+            "first frame's SigLIP embeddings to the text stream and adds its latents as input channels. CFG runs "
+            "through the pipeline's guider (cond / uncond cache contexts)."
+        ),
+    )
+)
