@@ -50,7 +50,7 @@ def tiny_transformer(seed: int = 0, *, num_layers: int = 3, strategy: str = "lea
 
     from fastdit.testing.components.encoders import build
 
-    return build(
+    model = build(
         NucleusMoEImageTransformer2DModel,
         seed=seed,
         patch_size=2,
@@ -70,6 +70,15 @@ def tiny_transformer(seed: int = 0, *, num_layers: int = 3, strategy: str = "lea
         capacity_factors=2.0,
         route_scale=2.5,
     )
+    # The packed expert weights are created with torch.empty and left to checkpoint loading: give them seeded values.
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                param.copy_(torch.randn(param.shape, generator=generator) * param.shape[1] ** -0.5)
+    return model
 
 
 def tiny_nucleusmoe_image(seed: int = 0):

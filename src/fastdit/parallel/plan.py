@@ -607,7 +607,8 @@ def match_modules(root: torch.nn.Module, path: str) -> list[tuple[str, torch.nn.
     ``""`` is the root; a ``*`` component matches any one path component; a ``-1`` component names the last entry
     of the ``ModuleList`` / ``Sequential`` before it (``"blocks.-1"``: the last block). A trailing ``[ClassName]``
     keeps only the matches whose class has that name (``"blocks.*.mlp[MoELayer]"``: the mixture-of-experts
-    feed-forwards of a list whose other blocks have a dense one at the same path).
+    feed-forwards of a list whose other blocks have a dense one at the same path); a context-parallel plan path so
+    filtered may match no module at all (a checkpoint without such layers).
     """
     path, class_name = split_class_filter(path)
     if class_name is not None:
@@ -744,7 +745,8 @@ def validate_plan(
     paths = [*plan.inputs, *plan.outputs, *plan.gather, *plan.halo]
     resolved = {path: match_modules(transformer, path) for path in paths}
     for path, found in resolved.items():
-        if not found:
+        # A class-filtered path selects the modules of that class, if any (a checkpoint with no MoE layer).
+        if not found and split_class_filter(path)[1] is None:
             raise ValueError(f"context-parallel plan: path {path!r} matches no module of {cls}")
     for path, args in plan.inputs.items():
         for name, module in resolved[path]:
