@@ -19,8 +19,7 @@ from __future__ import annotations
 from fastdit.models._lazy import LazyKwargs, tiny_image
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
-from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitOutput
-from fastdit.parallel.plan_shapes import streams
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 from fastdit.parallel.tp_plan import Colwise, Rowwise, TensorParallelPlan
 from fastdit.parallel.tp_shapes import feed_forward, joint_attention, modulation, under
 
@@ -34,7 +33,8 @@ _MAX_TEXT = 16
 
 
 def tiny_transformer(seed: int = 0, *, image_embed_dim: int | None = None):
-    """A ``MotifVideoTransformer3DModel`` of 2 heads x 16: one dual-stream and two single-stream blocks."""
+    """A ``MotifVideoTransformer3DModel`` of 2 heads x 16: one dual-stream and two single-stream blocks, all with the
+    text cross-attention."""
     from diffusers import MotifVideoTransformer3DModel
 
     from fastdit.testing.components.encoders import build
@@ -54,6 +54,9 @@ def tiny_transformer(seed: int = 0, *, image_embed_dim: int | None = None):
         text_embed_dim=_TEXT_DIM,
         image_embed_dim=image_embed_dim,
         rope_axes_dim=(4, 6, 6),
+        # The optional text cross-attention on, so the cache, the splits and the plans meet it.
+        enable_text_cross_attention_dual=True,
+        enable_text_cross_attention_single=True,
     )
 
 
@@ -117,18 +120,35 @@ def tiny_motif_video_i2v(seed: int = 0):
     return MotifVideoImage2VideoPipeline(**_components(seed, image=True))
 
 
-# Context parallelism. Forward computes RoPE over the full latent grid and the joint key mask from the full video and
-# text lengths, then loops over blocks that only mix tokens inside attention: both streams are split at the first
-# dual-stream block (the text with the prepended image embeddings, for I2V), the `rope` (cos, sin) tables on their
-# token dim, and the mask over the global [video, text] keys is reordered into the exchanged keys' order. The single
-# blocks carry on with the split streams (their concatenation and split are per rank), and the video tokens are
-# gathered after `proj_out`, before the unpatchify.
+# Context parallelism. The sequences are split where forward builds them, at the root: the patch embedder's video tokens,
+# the text projector's tokens, the image embeddings (I2V) and the text mask, all on their token dim, and `rope`'s
+# (cos, sin) tables like the video tokens. Forward then builds every rank's text stream as [image_r, text_r] and its
+# key mask as [video_r, text_r] (all True, then the rank's text mask): a key-padding mask over exactly the rank's
+# joint keys, which context-parallel attention all-gathers into the exchanged keys' order. Attention is the only place
+# tokens meet and the text carries no positions, so a text stream whose global order interleaves the ranks' image
+# embeddings and text is exact. The counts forward derives from the local shapes (the video length in the mask,
+# image_embed_seq_len for the text cross-attention's slice of its keys and mask) are then the rank's own, which is
+# what the blocks index their local tensors with. The decoder blocks' stream is a copy of the split patch embeddings,
+# so it is split too. The video tokens are gathered after `proj_out`, before the unpatchify.
+_TOKENS = SplitOutput(dim=1, expected_dims=3)
 CP_PLAN = ContextParallelPlan(
-    inputs={"transformer_blocks.0": streams()},
-    outputs={"rope": (SplitOutput(dim=0, expected_dims=2, index=0), SplitOutput(dim=0, expected_dims=2, index=1))},
+    inputs={
+        "": {
+            "image_embeds": SplitInput(dim=1, expected_dims=3),
+            "encoder_attention_mask": SplitInput(dim=1, expected_dims=2),
+        }
+    },
+    outputs={
+        "x_embedder": _TOKENS,
+        "context_embedder": _TOKENS,
+        "rope": (SplitOutput(dim=0, expected_dims=2, index=0), SplitOutput(dim=0, expected_dims=2, index=1)),
+    },
     gather={"proj_out": GatherOutput(dim=1, expected_dims=3)},
-    attention=AttentionRouting(modules=(_MODULE,), mask_segments=("hidden_states", "encoder_hidden_states")),
-    notes="both streams split at the first block, RoPE tables like the video tokens, the joint mask reordered.",
+    attention=AttentionRouting(modules=(_MODULE,)),
+    notes=(
+        "split at the root where forward builds the sequences (patch and text embedders, image embeddings, text "
+        "mask), RoPE like the video tokens; the rank's local key mask is gathered in attention."
+    ),
 )
 
 # Tensor parallelism, Megatron-style: joint attention by heads (QK-norms are per head), both streams' FFNs, the
