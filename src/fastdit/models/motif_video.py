@@ -235,7 +235,11 @@ ADAPTER = register(
         notes=(
             "Dual-stream then single-stream blocks over [video, text] with a joint key-padding mask; I2V prepends the "
             "first frame's SigLIP embeddings to the text stream and adds its latents as input channels. CFG runs "
-            "through the pipeline's guider (cond / uncond cache contexts)."
+            "through the pipeline's guider (cond / uncond cache contexts). The optional text cross-attention is "
+            "covered by every plan (the tiny model has it). Decoder blocks (num_decoder_layers > 0: the last single "
+            "blocks run on a copy of the patch embeddings, the main stream becoming their encoder stream) are exact "
+            "under context and tensor parallelism; a cache segment spanning the swap replays its cached residual "
+            "onto the main stream it entered with, as for any segment (its stale text output is dropped by forward)."
         ),
     )
 )
