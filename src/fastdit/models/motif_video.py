@@ -153,13 +153,19 @@ CP_PLAN = ContextParallelPlan(
 
 # Tensor parallelism, Megatron-style: joint attention by heads (QK-norms are per head), both streams' FFNs, the
 # single blocks' q/k/v and MLP column-wise with `proj_out` over cat([attention, MLP]) row-wise per part, and the
-# per-block AdaLN linears split with a gathered output. The optional text cross-attention splits by heads too.
-_CROSS = {
+# per-block AdaLN linears split with a gathered output. The optional text cross-attention: in a dual block it reads
+# the block's (whole) attention output and splits by heads; in a single block it reads the attention output *before*
+# any output projection (pre_only attention), i.e. the rank's heads' features, and its result is added to them. There
+# its query projection is row-wise (the rank's features in, the whole query out after the sum), its key and value
+# projections and its attention stay whole, and its output projection is column-wise (the rank's features out, to
+# add to its own) — the cross-attention of a single block is computed whole on every rank.
+_DUAL_CROSS = {
     "cross_attn.to_q": Colwise(),
     "cross_attn.to_k": Colwise(),
     "cross_attn.to_v": Colwise(),
     "cross_attn.to_out.0": Rowwise(),
 }
+_SINGLE_CROSS = {"cross_attn.to_q": Rowwise(), "cross_attn.to_out.0": Colwise()}
 _DUAL = {
     **joint_attention("attn"),
     **feed_forward("ff"),
@@ -176,22 +182,23 @@ _SINGLE = {
 }
 TP_PLAN = TensorParallelPlan(
     layers={
-        **under("transformer_blocks.*", {**_DUAL, **_CROSS}),
-        **under("single_transformer_blocks.*", {**_SINGLE, **_CROSS}),
+        **under("transformer_blocks.*", {**_DUAL, **_DUAL_CROSS}),
+        **under("single_transformer_blocks.*", {**_SINGLE, **_SINGLE_CROSS}),
     },
     divide=(
         "transformer_blocks.*.attn.heads",
         "single_transformer_blocks.*.attn.heads",
         "transformer_blocks.*.cross_attn.heads",
-        "single_transformer_blocks.*.cross_attn.heads",
     ),
     optional=(
-        *(f"transformer_blocks.*.{p}" for p in _CROSS),
-        *(f"single_transformer_blocks.*.{p}" for p in _CROSS),
+        *(f"transformer_blocks.*.{p}" for p in _DUAL_CROSS),
+        *(f"single_transformer_blocks.*.{p}" for p in _SINGLE_CROSS),
         "transformer_blocks.*.cross_attn",
-        "single_transformer_blocks.*.cross_attn",
     ),
-    notes="joint attention by heads, FFNs and the single blocks' MLP Megatron-split, AdaLN split with a gathered output.",
+    notes=(
+        "joint attention by heads, FFNs and the single blocks' MLP Megatron-split, AdaLN split with a gathered output; "
+        "a single block's text cross-attention (on its head-split attention output) only has its projections split."
+    ),
 )
 
 _CALL = {
