@@ -53,7 +53,9 @@ def _moe_run(rank: int, world_size: int, parallel: dict[str, int] | None) -> dic
         if not parallel or parallel.get("tp", 1) > 1:
             parts.append(("out", module))
         for part, sub in parts:
-            handles.append(sub.register_forward_hook(lambda _m, _a, out, key=f"{name}.{part}": seen.__setitem__(key, out)))
+            handles.append(
+                sub.register_forward_hook(lambda _m, _a, out, key=f"{name}.{part}": seen.__setitem__(key, out))
+            )
     try:
         with torch.no_grad():
             seen["output"] = model(**_inputs())[0]
@@ -68,7 +70,14 @@ def _moe_run(rank: int, world_size: int, parallel: dict[str, int] | None) -> dic
 LAYOUTS = {"ulysses2": {"ulysses": 2}, "ring2": {"ring": 2}, "ulysses3-uneven": {"ulysses": 3}, "tp2": {"tp": 2}}
 
 
-@pytest.mark.parametrize("parallel", list(LAYOUTS.values()), ids=list(LAYOUTS))
+# Ulysses and TP in the default run; ring and uneven Ulysses (same routing path) in the slow one.
+MATRIX = [
+    pytest.param(layout, id=name, marks=() if name in ("ulysses2", "tp2") else pytest.mark.slow)
+    for name, layout in LAYOUTS.items()
+]
+
+
+@pytest.mark.parametrize("parallel", MATRIX)
 def test_routing_and_routed_output_equal_one_process(
     dist2: WorkerPool, dist3: WorkerPool, parallel: dict[str, int]
 ) -> None:

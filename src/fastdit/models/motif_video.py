@@ -120,9 +120,9 @@ def tiny_motif_video_i2v(seed: int = 0):
     return MotifVideoImage2VideoPipeline(**_components(seed, image=True))
 
 
-# Context parallelism. The sequences are split where forward builds them, at the root: the patch embedder's video tokens,
-# the text projector's tokens, the image embeddings (I2V) and the text mask, all on their token dim, and `rope`'s
-# (cos, sin) tables like the video tokens. Forward then builds every rank's text stream as [image_r, text_r] and its
+# Context parallelism. The sequences are split where forward builds them, at the root: the patch embedder's video
+# tokens, the text projector's tokens, the image embeddings (I2V) and the text mask, all on their token dim, and
+# `rope`'s (cos, sin) tables like the video tokens. Forward then builds every rank's text stream as [image_r, text_r] and its
 # key mask as [video_r, text_r] (all True, then the rank's text mask): a key-padding mask over exactly the rank's
 # joint keys, which context-parallel attention all-gathers into the exchanged keys' order. Attention is the only place
 # tokens meet and the text carries no positions, so a text stream whose global order interleaves the ranks' image
@@ -223,7 +223,9 @@ ADAPTER = register(
         tp_plan=TP_PLAN,
         tiny_pipelines=(
             TinyPipeline(name="t2v", build=tiny_motif_video, call_kwargs=_CALL),
-            TinyPipeline(name="i2v", build=tiny_motif_video_i2v, call_kwargs=LazyKwargs({**_CALL, "image": tiny_image()})),
+            TinyPipeline(
+                name="i2v", build=tiny_motif_video_i2v, call_kwargs=LazyKwargs({**_CALL, "image": tiny_image()})
+            ),
         ),
         presets=(
             ModelPreset(

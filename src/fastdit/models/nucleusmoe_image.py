@@ -23,7 +23,6 @@ from fastdit.parallel.plan import (
     ContextParallelPlan,
     GatherInput,
     GatherOutput,
-    SplitInput,
     SplitOutput,
 )
 from fastdit.parallel.plan_shapes import TOKENS
