@@ -122,14 +122,14 @@ def tiny_motif_video_i2v(seed: int = 0):
 
 # Context parallelism. The sequences are split where forward builds them, at the root: the patch embedder's video
 # tokens, the text projector's tokens, the image embeddings (I2V) and the text mask, all on their token dim, and
-# `rope`'s (cos, sin) tables like the video tokens. Forward then builds every rank's text stream as [image_r, text_r] and its
-# key mask as [video_r, text_r] (all True, then the rank's text mask): a key-padding mask over exactly the rank's
-# joint keys, which context-parallel attention all-gathers into the exchanged keys' order. Attention is the only place
-# tokens meet and the text carries no positions, so a text stream whose global order interleaves the ranks' image
+# `rope`'s (cos, sin) tables like the video tokens. Forward then builds every rank's text stream as [image_r, text_r]
+# and its key mask as [video_r, text_r] (all True, then the rank's text mask): a key-padding mask over exactly the
+# rank's joint keys, which context-parallel attention all-gathers into the exchanged keys' order. Attention is the only
+# place tokens meet and the text carries no positions, so a text stream whose global order interleaves the ranks' image
 # embeddings and text is exact. The counts forward derives from the local shapes (the video length in the mask,
-# image_embed_seq_len for the text cross-attention's slice of its keys and mask) are then the rank's own, which is
-# what the blocks index their local tensors with. The decoder blocks' stream is a copy of the split patch embeddings,
-# so it is split too. The video tokens are gathered after `proj_out`, before the unpatchify.
+# image_embed_seq_len for the text cross-attention's slice of its keys and mask) are then the rank's own, which is what
+# the blocks index their local tensors with. The decoder blocks' stream is a copy of the split patch embeddings, so it
+# is split too. The video tokens are gathered after `proj_out`, before the unpatchify.
 _TOKENS = SplitOutput(dim=1, expected_dims=3)
 CP_PLAN = ContextParallelPlan(
     inputs={
