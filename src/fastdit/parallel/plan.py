@@ -644,7 +644,7 @@ def _covered_attention(transformer: torch.nn.Module, pattern: str, field_name: s
     attention = [name for name, m in transformer.named_modules() if getattr(m, "processor", None) is not None]
     roots = [name for name, _ in match_modules(transformer, pattern)]
     found = [a for a in attention if _below(a, roots)]
-    if not found:
+    if not found and split_class_filter(pattern)[1] is None:  # a class-filtered path may select nothing
         raise ValueError(
             f"context-parallel plan: AttentionRouting.{field_name} path {pattern!r} covers no attention module of "
             f"{type(transformer).__name__}"
@@ -661,7 +661,7 @@ def sdpa_call_paths(transformer: torch.nn.Module, routing: AttentionRouting) -> 
     found: list[str] = []
     for pattern in routing.sdpa_calls:
         matched = [name for name, _ in match_modules(transformer, pattern)]
-        if not matched:
+        if not matched and split_class_filter(pattern)[1] is None:  # a class-filtered path may select nothing
             raise ValueError(
                 f"context-parallel plan: AttentionRouting.sdpa_calls path {pattern!r} matches no module of "
                 f"{type(transformer).__name__}"
@@ -688,7 +688,7 @@ def local_attention_paths(transformer: torch.nn.Module, routing: AttentionRoutin
     for pattern in routing.local:
         roots = [name for name, _ in match_modules(transformer, pattern)]
         found = [a for a in attention if _below(a, roots)]
-        if not found:
+        if not found and split_class_filter(pattern)[1] is None:  # a class-filtered path may select nothing
             raise ValueError(
                 f"context-parallel plan: AttentionRouting.local path {pattern!r} covers no attention module of "
                 f"{type(transformer).__name__}"
