@@ -20,22 +20,21 @@ pytestmark = pytest.mark.distributed
 TOLERANCE = 1e-5
 
 
-def _inputs(strategy_tokens: int = 4) -> dict:
+def _inputs(masked: bool, side: int = 4) -> dict:
     generator = torch.Generator().manual_seed(0)
-    side = strategy_tokens
     mask = torch.ones(1, 7, dtype=torch.bool)
     mask[:, 5:] = False  # padded text: the joint key mask is reordered under context parallelism
     return {
         "hidden_states": torch.randn(1, side * side, 16, generator=generator),
         "img_shapes": [(1, side, side)],
         "encoder_hidden_states": torch.randn(1, 7, 32, generator=generator),
-        "encoder_hidden_states_mask": mask,
+        "encoder_hidden_states_mask": mask if masked else None,  # the pipeline passes None when no token is padded
         "timestep": torch.tensor([0.7]),
         "return_dict": False,
     }
 
 
-def _moe_run(rank: int, world_size: int, parallel: dict[str, int] | None) -> dict:
+def _moe_run(rank: int, world_size: int, parallel: dict[str, int] | None, masked: bool = True) -> dict:
     """The tiny transformer's output and, per MoE layer, its router logits, routed rows and output."""
     from fastdit.models.nucleusmoe_image import tiny_transformer
 
@@ -58,7 +57,7 @@ def _moe_run(rank: int, world_size: int, parallel: dict[str, int] | None) -> dic
             )
     try:
         with torch.no_grad():
-            seen["output"] = model(**_inputs())[0]
+            seen["output"] = model(**_inputs(masked))[0]
         return {key: value.detach().clone() for key, value in seen.items()}
     finally:
         for handle in handles:
@@ -72,19 +71,22 @@ LAYOUTS = {"ulysses2": {"ulysses": 2}, "ring2": {"ring": 2}, "ulysses3-uneven": 
 
 # Ulysses and TP in the default run; ring and uneven Ulysses (same routing path) in the slow one.
 MATRIX = [
-    pytest.param(layout, id=name, marks=() if name in ("ulysses2", "tp2") else pytest.mark.slow)
-    for name, layout in LAYOUTS.items()
+    *(
+        pytest.param(layout, True, id=name, marks=() if name in ("ulysses2", "tp2") else pytest.mark.slow)
+        for name, layout in LAYOUTS.items()
+    ),
+    pytest.param(LAYOUTS["ring2"], False, id="ring2-no-mask"),
 ]
 
 
-@pytest.mark.parametrize("parallel", MATRIX)
+@pytest.mark.parametrize(("parallel", "masked"), MATRIX)
 def test_routing_and_routed_output_equal_one_process(
-    dist2: WorkerPool, dist3: WorkerPool, parallel: dict[str, int]
+    dist2: WorkerPool, dist3: WorkerPool, parallel: dict[str, int], masked: bool
 ) -> None:
-    expected = _moe_run(0, 1, None)
+    expected = _moe_run(0, 1, None, masked)
     assert sum(key.endswith(".routed") for key in expected) == 2  # both MoE blocks of the tiny model ran
     pool = dist3 if fastdit.Parallel(**parallel).world_size == 3 else dist2
-    for got in pool.run(_moe_run, parallel, timeout=180):
+    for got in pool.run(_moe_run, parallel, masked, timeout=180):
         assert set(got) <= set(expected) and len(got) >= len(expected) - 2
         for key, value in expected.items():
             if key not in got:
