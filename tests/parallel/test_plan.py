@@ -109,6 +109,21 @@ def test_match_modules_wildcards(flux_dev: torch.nn.Module) -> None:
     assert match_modules(flux_dev, "nothing.*") == []
 
 
+def test_match_modules_class_filter(flux_dev: torch.nn.Module) -> None:
+    """A trailing ``[ClassName]`` keeps the matches of that class; a plan path so filtered may match nothing."""
+    attention = type(flux_dev.transformer_blocks[0].attn).__name__
+    matched = match_modules(flux_dev, f"transformer_blocks.*.attn[{attention}]")
+    assert [name for name, _ in matched] == [f"transformer_blocks.{i}.attn" for i in range(19)]
+    assert match_modules(flux_dev, "transformer_blocks.*.attn[NoSuchClass]") == []
+    assert match_modules(flux_dev, f"[{type(flux_dev).__name__}]") == [("", flux_dev)]
+    # Validation: an unmatched filtered path selects no module (a checkpoint without such layers) ...
+    gather = {"proj_out": GatherOutput(1, 3), "transformer_blocks.*.ff[NoSuchClass]": GatherOutput(1, 3)}
+    validate_plan(flux_dev, _plan(gather=gather), 2)
+    # ... while an unmatched plain path is an error.
+    with pytest.raises(ValueError, match=r"path 'transformer_blocks.\*.nothing' matches no module"):
+        validate_plan(flux_dev, _plan(gather={"transformer_blocks.*.nothing": GatherOutput(1, 3)}), 2)
+
+
 def test_plan_is_frozen_data() -> None:
     plan = _plan(outputs={"pos_embed": (SplitOutput(0, 2, index=0), SplitOutput(0, 2, index=1))})
     with pytest.raises(TypeError):

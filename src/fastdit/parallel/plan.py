@@ -68,6 +68,7 @@ __all__ = [
     "local_attention_paths",
     "match_modules",
     "passes_whole",
+    "split_class_filter",
     "validate_plan",
 ]
 
@@ -789,12 +790,27 @@ def _resolve_last(root: torch.nn.Module, path: str) -> str | None:
     return ".".join(resolved)
 
 
+_CLASS_FILTER = re.compile(r"^(?P<path>.*)\[(?P<cls>[A-Za-z_][A-Za-z0-9_]*)\]$")
+
+
+def split_class_filter(path: str) -> tuple[str, str | None]:
+    """``path`` without a trailing ``[ClassName]`` filter, and the class name (``None``: no filter)."""
+    found = _CLASS_FILTER.match(path)
+    return (found["path"], found["cls"]) if found else (path, None)
+
+
 def match_modules(root: torch.nn.Module, path: str) -> list[tuple[str, torch.nn.Module]]:
     """Modules under ``root`` matching ``path``.
 
     ``""`` is the root; a ``*`` component matches any one path component; a ``-1`` component names the last entry
-    of the ``ModuleList`` / ``Sequential`` before it (``"blocks.-1"``: the last block).
+    of the ``ModuleList`` / ``Sequential`` before it (``"blocks.-1"``: the last block). A trailing ``[ClassName]``
+    keeps only the matches whose class has that name (``"blocks.*.mlp[MoELayer]"``: the mixture-of-experts
+    feed-forwards of a list whose other blocks have a dense one at the same path); a context-parallel plan path so
+    filtered may match no module at all (a checkpoint without such layers).
     """
+    path, class_name = split_class_filter(path)
+    if class_name is not None:
+        return [(n, m) for n, m in match_modules(root, path) if type(m).__name__ == class_name]
     if path == "":
         return [("", root)]
     if _LAST in path.split("."):
@@ -841,7 +857,7 @@ def _covered_attention(transformer: torch.nn.Module, pattern: str, field_name: s
     attention = [name for name, m in transformer.named_modules() if getattr(m, "processor", None) is not None]
     roots = [name for name, _ in match_modules(transformer, pattern)]
     found = [a for a in attention if _below(a, roots)]
-    if not found:
+    if not found and split_class_filter(pattern)[1] is None:  # a class-filtered path may select nothing
         raise ValueError(
             f"context-parallel plan: AttentionRouting.{field_name} path {pattern!r} covers no attention module of "
             f"{type(transformer).__name__}"
@@ -858,7 +874,7 @@ def sdpa_call_paths(transformer: torch.nn.Module, routing: AttentionRouting) -> 
     found: list[str] = []
     for pattern in routing.sdpa_calls:
         matched = [name for name, _ in match_modules(transformer, pattern)]
-        if not matched:
+        if not matched and split_class_filter(pattern)[1] is None:  # a class-filtered path may select nothing
             raise ValueError(
                 f"context-parallel plan: AttentionRouting.sdpa_calls path {pattern!r} matches no module of "
                 f"{type(transformer).__name__}"
@@ -885,7 +901,7 @@ def local_attention_paths(transformer: torch.nn.Module, routing: AttentionRoutin
     for pattern in routing.local:
         roots = [name for name, _ in match_modules(transformer, pattern)]
         found = [a for a in attention if _below(a, roots)]
-        if not found:
+        if not found and split_class_filter(pattern)[1] is None:  # a class-filtered path may select nothing
             raise ValueError(
                 f"context-parallel plan: AttentionRouting.local path {pattern!r} covers no attention module of "
                 f"{type(transformer).__name__}"
@@ -942,7 +958,8 @@ def validate_plan(
     paths = [*plan.inputs, *plan.outputs, *plan.gather, *plan.halo]
     resolved = {path: match_modules(transformer, path) for path in paths}
     for path, found in resolved.items():
-        if not found:
+        # A class-filtered path selects the modules of that class, if any (a checkpoint with no MoE layer).
+        if not found and split_class_filter(path)[1] is None:
             raise ValueError(f"context-parallel plan: path {path!r} matches no module of {cls}")
     for path, args in plan.inputs.items():
         for name, module in resolved[path]:

@@ -17,6 +17,7 @@ the full transformer, and ``disable`` gives back the exact original tensors.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,7 @@ from fastdit.parallel.sharded_norm import ShardedNormModule
 from fastdit.parallel.tp_plan import (
     CONV_TYPES,
     Colwise,
+    ExpertShard,
     LocalArgument,
     LocalSlice,
     ShardedNorm,
@@ -124,6 +126,12 @@ def planned_bytes(
         if isinstance(style, SplitParameter):
             param = style.parameter(module)
             if param is not None and style.splits(param):
+                split_params.add(id(param))
+                split += _bytes(param)
+            continue
+        if isinstance(style, ExpertShard):
+            for pname in style.parameters:
+                param = module._parameters[pname]
                 split_params.add(id(param))
                 split += _bytes(param)
             continue
@@ -409,6 +417,68 @@ def _split_parameter(
     return undo, _bytes(param), [module._parameters[style.name]]
 
 
+def _shard_experts(
+    module: torch.nn.Module, style: ExpertShard, mesh: DeviceMesh, device: torch.device
+) -> tuple[Undo, int, list[torch.nn.Parameter]]:
+    """Keep this rank's experts of a packed-experts module and run only their rows (see :class:`ExpertShard`).
+
+    Returns its undo, the original bytes of the split parameters and the rank's slices.
+    """
+    rank, degree = mesh.get_local_rank(), mesh.size()
+    group = mesh.get_group()
+    originals = {name: module._parameters[name] for name in style.parameters}
+    experts = next(iter(originals.values())).shape[0]
+    per_rank = experts // degree
+    for name, param in originals.items():
+        module._parameters[name] = _plain(param, device, 0, [experts], mesh)
+    signature = inspect.signature(type(module).forward)
+    pending: list[tuple[list[int], int, int]] = []  # per call in flight: rows of every rank, all rows, counted rows
+
+    def before(mod: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        bound = signature.bind(mod, *args, **kwargs)
+        tokens, counts = bound.arguments[style.tokens_arg], bound.arguments[style.counts_arg]
+        if counts.dim() != 1 or counts.shape[0] != experts:
+            raise ValueError(
+                f"ExpertShard: {style.counts_arg} of shape {tuple(counts.shape)} does not count {experts} experts"
+            )
+        # The router is replicated, so these counts are equal on every rank and so is every size derived here.
+        per_expert = [int(c) for c in counts.tolist()]
+        rows = [sum(per_expert[r * per_rank : (r + 1) * per_rank]) for r in range(degree)]
+        pending.append((rows, tokens.shape[0], sum(per_expert)))
+        bound.arguments[style.tokens_arg] = tokens.narrow(0, sum(rows[:rank]), rows[rank])
+        bound.arguments[style.counts_arg] = counts.narrow(0, rank * per_rank, per_rank)
+        return bound.args[1:], bound.kwargs
+
+    def after(_mod: torch.nn.Module, _args: Any, _kwargs: Any, output: torch.Tensor) -> torch.Tensor:
+        rows, total, counted = pending.pop()
+        longest = max(rows)
+        local = output.narrow(0, 0, rows[rank])
+        if rows[rank] < longest:
+            local = torch.cat([local, local.new_zeros((longest - rows[rank], *local.shape[1:]))])
+        gathered = funcol.all_gather_tensor(local.contiguous(), 0, group)
+        if isinstance(gathered, funcol.AsyncCollectiveTensor):
+            gathered = gathered.wait()
+        pieces = [gathered.narrow(0, r * longest, rows[r]) for r in range(degree)]
+        if total > counted:  # padding rows past the counted tokens: zeros, as the module returns them
+            pieces.append(output.new_zeros((total - counted, *output.shape[1:])))
+        return torch.cat(pieces)
+
+    handles = [
+        module.register_forward_pre_hook(before, with_kwargs=True),
+        module.register_forward_hook(after, with_kwargs=True),
+    ]
+    offload = _keep_on_cpu(originals)
+
+    def undo() -> None:
+        for handle in handles:
+            handle.remove()
+        offload()
+        for name, param in originals.items():
+            module._parameters[name] = param
+
+    return undo, sum(_bytes(p) for p in originals.values()), [module._parameters[n] for n in style.parameters]
+
+
 def _split_norm(
     transformer: torch.nn.Module,
     path: str,
@@ -544,8 +614,9 @@ def apply_tensor_parallel(
             if isinstance(style, LocalArgument):
                 undos.append(_slice_argument(module, style, mesh, name))
                 continue
-            if isinstance(style, SplitParameter):
-                undo, nbytes, params = _split_parameter(module, style, mesh, device)
+            if isinstance(style, (SplitParameter, ExpertShard)):
+                shard = _split_parameter if isinstance(style, SplitParameter) else _shard_experts
+                undo, nbytes, params = shard(module, style, mesh, device)
                 undos.append(undo)
                 split.update(id(p) for p in params)
                 state.split_bytes += nbytes

@@ -19,6 +19,9 @@ A :class:`TensorParallelPlan` maps module paths of a transformer (``*`` matches 
 
 * :class:`LocalArgument` — a ``forward`` argument holding tensors for *all* heads that the caller allocates and the
   module writes into (AnyFlow-FAR's per-block KV cache): each rank passes on a view of its heads' slice.
+* :class:`ExpertShard` — a module of packed experts (``(E, ...)`` weights, called with tokens sorted by expert and
+  per-expert counts): each rank keeps ``E / tp`` whole experts, runs their rows and all-gathers the rows back
+  (expert parallelism inside the TP group, for a mixture of experts whose router sees replicated tokens).
 
 * :class:`LocalSlice` — a module that computes a table for *all* heads or features (a RoPE module returning
   ``(S, heads, d)`` or ``(B, S, inner_dim)`` cos/sin): each rank keeps its slice of every output tensor.
@@ -51,6 +54,7 @@ from fastdit.parallel.plan import match_modules
 __all__ = [
     "CONV_TYPES",
     "Colwise",
+    "ExpertShard",
     "LocalArgument",
     "LocalSlice",
     "Rowwise",
@@ -59,6 +63,7 @@ __all__ = [
     "Style",
     "TensorParallelPlan",
     "divided_attributes",
+    "expert_counts",
     "norm_kind",
     "plan_layers",
     "resolve_tp_plan",
@@ -241,7 +246,41 @@ class LocalArgument:
             raise ValueError(f"LocalArgument.dim={self.dim!r}: must be an integer")
 
 
-Style = Colwise | Rowwise | ShardedNorm | LocalSlice | SplitParameter | LocalArgument
+@dataclass(frozen=True)
+class ExpertShard:
+    """Shard a module of packed experts by expert (expert parallelism over the tensor-parallel ranks).
+
+    For a module holding every expert's weights stacked on dim 0 (``gate_up_proj`` ``(E, D, 2I)``, ``down_proj``
+    ``(E, I, D)``) and called with the routed tokens sorted by expert and the per-expert token counts (diffusers'
+    packed MoE experts). Rank ``r`` keeps experts ``[r E / tp, (r + 1) E / tp)`` of every named parameter; before
+    the module runs, its tokens are narrowed to the rows of those experts and its counts to their entries, and after
+    it the ranks' rows are all-gathered back into the full ``(rows, D)`` output (trailing padding rows beyond the
+    counted tokens come back as zeros, as the module returns them). The router must stay whole so the counts are
+    the same on every rank (they are read on the host: one sync per call).
+
+    Attributes:
+        parameters: The module's parameters with one entry per expert along dim 0.
+        tokens_arg: The ``forward`` argument holding the tokens sorted by expert (rows on dim 0).
+        counts_arg: The ``forward`` argument holding the 1-D per-expert token counts.
+    """
+
+    parameters: tuple[str, ...]
+    tokens_arg: str = "x"
+    counts_arg: str = "num_tokens_per_expert"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.parameters, str) or not self.parameters:
+            raise ValueError(f"ExpertShard.parameters={self.parameters!r}: name the packed expert parameters")
+        if not all(isinstance(p, str) and p and "." not in p for p in self.parameters):
+            raise ValueError(f"ExpertShard.parameters={self.parameters!r}: attribute names on the module")
+        object.__setattr__(self, "parameters", tuple(self.parameters))
+        for field_name in ("tokens_arg", "counts_arg"):
+            value = getattr(self, field_name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"ExpertShard.{field_name}={value!r}: a forward argument name")
+
+
+Style = Colwise | Rowwise | ShardedNorm | LocalSlice | SplitParameter | LocalArgument | ExpertShard
 
 # The layer types Colwise / Rowwise split, by exact type: Linear through DTensor, convolutions by channel slices.
 LINEAR_TYPES = (torch.nn.Linear,)
@@ -274,10 +313,12 @@ class TensorParallelPlan:
         if not self.layers:
             raise ValueError("TensorParallelPlan.layers={}: name at least one layer")
         for path, style in self.layers.items():
-            if not isinstance(style, (Colwise, Rowwise, ShardedNorm, LocalSlice, SplitParameter, LocalArgument)):
+            if not isinstance(
+                style, (Colwise, Rowwise, ShardedNorm, LocalSlice, SplitParameter, LocalArgument, ExpertShard)
+            ):
                 raise ValueError(
                     f"TensorParallelPlan.layers[{path!r}]={style!r}: expected Colwise, Rowwise, ShardedNorm, "
-                    "LocalSlice, SplitParameter or LocalArgument"
+                    "LocalSlice, SplitParameter, LocalArgument or ExpertShard"
                 )
         known = {*self.layers, *(path.rpartition(".")[0] for path in self.divide)}
         for path in self.optional:
@@ -444,6 +485,9 @@ def validate_tp_plan(transformer: torch.nn.Module, plan: TensorParallelPlan, deg
                     f"(LocalArgument); its arguments are {params}"
                 )
             continue
+        if isinstance(style, ExpertShard):
+            sizes += expert_counts(module, style, name, family)
+            continue
         if isinstance(style, SplitParameter):
             param = style.parameter(module)
             if param is None and not any(name in {n for n, _ in match_modules(transformer, p)} for p in plan.optional):
@@ -475,6 +519,28 @@ def validate_tp_plan(transformer: torch.nn.Module, plan: TensorParallelPlan, deg
                 f"tensor-parallel plan of {family!r}: {what} = {size} is not divisible by tp={degree}; "
                 f"valid tp degrees for this model: {valid}"
             )
+
+
+def expert_counts(module: torch.nn.Module, style: ExpertShard, name: str, family: str) -> list[tuple[str, int]]:
+    """``(what, experts)`` of each parameter an :class:`ExpertShard` splits; all must hold the same expert count.
+
+    Raises:
+        ValueError: a parameter is missing, has no expert dim, or the counts differ; or ``forward`` lacks an argument.
+    """
+    where = f"tensor-parallel plan of {family!r}: {name!r} ({type(module).__name__})"
+    params = list(inspect.signature(type(module).forward).parameters)[1:]
+    for arg in (style.tokens_arg, style.counts_arg):
+        if arg not in params:
+            raise ValueError(f"{where}: forward has no argument {arg!r} (ExpertShard); its arguments are {params}")
+    found = []
+    for pname in style.parameters:
+        param = module._parameters.get(pname)
+        if param is None or param.dim() < 1:
+            raise ValueError(f"{where} has no packed expert parameter {pname!r} (ExpertShard.parameters)")
+        found.append((f"{name}.{pname} experts", param.shape[0]))
+    if len({n for _, n in found}) != 1:
+        raise ValueError(f"{where}: the expert parameters hold different expert counts {found}")
+    return found
 
 
 def _check_layer_type(name: str, module: torch.nn.Module, style: Style, family: str) -> None:

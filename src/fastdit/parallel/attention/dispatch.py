@@ -286,8 +286,10 @@ class ContextParallelAttention:
             attn_mask = self.mask_transform(attn_mask)
         q_lens, kv_lens = self._lengths(query, key)
         layout = self.forward.layout(self.mask_segments) if attn_mask is not None else None
-        if layout is not None and layout.rank_lens != q_lens:
+        if layout is not None and layout.rank_lens not in (q_lens, kv_lens):
             layout = None  # this attention's sequence is not the declared joint sequence: one contiguous split
+        # A layout of the keys only (queries from one segment attending to the joint keys, NucleusMoE's image
+        # queries over [image, text]) reorders the mask's key dim; a query dim other than 1 is then refused.
         if self.ring_degree > 1:
             return self._ring(query, key, value, attn_mask, scale, q_lens, kv_lens, layout)
         return ulysses_attention(
