@@ -66,7 +66,21 @@ LAYOUTS = ("single", "ulysses", "ring", "usp", "tp", "tp_ulysses", "cfg", "cfg_u
 # (CudaGraph); cudagraphs: torch.compile's own mode="reduce-overhead"; cache: DBCache F1B0 on a fixed
 # schedule computing every other step (random weights never hit a residual threshold: this measures the mechanics).
 # blockgraph: CUDA graphs per block (CudaGraph(scope="blocks")) even without a cache.
-OPTIONS = ("compile", "graph", "blockgraph", "cudagraphs", "fp8", "chunks2", "chunks4", "cache")
+# q8: FP8 rowwise quantization of the blocks' linears (fastdit.Quantize); cacheK: the fixed schedule computes every
+# K-th step (cache = cache2).
+OPTIONS = (
+    "compile",
+    "graph",
+    "blockgraph",
+    "cudagraphs",
+    "fp8",
+    "chunks2",
+    "chunks4",
+    "cache",
+    "cache3",
+    "cache4",
+    "q8",
+)
 ANCHOR_MODES = ("diffusers_ulysses", "cachedit_ulysses", "diffusers_tp")
 VAE_FLUX = {"block_out_channels": (128, 256, 512, 512), "layers_per_block": 2}
 VAE_TINY = {"block_out_channels": (8, 8, 8, 8), "layers_per_block": 1, "norm_num_groups": 8}
@@ -180,10 +194,11 @@ def timed(run: Callable[[], Any], args: argparse.Namespace, device: torch.device
 
 
 def cache_for(options: list[str], steps: int) -> fastdit.DBCache | None:
-    """F1B0 computing every other step (a fixed schedule), or ``None`` without the ``cache`` option."""
-    if "cache" not in options:
+    """F1B0 computing every K-th step (a fixed schedule; ``cache``: K = 2, ``cacheK``), or ``None`` without one."""
+    every = next((2 if o == "cache" else int(o.removeprefix("cache")) for o in options if o.startswith("cache")), None)
+    if every is None:
         return None
-    mask = fastdit.StepMask(compute_steps=tuple(range(0, steps, 2)), policy="static")
+    mask = fastdit.StepMask(compute_steps=tuple(range(0, steps, every)), policy="static")
     return fastdit.DBCache(fn=1, bn=0, warmup_steps=0, step_mask=mask)
 
 
@@ -207,9 +222,12 @@ def accelerate_mode(pipe: Any, mode: str, world_size: int, steps: int) -> Callab
     parallel = fastdit.Parallel(**degrees, ulysses_chunks=chunks, comm_fp8="fp8" in options) if degrees else None
     cache = cache_for(options, steps)
     graphs = graphs_for(options)
-    if parallel is None and compile_config is None and cache is None and graphs is None:
+    quantize = fastdit.Quantize(mode="fp8") if "q8" in options else None
+    if parallel is None and compile_config is None and cache is None and graphs is None and quantize is None:
         return lambda: None
-    fastdit.accelerate(pipe, parallel=parallel, compile=compile_config, cuda_graph=graphs, cache=cache)
+    fastdit.accelerate(
+        pipe, parallel=parallel, compile=compile_config, cuda_graph=graphs, cache=cache, quantize=quantize
+    )
 
     def undo() -> None:
         fastdit.disable(pipe)
