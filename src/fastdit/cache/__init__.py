@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,25 +36,44 @@ def apply_cache(
     Returns:
         The undo (call it to remove the cache), carrying the engine as its ``state``.
     """
+    installer = _POLICIES.get(type(config))
+    if installer is None:  # exact classes: a subclass may change what the engine relies on
+        raise TypeError(f"cache={config!r}: expected one of {', '.join(c.__name__ for c in _POLICIES)}")
     groups = resolve_block_groups(transformer, plan.block_groups, plan.family)
-    if isinstance(config, DBPrune):
-        from fastdit.cache.prune import install as install_prune
-
-        engine: Any
-        engine, undo = install_prune(transformer, groups, config, plan.timestep_arg, reducer, plan.unstepped_calls)
-    else:
-        from fastdit.cache.hooks import install
-
-        engine_class = None
-        if isinstance(config, MagCache):
-            from fastdit.cache.magcache import MagCacheEngine
-
-            engine_class = MagCacheEngine
-        interleaved = resolve_interleaved(transformer, plan.block_groups, plan.family)
-        engine, undo = install(
-            transformer, groups, config, plan.timestep_arg, reducer, interleaved, plan.unstepped_calls, engine_class
-        )
+    engine, undo = installer(transformer, groups, plan, config, reducer)
     return Applied(undo, engine)
+
+
+def _install_prune(transformer, groups, plan: CachePlan, config: DBPrune, reducer) -> tuple[Any, Any]:
+    from fastdit.cache.prune import install
+
+    return install(transformer, groups, config, plan.timestep_arg, reducer, plan.unstepped_calls)
+
+
+def _install_blocks(
+    transformer, groups, plan: CachePlan, config: DBCache | MagCache, reducer, engine_class: type | None = None
+) -> tuple[Any, Any]:
+    from fastdit.cache.hooks import install
+
+    interleaved = resolve_interleaved(transformer, plan.block_groups, plan.family)
+    return install(
+        transformer, groups, config, plan.timestep_arg, reducer, interleaved, plan.unstepped_calls, engine_class
+    )
+
+
+def _install_magcache(transformer, groups, plan: CachePlan, config: MagCache, reducer) -> tuple[Any, Any]:
+    from fastdit.cache.magcache import MagCacheEngine
+
+    return _install_blocks(transformer, groups, plan, config, reducer, MagCacheEngine)
+
+
+# Each cache policy's installer, by its config class (exact): (transformer, groups, plan, config, reducer) ->
+# (engine, undo). Adding a policy is one entry here plus its engine module.
+_POLICIES: dict[type, Callable[..., tuple[Any, Any]]] = {
+    DBCache: _install_blocks,
+    MagCache: _install_magcache,
+    DBPrune: _install_prune,
+}
 
 
 def cache_summary(engine: Any) -> dict[str, Any]:
