@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 import fastdit
-from fastdit import pipeline_dir
+from fastdit import modular, pipeline_dir
 from fastdit.config import Loading
 from fastdit.errors import FieldError, NonFiniteOutputError
 from fastdit.models.registry import get_preset
@@ -109,12 +109,18 @@ def _weights_dir(text: str, field_name: str) -> tuple[Path, dict[str, Any]]:
     """The directory ``text`` and its ``model_index.json``, once the checks that need no weights passed."""
     path = Path(text).expanduser()
     if path.exists() and not path.is_dir():
-        hint = ": give the directory that holds it" if path.name == "model_index.json" else ""
+        index_file = path.name in ("model_index.json", modular.INDEX_FILE)
+        hint = ": give the directory that holds it" if index_file else ""
         raise FieldError(MODEL_OWNER, field_name, text, f"is a file, not a directory{hint}")
     if not path.is_dir():
         raise FieldError(MODEL_OWNER, field_name, text, "no such directory")
-    if not (path / "model_index.json").is_file():
-        raise FieldError(MODEL_OWNER, field_name, text, "not a diffusers pipeline directory (no model_index.json)")
+    if not any((path / name).is_file() for name in ("model_index.json", modular.INDEX_FILE)):
+        raise FieldError(
+            MODEL_OWNER,
+            field_name,
+            text,
+            f"not a diffusers pipeline directory (no model_index.json or {modular.INDEX_FILE})",
+        )
     try:
         index = pipeline_dir.read_index(path)
         pipeline_dir.check_components(path, index)
@@ -236,13 +242,18 @@ def import_pipeline_class(qualified: str) -> type:
 
 
 def call_parameters(pipeline_class: type) -> dict[str, inspect.Parameter]:
-    """The keyword parameters of a pipeline's ``__call__`` (what a call may pass)."""
+    """The keyword parameters of a pipeline's ``__call__`` (what a call may pass); a ModularPipeline's are its
+    blocks' inputs (:func:`fastdit.modular.call_parameters`)."""
+    if modular.is_modular(pipeline_class):
+        return modular.call_parameters(pipeline_class)
     parameters = inspect.signature(pipeline_class.__call__).parameters
     return {name: p for name, p in parameters.items() if name != "self" and p.kind is not p.VAR_POSITIONAL}
 
 
 def is_video_pipeline(pipeline_class: type) -> bool:
-    """Whether the pipeline produces videos (it takes a number of frames)."""
+    """Whether the pipeline produces videos (it takes a number of frames; a ModularPipeline: it outputs videos)."""
+    if modular.is_modular(pipeline_class):
+        return modular.decoded_output(pipeline_class) == "videos"
     return "num_frames" in call_parameters(pipeline_class)
 
 
@@ -368,9 +379,14 @@ def _to_array(item: Any) -> np.ndarray:
 
 
 def _outputs(result: Any) -> list[np.ndarray]:
-    # Videos come as .frames, images as .images, except a few pipelines' outputs that name them .image (Kandinsky 5).
-    name = next((name for name in ("frames", "images", "image") if hasattr(result, name)), "images")
+    # Videos come as .frames, images as .images, except a few pipelines' outputs that name them .image (Kandinsky 5);
+    # waveforms as .audios, (channels, samples) each.
+    name = next((name for name in ("frames", "images", "image", "audios") if hasattr(result, name)), "images")
     return [_to_array(item) for item in getattr(result, name)]
+
+
+def _is_audio(result: Any) -> bool:
+    return hasattr(result, "audios") and not any(hasattr(result, name) for name in ("frames", "images", "image"))
 
 
 # Guidance scales are usually between 1 and 20; far above, the difference of two predictions is blown up past the
@@ -407,8 +423,9 @@ def _uses_float16(pipe: Any) -> bool:
     return any(p.dtype == torch.float16 for module in modules for p in module.parameters())
 
 
-def _finite(pipe: Any, outputs: list[np.ndarray], call: Mapping[str, Any]) -> list[np.ndarray]:
-    """``outputs`` clipped to [0, 1], or :class:`NonFiniteOutputError` if any value is NaN or infinite.
+def _finite(pipe: Any, outputs: list[np.ndarray], call: Mapping[str, Any], low: float = 0.0) -> list[np.ndarray]:
+    """``outputs`` clipped to [``low``, 1] (``-1`` for waveforms), or :class:`NonFiniteOutputError` if any value is
+    NaN or infinite.
 
     Checked before clipping, which would turn +inf into white and leave NaN to become black when saved. Under
     context parallelism every rank holds the same gathered outputs, so every rank raises alike.
@@ -422,7 +439,7 @@ def _finite(pipe: Any, outputs: list[np.ndarray], call: Mapping[str, Any]) -> li
             components=_non_finite_components(pipe),
             float16=_uses_float16(pipe),
         )
-    return [np.clip(output, 0.0, 1.0) for output in outputs]
+    return [np.clip(output, low, 1.0) for output in outputs]
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -441,6 +458,8 @@ def _load_errors() -> tuple[type[BaseException], ...]:
 def _from_pretrained(source: ModelSource, dtype: torch.dtype) -> Any:
     pipeline_class = import_pipeline_class(source.pipeline_class)
     try:
+        if modular.is_modular(pipeline_class):
+            return modular.load(pipeline_class, Path(source.path), dtype)
         return pipeline_class.from_pretrained(source.path, dtype=dtype, local_files_only=True)
     except torch.OutOfMemoryError:
         raise
@@ -485,6 +504,15 @@ def _load_pipeline(source: ModelSource, device: torch.device, dtype: torch.dtype
 
     if not loading.broadcasts or process_count() == 1:
         return _read(source, device, dtype)
+    if modular.is_modular(import_pipeline_class(source.pipeline_class)):
+        # The broadcast loader builds a pipeline's models empty from their configs and hands them to
+        # from_pretrained; a ModularPipeline loads its components through specs, which it cannot do that for.
+        raise FieldError(
+            MODEL_OWNER,
+            "loading",
+            loading.mode,
+            f"{source.pipeline_class} is a ModularPipeline, which every process reads itself: use mode='every-rank'",
+        )
     from fastdit.parallel.load_broadcast import load_broadcast
 
     join_process_group(device, loading.timeout_s)  # a no-op when the caller (or accelerate) made one already
@@ -607,7 +635,8 @@ class Session:
             kwargs: Call arguments from :func:`call_arguments` (no prompt or generator).
 
         Returns:
-            A float32 array in [0, 1], ``(H, W, C)`` or ``(F, H, W, C)``.
+            A float32 array in [0, 1], ``(H, W, C)`` or ``(F, H, W, C)``; a waveform in [-1, 1], ``(channels,
+            samples)``.
 
         Raises:
             NonFiniteOutputError: The output holds NaN or infinite values (nothing is returned).
@@ -616,7 +645,8 @@ class Session:
         if case.prompt is not None:
             call["prompt"] = case.prompt
         call["generator"] = _generator(case.seed)
-        return _finite(self.pipe, _outputs(self.pipe(**call)), call)[0]
+        result = modular.call_pipeline(self.pipe, **call)
+        return _finite(self.pipe, _outputs(result), call, -1.0 if _is_audio(result) else 0.0)[0]
 
     def call_batch(self, cases: Sequence[Case], kwargs: Mapping[str, Any]) -> list[np.ndarray]:
         """Generate several outputs in one pipeline call, each from a generator seeded with its case's seed.
@@ -635,7 +665,8 @@ class Session:
         if not cases or None in prompts:
             raise ValueError(f"a batch needs one or more cases, each with a prompt; got prompts {prompts}")
         call = {**kwargs, "prompt": prompts, "generator": [_generator(case.seed) for case in cases]}
-        return _finite(self.pipe, _outputs(self.pipe(**call)), call)
+        result = modular.call_pipeline(self.pipe, **call)
+        return _finite(self.pipe, _outputs(result), call, -1.0 if _is_audio(result) else 0.0)
 
 
 def output_paths(out: Path, count: int, suffix: str) -> list[Path]:

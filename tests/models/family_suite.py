@@ -42,12 +42,16 @@ class FamilySuite:
             check_adapter(transformer, adapter)
 
     def test_runs_two_steps(self, built: dict, variant: str) -> None:
-        """Two steps end in one image or video, in range, and what the denoiser produced depends on the seed."""
+        """Two steps end in one image, video or waveform, in range, and what the denoiser produced depends on the
+        seed."""
         pipe, tiny = self._pipe(built, variant)
         out = run_tiny(pipe, tiny)
-        assert out.ndim in (4, 5) and out.shape[0] == 1 and out.size > 0, out.shape  # (1, [frames,] H, W, C)
+        # (1, [frames,] H, W, C), or a waveform (1, channels, samples) in [-1, 1] (an audio pipeline's output)
+        assert out.ndim in (3, 4, 5) and out.shape[0] == 1 and out.size > 0, out.shape
         assert np.isfinite(out).all()
-        if tiny.call_kwargs.get("output_type", "np") == "np":  # decoded pixels (some variants stop at latents)
+        if out.ndim == 3:
+            assert out.min() >= -1.0 and out.max() <= 1.0, (out.min(), out.max())
+        elif tiny.call_kwargs.get("output_type", "np") == "np":  # decoded pixels (some variants stop at latents)
             assert out.shape[-1] in (3, 4), out.shape
             assert out.min() >= 0.0 and out.max() <= 1.0, (out.min(), out.max())
         # Compared as latents: a tiny random-weight VAE can decode every input to one flat colour, which would hide

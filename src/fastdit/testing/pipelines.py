@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from fastdit.models.base import TinyPipeline
+from fastdit.modular import call_pipeline
 from fastdit.models.registry import get_family
 
 __all__ = ["build_tiny", "run_tiny", "save_tiny", "scaled_steps"]
@@ -24,14 +25,15 @@ def build_tiny(family: str, variant: str | None = None) -> tuple[Any, TinyPipeli
 def run_tiny(pipe: Any, tiny: TinyPipeline, *, seed: int = 0, **overrides: Any) -> np.ndarray:
     """Run ``pipe`` with the tiny call arguments and return its output as a float numpy array.
 
-    Image pipelines return ``(batch, H, W, C)``; video pipelines ``(batch, frames, H, W, C)``.
+    Image pipelines return ``(batch, H, W, C)``; video pipelines ``(batch, frames, H, W, C)``; audio pipelines
+    ``(batch, channels, samples)``. A ModularPipeline is called through :func:`fastdit.modular.call_pipeline`.
     """
     kwargs = {**tiny.call_kwargs, **overrides}
     kwargs.setdefault("output_type", "np")
     torch.manual_seed(seed)  # a few pipelines draw from the global RNG besides the generator
     with torch.no_grad():
-        result = pipe(**kwargs, generator=torch.Generator().manual_seed(seed))
-    out = next(getattr(result, name) for name in ("frames", "images", "image") if hasattr(result, name))
+        result = call_pipeline(pipe, **kwargs, generator=torch.Generator().manual_seed(seed))
+    out = next(getattr(result, name) for name in ("frames", "images", "image", "audios") if hasattr(result, name))
     return np.asarray(out, dtype=np.float32)
 
 
