@@ -52,7 +52,6 @@ def tiny_pipeline() -> Any:
         MiniMaxMusic3ConditionEncoder,
         MiniMaxMusic3ModularPipeline,
         MiniMaxMusic3RVQDepthDecoder,
-        MiniMaxMusic3Transformer1DModel,
         MiniMaxMusic3Vocoder,
     )
     from transformers import Qwen3Config, Qwen3ForCausalLM

@@ -8,8 +8,8 @@ import numpy as np
 import torch
 
 from fastdit.models.base import TinyPipeline
-from fastdit.modular import call_pipeline
 from fastdit.models.registry import get_family
+from fastdit.modular import call_pipeline
 
 __all__ = ["build_tiny", "run_tiny", "save_tiny", "scaled_steps"]
 
