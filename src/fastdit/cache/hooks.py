@@ -169,7 +169,12 @@ class TransformerCacheHook(layers.LayerHook):
         if self._unstepped and self._is_unstepped(args, kwargs):
             # No call begins: the block hooks find no active step and compute, and no step, branch or run counts it.
             return inner(*args, **kwargs)
-        signature = tuple(tuple(a.shape) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+        # The timestep's own shape is left out: MiniMax-H3 passes the distinct noise levels of its rows, one entry
+        # at the first step (all rows at 0) and two after it; every other model's batch shows in its inputs anyway.
+        timestep = self._reader.get(self.timestep_arg, args, kwargs) if self.timestep_arg else None
+        signature = tuple(
+            tuple(a.shape) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a is not timestep
+        )
         try:  # a refused call ends too: no block hook may think it runs inside it
             self.engine.begin_call(layers.announced_context(module), self._timestep(args, kwargs), signature)
             return inner(*args, **kwargs)

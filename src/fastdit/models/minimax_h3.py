@@ -9,10 +9,12 @@ noise levels of the packed rows (target rows, clean conditioning rows). There is
 expert layer; the checkpoint is guidance-distilled (one forward per step, no CFG).
 
 diffusers 0.42.1 serves this model through ``MiniMaxH3ModularPipeline`` only (a ModularPipeline: Qwen3-VL prompt
-encoding, the row-layout builder and two schedulers in blocks). fastdit's tiny-pipeline harness, component walk and
-CLI drive ``DiffusionPipeline``-like objects, so this family declares no tiny pipeline: its tests drive the bare
-transformer with the packed layout :func:`example` builds (also what ``fastdit inspect`` traces: the adapter's
-``example``) through the sampler loop :func:`tiny_denoise`.
+encoding, the row-layout builder and two schedulers in blocks), which fastdit drives through
+:mod:`fastdit.modular`. The tiny pipeline (:func:`tiny_pipeline`) is that pipeline's text-to-video+audio workflow
+(``t2va``) with every component built from a small config. Its geometry is the checkpoint's: 5 to 15 seconds at 24
+fps (``num_frames = 17 n + 5``, at least 124), 40 audio latents a second in two stereo blocks of rows, the
+conditioning read at the text encoder's hidden state 50 (so the tiny Qwen3-VL has 51 layers, 16 wide). The tests of
+the bare transformer drive the packed layout :func:`example` builds through the sampler loop :func:`tiny_denoise`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 
 import torch
 
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 from fastdit.parallel.tp_plan import Style, TensorParallelPlan
@@ -61,6 +63,71 @@ def tiny_transformer(seed: int = 0):
         time_embed_dim=16,
         rope_freq_dim=2,
     )
+
+
+def tiny_pipeline() -> Any:
+    """``MiniMaxH3ModularPipeline`` (its ``t2va`` workflow) with tiny components: a 51-layer Qwen3-VL 16 wide, a video
+    VAE compressing 4x in space and time (4 latent channels, a one-layer ViT decoder), a one-stage audio VAE (4 latent
+    channels), the 3-block transformer of :func:`tiny_transformer`. ``transformer_ref`` (the ``ref2va`` partition)
+    is left out."""
+    from diffusers import (
+        AutoencoderKLMiniMaxH3,
+        AutoencoderKLMiniMaxH3Audio,
+        MiniMaxH3ModularPipeline,
+        MiniMaxH3Scheduler,
+    )
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from fastdit.testing.components.encoders import build
+    from fastdit.testing.components.qwen3_vl import qwen3_vl_model, qwen3_vl_processor
+
+    text_model, tokenizer = qwen3_vl_model(hidden_size=_TEXT_DIM, num_layers=51)
+    vae = build(
+        AutoencoderKLMiniMaxH3,
+        seed=2,
+        latent_channels=_VIDEO_CHANNELS,
+        block_out_channels=(8, 8),
+        layers_per_block=1,
+        spatial_downsample_factors=(2, 2),
+        temporal_downsample_factors=(2, 2),
+        norm_num_groups=4,
+        decoder_num_layers=1,
+        decoder_num_attention_heads=2,
+        decoder_attention_head_dim=8,
+        decoder_num_register_tokens=1,
+        decoder_ffn_mult=1,
+        latents_mean=(0.0,) * _VIDEO_CHANNELS,
+        latents_std=(1.0,) * _VIDEO_CHANNELS,
+    )
+    audio_vae = build(
+        AutoencoderKLMiniMaxH3Audio,
+        seed=3,
+        encoder_dim=4,
+        encoder_rates=(2,),
+        latent_dim=8,
+        latent_channels=_AUDIO_CHANNELS,
+        num_attention_heads=1,
+        decoder_dim=8,
+        decoder_rates=(2,),
+        decoder_kernel_sizes=(4,),
+        resblock_kernel_sizes=(3,),
+        resblock_dilation_sizes=((1,),),
+        sampling_rate=800,
+        latents_mean=[0.0] * _AUDIO_CHANNELS,
+        latents_std=[1.0] * _AUDIO_CHANNELS,
+    )
+    pipe = MiniMaxH3ModularPipeline()
+    pipe.update_components(
+        text_encoder=build(Qwen3VLForConditionalGeneration, text_model.config, seed=1),
+        tokenizer=tokenizer,
+        processor=qwen3_vl_processor(tokenizer),
+        vae=vae,
+        audio_vae=audio_vae,
+        scheduler=MiniMaxH3Scheduler(shift=12.0),
+        audio_scheduler=MiniMaxH3Scheduler(shift=3.0),
+        transformer=tiny_transformer(),
+    )
+    return pipe
 
 
 def packed_layout(
@@ -176,13 +243,27 @@ ADAPTER = register(
         cp_plan=CP_PLAN,
         tp_plan=TP_PLAN,
         cfg_parallel=False,
-        example="fastdit.models.minimax_h3:example",
+        tiny_pipelines=(
+            TinyPipeline(
+                name="t2va",
+                build=tiny_pipeline,
+                # 124 = 17 * 7 + 5 frames: the shortest clip the checkpoint's 5-second floor allows.
+                call_kwargs={"prompt": "a cat", "height": 8, "width": 8, "num_frames": 124, "num_inference_steps": 3},
+            ),
+        ),
+        presets=(
+            ModelPreset(
+                name="minimax-h3",
+                pipeline_class="diffusers.MiniMaxH3ModularPipeline",
+                hub_id="MiniMaxAI/MiniMax-H3",
+            ),
+        ),
         notes=(
             "One packed sequence [text | keyframe and target video | audio] through one block list; the text "
             "refiner (`token_refiner`) runs on the text alone before it and always computes. `timestep` holds the "
-            "distinct noise levels of the rows (the cache reads the largest). No tiny pipeline and no CLI preset: "
-            "diffusers 0.42.1 ships MiniMax-H3 as a ModularPipeline only (MiniMaxH3ModularPipeline), which "
-            "fastdit's pipeline harness does not drive yet; cache, CP and TP are tested on the bare transformer. "
+            "distinct noise levels of the rows (the cache reads the largest). Served by a ModularPipeline "
+            "(MiniMaxH3ModularPipeline, driven through fastdit.modular); the tiny pipeline is its t2va workflow "
+            "(`num_inference_steps` counts sigma grid points: 3 give two transformer calls). "
             "No CFG parallelism: the checkpoint is guidance-distilled (one forward per step)."
         ),
     )
