@@ -10,7 +10,7 @@ component walk and step caching need nothing of their own. Three things differ, 
 - **Outputs.** A call returns the ``PipelineState``; :func:`call_pipeline` returns what a ``DiffusionPipeline`` would:
   an object whose ``frames`` (videos), ``images`` or ``audios`` hold the decoded batch. The decoders take no
   ``output_type="latent"``: such a call runs every block and returns the denoised latents the state holds instead
-  (:data:`LATENT_OUTPUTS`).
+  (:data:`LATENT_OUTPUTS`; the decoded output where it holds none).
 - **Loading.** A directory holds ``modular_model_index.json`` (or a plain ``model_index.json``); ``from_pretrained``
   reads the specs and :func:`load` then loads the components (``load_components``), local files only.
 """
@@ -117,7 +117,8 @@ def call_pipeline(pipeline: Any, **kwargs: Any) -> Any:
     A ``DiffusionPipeline`` (anything that is no ModularPipeline) is called as it is. A ModularPipeline returns an
     object with one attribute, named after :data:`DECODED_OUTPUTS` (``frames``, ``images`` or ``audios``), holding
     its decoded output; with ``output_type="latent"`` the first of :data:`LATENT_OUTPUTS` the state holds instead
-    (the decoders run, in their default output type).
+    (the decoders run, in their default output type), or the decoded output where the state keeps no latents
+    (Wan-Animate-2 decodes each segment inside its loop).
     """
     if not is_modular(pipeline):
         return pipeline(**kwargs)
@@ -136,7 +137,8 @@ def call_pipeline(pipeline: Any, **kwargs: Any) -> Any:
         value = state.get(latent_name)
         if value is not None:
             return SimpleNamespace(**{DECODED_OUTPUTS[name]: value})
-    raise ValueError(f"{type(pipeline).__name__}: its state holds none of {list(LATENT_OUTPUTS)} after the call")
+    # Wan-Animate-2 decodes each segment inside its loop and keeps no latents in the state: its output stands in.
+    return SimpleNamespace(**{DECODED_OUTPUTS[name]: state.get(name)})
 
 
 def _module_spec(spec: Any) -> bool:

@@ -156,6 +156,9 @@ ADAPTER = register(
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P3),),
         cp_plan=CP_PLAN,
         tp_plan=TP_PLAN,
+        # The guider calls the transformer for pred_cond, then pred_uncond, at one timestep, without announcing
+        # them (no cache_context), and combines the two only after both calls.
+        cfg_pairs_by_timestep=True,
         tiny_pipelines=(
             TinyPipeline(
                 name="t2a",
