@@ -37,6 +37,7 @@ __all__ = [
     "index_components",
     "is_modular",
     "load",
+    "set_progress_bar_config",
 ]
 
 INDEX_FILE = "modular_model_index.json"
@@ -139,6 +140,23 @@ def call_pipeline(pipeline: Any, **kwargs: Any) -> Any:
             return SimpleNamespace(**{DECODED_OUTPUTS[name]: value})
     # Wan-Animate-2 decodes each segment inside its loop and keeps no latents in the state: its output stands in.
     return SimpleNamespace(**{DECODED_OUTPUTS[name]: state.get(name)})
+
+
+def set_progress_bar_config(pipeline: Any, **kwargs: Any) -> None:
+    """``pipeline.set_progress_bar_config(**kwargs)``, reaching a ModularPipeline's nested loops too.
+
+    A ModularPipeline passes the configuration to its top-level blocks only, and a denoise loop sits one level down
+    (MiniMax Music 3's window loop), so every block of the tree that has a progress bar gets it here.
+    """
+    pipeline.set_progress_bar_config(**kwargs)
+    if not is_modular(pipeline):
+        return
+    pending = list(pipeline._blocks.sub_blocks.values())
+    while pending:
+        block = pending.pop()
+        if hasattr(block, "set_progress_bar_config"):
+            block.set_progress_bar_config(**kwargs)
+        pending.extend(getattr(block, "sub_blocks", {}).values())
 
 
 def _module_spec(spec: Any) -> bool:

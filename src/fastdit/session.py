@@ -587,7 +587,7 @@ class Session:
         loading = Loading() if loading is None else loading
         with _loading_bars(progress), _quiet_pipeline_imports():
             pipe = _load_pipeline(source, device, dtype, loading)
-        pipe.set_progress_bar_config(disable=not progress, leave=False)
+        modular.set_progress_bar_config(pipe, disable=not progress, leave=False)
         return cls(pipe, source, device)
 
     @property

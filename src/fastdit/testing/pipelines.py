@@ -9,7 +9,7 @@ import torch
 
 from fastdit.models.base import TinyPipeline
 from fastdit.models.registry import get_family
-from fastdit.modular import call_pipeline
+from fastdit.modular import call_pipeline, is_modular, set_progress_bar_config
 
 __all__ = ["build_tiny", "run_tiny", "save_tiny", "scaled_steps"]
 
@@ -18,7 +18,7 @@ def build_tiny(family: str, variant: str | None = None) -> tuple[Any, TinyPipeli
     """Build the tiny pipeline ``variant`` of ``family`` (the first one if ``None``)."""
     tiny = get_family(family).tiny(variant)
     pipe = tiny.build()
-    pipe.set_progress_bar_config(disable=True)
+    set_progress_bar_config(pipe, disable=True)
     return pipe, tiny
 
 
@@ -57,5 +57,7 @@ def scaled_steps(tiny: TinyPipeline, numerator: int, denominator: int = 1) -> di
 def save_tiny(family: str, directory: str, variant: str | None = None) -> str:
     """Save a tiny pipeline with ``save_pretrained`` so it loads with ``from_pretrained(directory)``."""
     pipe, _ = build_tiny(family, variant)
-    pipe.save_pretrained(directory, safe_serialization=True)
+    # A ModularPipeline's index then points every component at the directory (its default as of diffusers 0.43).
+    extra = {"overwrite_modular_index": True} if is_modular(pipe) else {}
+    pipe.save_pretrained(directory, safe_serialization=True, **extra)
     return directory
