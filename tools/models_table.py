@@ -30,7 +30,6 @@ REASONS = {
     "AceStepTransformer1DModel": "audio model (1-D); out of scope for now",
     "DualTransformer2DModel": "legacy UNet-era cross-attention wrapper, " + NOT_A_DIT,
     "MiniMaxMusic3RVQDepthDecoder": "audio codec decoder, " + NOT_A_DIT,
-    "MiniMaxMusic3Transformer1DModel": "audio model (1-D); out of scope for now",
     "PriorTransformer": "CLIP-embedding prior (unCLIP), " + NOT_A_DIT,
     "StableAudioDiTModel": "audio model (1-D); out of scope for now",
     "StableAudio3DiTModel": "audio model (1-D); out of scope for now",

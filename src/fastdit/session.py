@@ -17,7 +17,8 @@ to [0, 1] it would look like a valid (black) image. :func:`save_outputs` writes 
 Errors about a value the caller supplied raise :class:`fastdit.errors.FieldError`, which front ends map to their own
 flags or request fields. The fields, by owner:
 
-- ``"model"``: ``"name"`` (an unknown registry name; value ``None``: the reference pipeline is unavailable),
+- ``"model"``: ``"loading"`` (a broadcasting load mode for a ModularPipeline), ``"name"`` (an unknown registry
+  name; value ``None``: the reference pipeline is unavailable),
   ``"model_path"`` (a directory that is not a pipeline, is broken, holds another pipeline than the registered
   model's, or fails to load; value ``None``: a registered model without weights), ``"env:<VARIABLE>"`` (the same
   for a directory read from a preset's variable, e.g. ``"env:FLUX_DIR"``), ``"pipeline_class"`` (a class that cannot
@@ -511,7 +512,8 @@ def _load_pipeline(source: ModelSource, device: torch.device, dtype: torch.dtype
             MODEL_OWNER,
             "loading",
             loading.mode,
-            f"{source.pipeline_class} is a ModularPipeline, which every process reads itself: use mode='every-rank'",
+            f"not available for {source.pipeline_class}, a ModularPipeline (every process reads its files "
+            "itself): use every-rank",
         )
     from fastdit.parallel.load_broadcast import load_broadcast
 
@@ -686,12 +688,26 @@ def _encode(file: Path, output: np.ndarray, suffix: str, fps: float) -> None:
 
 
 def save_output(path: Path, output: np.ndarray, *, fps: float = 8.0) -> Path:
-    """Atomically save one output: an image, or a video when ``output`` has a frame axis."""
+    """Atomically save one output: an image, or a video when ``output`` has a frame axis.
+
+    Raises:
+        ValueError: ``output`` is neither ``(H, W, C)`` nor ``(F, H, W, C)`` (a waveform, ``(channels, samples)``).
+    """
     from fastdit.io import save_image, save_video
+
+    _check_savable(output)
 
     if output.ndim == 4:
         return save_video(path, output, fps=fps)
     return save_image(path, output)
+
+
+def _check_savable(output: np.ndarray) -> None:
+    if output.ndim not in (3, 4):
+        raise ValueError(
+            f"an output of shape {tuple(output.shape)} is neither an image (H, W, C) nor a video (F, H, W, C): "
+            "waveforms (channels, samples) cannot be saved"
+        )
 
 
 def save_outputs(paths: Sequence[Path], outputs: Sequence[np.ndarray], *, fps: float = 8.0) -> list[Path]:
@@ -715,6 +731,8 @@ def save_outputs(paths: Sequence[Path], outputs: Sequence[np.ndarray], *, fps: f
         raise ValueError(f"save_outputs got {len(paths)} paths for {len(outputs)} outputs")
     if len(paths) == 1:
         return [save_output(paths[0], outputs[0], fps=fps)]
+    for output in outputs:
+        _check_savable(output)
     with atomic_outputs(paths) as temps:
         for path, temp, output in zip(paths, temps, outputs, strict=True):
             _encode(temp, output, path.suffix, fps)
