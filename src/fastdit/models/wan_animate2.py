@@ -255,7 +255,7 @@ ADAPTER = register(
             "The reference pass (`kv_cache_mode='extract'`) fills every block's KV cache at the first step's "
             "timestep; it is declared an unstepped call (computed in full, not counted). The unconditional branch "
             "skips block 9 (`is_uncondtion`). Served by a ModularPipeline (WanAnimate2ModularPipeline, driven "
-            "through fastdit.modular), whose CFG guider announces the branches. No context-parallel plan: the "
+            "through fastdit.modular). No context-parallel plan: the "
             "generation self-attention scatters the tokens into a buffer laid out by frame for the full video and "
             "attends through a flex BlockMask built over that whole buffer, which a token shard cannot take (the "
             "context-parallel attention takes tensor masks, not BlockMasks). No CFG parallelism: the branches are "
