@@ -8,6 +8,7 @@ import torch
 import fastdit
 from fastdit.components import walk
 from fastdit.errors import FieldError, FieldsError
+from fastdit.models.registry import get_family
 from fastdit.testing.pipelines import build_tiny, run_tiny
 from tests.cache.toy_dit import TOY_ADAPTER, ToyDiT, sample
 
@@ -82,6 +83,9 @@ def test_a_mask_without_num_steps_keeps_its_meaning_beyond_its_steps() -> None:
     assert branch["cached_steps"] == [1, 3, 4, 5]
 
 
+_GRID_POINT_COUNTS = {"minimax_h3"}
+
+
 def _families() -> list[str]:
     from fastdit.models.registry import all_adapters
 
@@ -93,7 +97,9 @@ def test_every_family_runs_its_mask_and_refuses_a_longer_run_up_front(family: st
     """The scheduler's count never exceeds the real one (a run the mask fits is never refused) and tells every
     family's longer run before its first transformer call."""
     pipe, tiny = build_tiny(family)
-    steps = tiny.call_kwargs.get("num_inference_steps", 2)
+    requested = tiny.call_kwargs.get("num_inference_steps", 2)
+    # MiniMax-H3's scheduler counts sigma grid points, the terminal 0 included: N of them are N - 1 steps.
+    steps = requested - 1 if family in _GRID_POINT_COUNTS else requested
     transformer = next(m for name, m in pipe.components.items() if name.startswith("transformer") and m is not None)
     calls = _count_calls(transformer)
     fastdit.accelerate(pipe, cache=_cache(fastdit.StepMask.preset("fast", steps)))
@@ -104,13 +110,15 @@ def test_every_family_runs_its_mask_and_refuses_a_longer_run_up_front(family: st
     up_front = len(walk(pipe).denoisers) == 1 and callable(getattr(scheduler, "set_timesteps", None))
     length = f"{steps + 1} steps" if up_front else f"more than {steps} steps"
     try:
-        run_tiny(pipe, tiny, num_inference_steps=steps)
+        run_tiny(pipe, tiny, num_inference_steps=requested)
         done = len(calls)
         with pytest.raises(FieldError, match=rf"StepMask.num_steps={steps}: .*this run has {length}"):
-            run_tiny(pipe, tiny, num_inference_steps=steps + 1)
+            run_tiny(pipe, tiny, num_inference_steps=requested + 1)
     finally:
         fastdit.disable(pipe)
-    assert done >= steps and (len(calls) == done or not up_front)
+    # A call that is no step (Wan-Animate-2's reference pass, before the first step) runs before the refusal.
+    unstepped = 1 if get_family(family).unstepped_calls else 0
+    assert done >= steps and (len(calls) - done <= unstepped or not up_front)
 
 
 def test_a_schedule_listing_a_timestep_it_never_runs_is_not_refused() -> None:
