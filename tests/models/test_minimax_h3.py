@@ -66,3 +66,12 @@ def test_cache_forced_schedule_skips_expected_steps() -> None:
     assert torch.isfinite(out).all() and not torch.equal(out, baseline)
     branches = [b for info in stats.transformers.values() for b in info["cache"]["branches"].values()]
     assert [b["cached_steps"] for b in branches] == [list(range(1, STEPS))], branches
+
+
+def test_timestep_reduce_names_the_field_and_value() -> None:
+    import dataclasses
+
+    import pytest
+
+    with pytest.raises(ValueError, match=r"ModelAdapter.timestep_reduce='mean' for family 'minimax_h3'"):
+        dataclasses.replace(get_family("minimax_h3"), timestep_reduce="mean")

@@ -40,7 +40,9 @@ def apply_cache(
         from fastdit.cache.prune import install as install_prune
 
         engine: Any
-        engine, undo = install_prune(transformer, groups, config, plan.timestep_arg, reducer, plan.unstepped_calls)
+        engine, undo = install_prune(
+            transformer, groups, config, plan.timestep_arg, reducer, plan.unstepped_calls, plan.timestep_reduce
+        )
     else:
         from fastdit.cache.hooks import install
 
@@ -51,7 +53,15 @@ def apply_cache(
             engine_class = MagCacheEngine
         interleaved = resolve_interleaved(transformer, plan.block_groups, plan.family)
         engine, undo = install(
-            transformer, groups, config, plan.timestep_arg, reducer, interleaved, plan.unstepped_calls, engine_class
+            transformer,
+            groups,
+            config,
+            plan.timestep_arg,
+            reducer,
+            interleaved,
+            plan.unstepped_calls,
+            engine_class,
+            plan.timestep_reduce,
         )
     return Applied(undo, engine)
 
