@@ -29,7 +29,6 @@ NOT_A_DIT = "not a diffusion transformer over image/video latents"
 REASONS = {
     "DualTransformer2DModel": "legacy UNet-era cross-attention wrapper, " + NOT_A_DIT,
     "MiniMaxMusic3RVQDepthDecoder": "audio codec decoder, " + NOT_A_DIT,
-    "MiniMaxMusic3Transformer1DModel": "audio model (1-D); out of scope for now",
     "PriorTransformer": "CLIP-embedding prior (unCLIP), " + NOT_A_DIT,
     "T5FilmDecoder": "spectrogram diffusion decoder, " + NOT_A_DIT,
     "TransformerTemporalModel": "temporal layer inside UNet video models, " + NOT_A_DIT,

@@ -22,6 +22,8 @@ from typing import Any
 
 __all__ = ["check_components", "check_pipeline_class", "check_safetensors", "read_index"]
 
+MODULAR_INDEX = "modular_model_index.json"
+
 # Libraries whose components save_pretrained always writes into a folder of their own name.
 _SAVED_IN_FOLDERS = frozenset({"diffusers", "transformers"})
 
@@ -30,30 +32,40 @@ _MAX_HEADER_BYTES = 100_000_000
 
 
 def read_index(path: Path) -> dict[str, Any]:
-    """``path/model_index.json`` as a dict with a ``_class_name``.
+    """``path/model_index.json`` as a dict with a ``_class_name``; for a ModularPipeline's directory (no
+    ``model_index.json``), its ``modular_model_index.json``.
 
     Raises:
         ValueError: If it cannot be read, is not a JSON object, or names no class.
     """
+    name = "model_index.json" if (path / "model_index.json").is_file() else MODULAR_INDEX
     try:
-        index = json.loads((path / "model_index.json").read_text())
+        index = json.loads((path / name).read_text())
         if not isinstance(index, dict) or not isinstance(index.get("_class_name"), str):
             raise ValueError("not an object with a _class_name")
     except (OSError, UnicodeDecodeError, ValueError) as error:
-        raise ValueError(f"unreadable model_index.json ({error})") from None
+        raise ValueError(f"unreadable {name} ({error})") from None
     return index
 
 
 def _components(index: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
-    """The components ``model_index.json`` lists with a library and a class (``[null, null]`` is an empty slot)."""
+    """The components ``model_index.json`` lists with a library and a class (``[null, null]`` is an empty slot);
+    a ``modular_model_index.json`` entry is ``[library, class, loading spec]``."""
     found = {}
     for name, entry in index.items():
-        if name.startswith("_") or not isinstance(entry, list) or len(entry) != 2:
+        if name.startswith("_") or not isinstance(entry, list) or len(entry) not in (2, 3):
             continue
-        library, class_name = entry
+        library, class_name = entry[:2]
         if isinstance(library, str) and isinstance(class_name, str):
             found[name] = (library, class_name)
     return found
+
+
+def _folder(index: Mapping[str, Any], name: str) -> str:
+    """The folder of component ``name``: its own name, or a modular entry's ``subfolder``."""
+    entry = index[name]
+    spec = entry[2] if len(entry) == 3 and isinstance(entry[2], Mapping) else {}
+    return spec.get("subfolder") or name
 
 
 def check_safetensors(file: Path) -> None:
@@ -97,11 +109,12 @@ def check_components(path: Path, index: Mapping[str, Any]) -> None:
         ValueError: Naming the first component folder or file that is missing or broken.
     """
     for name, (library, class_name) in _components(index).items():
-        folder = path / name
+        folder = path / _folder(index, name)
         if not folder.is_dir():
             if library not in _SAVED_IN_FOLDERS:
                 continue  # e.g. a safety checker its own package fetches: not a file of this directory
-            raise ValueError(f"missing {name}/: model_index.json lists {name} ({library}.{class_name})")
+            listed_in = MODULAR_INDEX if len(index[name]) == 3 else "model_index.json"
+            raise ValueError(f"missing {folder.name}/: {listed_in} lists {name} ({library}.{class_name})")
         _check_shards(folder)
         for file in sorted(folder.glob("*.safetensors")):
             try:

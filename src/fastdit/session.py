@@ -20,7 +20,8 @@ to [0, 1] it would look like a valid (black) image. :func:`save_outputs` writes 
 Errors about a value the caller supplied raise :class:`fastdit.errors.FieldError`, which front ends map to their own
 flags or request fields. The fields, by owner:
 
-- ``"model"``: ``"name"`` (an unknown registry name; value ``None``: the reference pipeline is unavailable),
+- ``"model"``: ``"loading"`` (a broadcasting load mode for a ModularPipeline), ``"name"`` (an unknown registry
+  name; value ``None``: the reference pipeline is unavailable),
   ``"model_path"`` (a directory that is not a pipeline, is broken, holds another pipeline than the registered
   model's, or fails to load; value ``None``: a registered model without weights), ``"env:<VARIABLE>"`` (the same
   for a directory read from a preset's variable, e.g. ``"env:FLUX_DIR"``), ``"pipeline_class"`` (a class that cannot
@@ -46,7 +47,7 @@ import numpy as np
 import torch
 
 import fastdit
-from fastdit import pipeline_dir
+from fastdit import modular, pipeline_dir
 from fastdit.config import Loading
 from fastdit.errors import FieldError, NonFiniteOutputError
 from fastdit.models.registry import get_preset
@@ -116,12 +117,18 @@ def _weights_dir(text: str, field_name: str) -> tuple[Path, dict[str, Any]]:
     """The directory ``text`` and its ``model_index.json``, once the checks that need no weights passed."""
     path = Path(text).expanduser()
     if path.exists() and not path.is_dir():
-        hint = ": give the directory that holds it" if path.name == "model_index.json" else ""
+        index_file = path.name in ("model_index.json", modular.INDEX_FILE)
+        hint = ": give the directory that holds it" if index_file else ""
         raise FieldError(MODEL_OWNER, field_name, text, f"is a file, not a directory{hint}")
     if not path.is_dir():
         raise FieldError(MODEL_OWNER, field_name, text, "no such directory")
-    if not (path / "model_index.json").is_file():
-        raise FieldError(MODEL_OWNER, field_name, text, "not a diffusers pipeline directory (no model_index.json)")
+    if not any((path / name).is_file() for name in ("model_index.json", modular.INDEX_FILE)):
+        raise FieldError(
+            MODEL_OWNER,
+            field_name,
+            text,
+            f"not a diffusers pipeline directory (no model_index.json or {modular.INDEX_FILE})",
+        )
     try:
         index = pipeline_dir.read_index(path)
         pipeline_dir.check_components(path, index)
@@ -243,7 +250,10 @@ def import_pipeline_class(qualified: str) -> type:
 
 
 def call_parameters(pipeline_class: type) -> dict[str, inspect.Parameter]:
-    """The keyword parameters of a pipeline's ``__call__`` (what a call may pass)."""
+    """The keyword parameters of a pipeline's ``__call__`` (what a call may pass); a ModularPipeline's are its
+    blocks' inputs (:func:`fastdit.modular.call_parameters`)."""
+    if modular.is_modular(pipeline_class):
+        return modular.call_parameters(pipeline_class)
     parameters = inspect.signature(pipeline_class.__call__).parameters
     return {name: p for name, p in parameters.items() if name != "self" and p.kind is not p.VAR_POSITIONAL}
 
@@ -255,7 +265,9 @@ def is_audio_pipeline(pipeline_class: type) -> bool:
 
 
 def is_video_pipeline(pipeline_class: type) -> bool:
-    """Whether the pipeline produces videos (it takes a number of frames)."""
+    """Whether the pipeline produces videos (it takes a number of frames; a ModularPipeline: it outputs videos)."""
+    if modular.is_modular(pipeline_class):
+        return modular.decoded_output(pipeline_class) == "videos"
     return "num_frames" in call_parameters(pipeline_class)
 
 
@@ -470,6 +482,8 @@ def _load_errors() -> tuple[type[BaseException], ...]:
 def _from_pretrained(source: ModelSource, dtype: torch.dtype) -> Any:
     pipeline_class = import_pipeline_class(source.pipeline_class)
     try:
+        if modular.is_modular(pipeline_class):
+            return modular.load(pipeline_class, Path(source.path), dtype)
         return pipeline_class.from_pretrained(source.path, dtype=dtype, local_files_only=True)
     except torch.OutOfMemoryError:
         raise
@@ -514,6 +528,16 @@ def _load_pipeline(source: ModelSource, device: torch.device, dtype: torch.dtype
 
     if not loading.broadcasts or process_count() == 1:
         return _read(source, device, dtype)
+    if modular.is_modular(import_pipeline_class(source.pipeline_class)):
+        # The broadcast loader builds a pipeline's models empty from their configs and hands them to
+        # from_pretrained; a ModularPipeline loads its components through specs, which it cannot do that for.
+        raise FieldError(
+            MODEL_OWNER,
+            "loading",
+            loading.mode,
+            f"not available for {source.pipeline_class}, a ModularPipeline (every process reads its files "
+            "itself): use every-rank",
+        )
     from fastdit.parallel.load_broadcast import load_broadcast
 
     join_process_group(device, loading.timeout_s)  # a no-op when the caller (or accelerate) made one already
@@ -590,7 +614,7 @@ class Session:
         loading = Loading() if loading is None else loading
         with _loading_bars(progress), _quiet_pipeline_imports():
             pipe = _load_pipeline(source, device, dtype, loading)
-        pipe.set_progress_bar_config(disable=not progress, leave=False)
+        modular.set_progress_bar_config(pipe, disable=not progress, leave=False)
         return cls(pipe, source, device)
 
     @property
@@ -648,7 +672,7 @@ class Session:
         if case.prompt is not None:
             call["prompt"] = case.prompt
         call["generator"] = _generator(case.seed)
-        return self._finished(self.pipe(**call), call)[0]
+        return self._finished(modular.call_pipeline(self.pipe, **call), call)[0]
 
     def call_batch(self, cases: Sequence[Case], kwargs: Mapping[str, Any]) -> list[np.ndarray]:
         """Generate several outputs in one pipeline call, each from a generator seeded with its case's seed.
@@ -667,7 +691,7 @@ class Session:
         if not cases or None in prompts:
             raise ValueError(f"a batch needs one or more cases, each with a prompt; got prompts {prompts}")
         call = {**kwargs, "prompt": prompts, "generator": [_generator(case.seed) for case in cases]}
-        return self._finished(self.pipe(**call), call)
+        return self._finished(modular.call_pipeline(self.pipe, **call), call)
 
     def _finished(self, result: Any, call: Mapping[str, Any]) -> list[np.ndarray]:
         self.output_kind = output_kind(result)
@@ -711,14 +735,28 @@ def _encode(file: Path, output: np.ndarray, suffix: str, fps: float, sample_rate
 
 def save_output(path: Path, output: np.ndarray, *, fps: float = 8.0, sample_rate: int | None = None) -> Path:
     """Atomically save one output: an image, a video when ``output`` has a frame axis, a waveform to a ``.wav``
-    path (at ``sample_rate``)."""
+    path (at ``sample_rate``).
+
+    Raises:
+        ValueError: ``output`` is neither ``(H, W, C)`` nor ``(F, H, W, C)`` for an image or video path (a waveform,
+            ``(channels, samples)``, goes to a ``.wav`` path).
+    """
     from fastdit.io import AUDIO_SUFFIXES, save_audio, save_image, save_video
 
     if Path(path).suffix.lower() in AUDIO_SUFFIXES:
         return save_audio(path, output, sample_rate=_audio_rate(path, sample_rate))
+    _check_savable(output)
     if output.ndim == 4:
         return save_video(path, output, fps=fps)
     return save_image(path, output)
+
+
+def _check_savable(output: np.ndarray) -> None:
+    if output.ndim not in (3, 4):
+        raise ValueError(
+            f"an output of shape {tuple(output.shape)} is neither an image (H, W, C) nor a video (F, H, W, C): "
+            "save a waveform (channels, samples) to a .wav path"
+        )
 
 
 def save_outputs(
@@ -745,6 +783,11 @@ def save_outputs(
         raise ValueError(f"save_outputs got {len(paths)} paths for {len(outputs)} outputs")
     if len(paths) == 1:
         return [save_output(paths[0], outputs[0], fps=fps, sample_rate=sample_rate)]
+    from fastdit.io import AUDIO_SUFFIXES
+
+    for path, output in zip(paths, outputs, strict=True):
+        if Path(path).suffix.lower() not in AUDIO_SUFFIXES:
+            _check_savable(output)
     with atomic_outputs(paths) as temps:
         for path, temp, output in zip(paths, temps, outputs, strict=True):
             _encode(temp, output, path.suffix, fps, sample_rate)

@@ -247,15 +247,26 @@ class _CfgParallel:
                     f"{item.name}: CFG parallelism is not available for model family {item.adapter.family!r}"
                     + (f" ({reason})" if reason else ""),
                 )
-        params = inspect.signature(type(pipeline).__call__).parameters if callable(pipeline) else {}
-        if not {"negative_prompt", "negative_prompt_embeds", "guidance_scale", "true_cfg_scale"} & set(params):
+        from fastdit import modular
+
+        if modular.is_modular(pipeline):
+            # A ModularPipeline's call takes its blocks' inputs; a guider component runs the branches itself
+            # (MiniMax Music 3 takes no guidance scale, its guider holds it).
+            params = modular.call_parameters(pipeline)
+            guided = getattr(pipeline, "guider", None) is not None
+        else:
+            params = inspect.signature(type(pipeline).__call__).parameters if callable(pipeline) else {}
+            guided = False
+        if not guided and not {"negative_prompt", "negative_prompt_embeds", "guidance_scale", "true_cfg_scale"} & set(
+            params
+        ):
             what = type(pipeline).__name__ if pipeline is not None else "a bare transformer"
             raise ArgumentError(
                 "accelerate",
                 "parallel",
                 request.parallel,
                 f"cfg=2 splits the conditional and unconditional branches of classifier-free guidance, and {what} "
-                "takes no guidance (no negative prompt, no guidance scale)",
+                "takes no guidance (no negative prompt, no guidance scale, no guider)",
             )
 
     def apply(self, context: Context) -> None:

@@ -154,3 +154,26 @@ def test_an_instance_forward_set_before_install_is_kept() -> None:
     undo = layers.install(module, Layer.TRACK, "a", Recorder("a", log))
     undo()
     assert torch.equal(module(torch.zeros(1)), torch.full((1,), 3.0))
+
+
+def test_announce_reaches_the_stack_of_a_module_without_cache_contexts() -> None:
+    """CFG parallelism announces a paired branch with :func:`layers.announce` where the transformer has no
+    ``cache_context`` (not a diffusers ``CacheMixin``): the hooks beneath read it, and it ends with the block."""
+    module = torch.nn.Linear(2, 2)
+    seen = []
+
+    class Probe(LayerHook):
+        def around(self, inner: Callable[..., Any], mod: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            seen.append(layers.announced_context(mod))
+            return inner(*args, **kwargs)
+
+    remove = layers.install(module, Layer.TRACK, "probe", Probe())
+    assert not hasattr(module, "cache_context")
+    with torch.no_grad():
+        with layers.announce(module, "uncond"):
+            module(torch.zeros(1, 2))
+        module(torch.zeros(1, 2))
+    remove()
+    with layers.announce(module, "cond"):  # nothing installed: nothing to announce to
+        pass
+    assert seen == ["uncond", "default"]

@@ -1,5 +1,5 @@
-"""MiniMax-H3 has no tiny pipeline (diffusers ships it as a ModularPipeline only): the family suite's checks, on the
-bare transformer driven by the family's sampler loop. Its parallel checks are in
+"""MiniMax-H3: the family suite through its tiny ModularPipeline (``MiniMaxH3ModularPipeline``), and the same checks on
+the bare transformer driven by the family's sampler loop. Its parallel checks on the bare transformer are in
 ``tests/parallel/test_minimax_h3_parallel.py``."""
 
 from __future__ import annotations
@@ -10,8 +10,13 @@ import fastdit
 from fastdit.models.minimax_h3 import example, tiny_denoise, tiny_transformer
 from fastdit.models.registry import get_family
 from fastdit.models.validate import check_adapter, probe_patterns
+from tests.models.family_suite import FamilySuite, pytest_generate_tests  # noqa: F401
 
 STEPS = 3
+
+
+class TestMiniMaxH3(FamilySuite):
+    family = "minimax_h3"
 
 
 def test_adapter_matches_transformer() -> None:
@@ -61,3 +66,12 @@ def test_cache_forced_schedule_skips_expected_steps() -> None:
     assert torch.isfinite(out).all() and not torch.equal(out, baseline)
     branches = [b for info in stats.transformers.values() for b in info["cache"]["branches"].values()]
     assert [b["cached_steps"] for b in branches] == [list(range(1, STEPS))], branches
+
+
+def test_timestep_reduce_names_the_field_and_value() -> None:
+    import dataclasses
+
+    import pytest
+
+    with pytest.raises(ValueError, match=r"ModelAdapter.timestep_reduce='mean' for family 'minimax_h3'"):
+        dataclasses.replace(get_family("minimax_h3"), timestep_reduce="mean")

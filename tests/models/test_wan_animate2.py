@@ -1,6 +1,7 @@
-"""Wan-Animate-2 has no tiny pipeline (diffusers ships it as a ModularPipeline only): the family suite's checks on the
-bare transformer, driven as the modular loop drives it (a reference pass, then conditional and unconditional calls
-per step). Its tensor-parallel check is in ``tests/parallel/test_wan_animate2_parallel.py``."""
+"""Wan-Animate-2: the family suite through its tiny ModularPipeline (``WanAnimate2ModularPipeline``), and the same
+checks on the bare transformer, driven as the modular loop drives it (a reference pass, then conditional and
+unconditional calls per step). Its tensor-parallel check on the bare transformer is in
+``tests/parallel/test_wan_animate2_parallel.py``."""
 
 from __future__ import annotations
 
@@ -12,8 +13,13 @@ import fastdit
 from fastdit.models.registry import get_family
 from fastdit.models.validate import check_adapter, probe_patterns
 from fastdit.models.wan_animate2 import tiny_animate, tiny_transformer
+from tests.models.family_suite import FamilySuite, pytest_generate_tests  # noqa: F401
 
 STEPS = 3
+
+
+class TestWanAnimate2(FamilySuite):
+    family = "wan_animate2"
 
 
 @functools.cache

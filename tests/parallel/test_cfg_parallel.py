@@ -75,6 +75,7 @@ def test_cfg2_matches_one_process_or_is_refused(dist2: WorkerPool, family: str, 
         ("wan", "t2v"),
         ("hunyuan_image", "hunyuan-image"),  # sequential, a guider's pred_cond / pred_uncond
         ("chroma", "chroma"),  # sequential, unannounced: paired by timestep
+        ("minimax_music3", "t2a"),  # a guider's unannounced calls, a transformer without cache contexts
         ("sd3", "sd3"),  # batched
         ("pixart", "sigma"),
     ],

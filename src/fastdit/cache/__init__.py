@@ -47,7 +47,7 @@ def apply_cache(
 def _install_prune(transformer, groups, plan: CachePlan, config: DBPrune, reducer) -> tuple[Any, Any]:
     from fastdit.cache.prune import install
 
-    return install(transformer, groups, config, plan.timestep_arg, reducer, plan.unstepped_calls)
+    return install(transformer, groups, config, plan.timestep_arg, reducer, plan.unstepped_calls, plan.timestep_reduce)
 
 
 def _install_blocks(
@@ -57,7 +57,15 @@ def _install_blocks(
 
     interleaved = resolve_interleaved(transformer, plan.block_groups, plan.family)
     return install(
-        transformer, groups, config, plan.timestep_arg, reducer, interleaved, plan.unstepped_calls, engine_class
+        transformer,
+        groups,
+        config,
+        plan.timestep_arg,
+        reducer,
+        interleaved,
+        plan.unstepped_calls,
+        engine_class,
+        plan.timestep_reduce,
     )
 
 

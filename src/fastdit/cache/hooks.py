@@ -115,9 +115,11 @@ class TransformerCacheHook(layers.LayerHook):
         module: torch.nn.Module,
         timestep_arg: str | None,
         unstepped: Mapping[str, tuple[Any, ...]] | None = None,
+        timestep_reduce: str = "max",
     ) -> None:
         self.engine = engine
         self.timestep_arg = timestep_arg
+        self._reduce = torch.amin if timestep_reduce == "min" else torch.amax
         self._reader = ForwardArgs(module, (timestep_arg,) if timestep_arg else ())
         self._unstepped = UnsteppedCalls(module, unstepped)
         self._owner = type(module).__name__
@@ -129,8 +131,9 @@ class TransformerCacheHook(layers.LayerHook):
         value = self._reader.get(self.timestep_arg, args, kwargs) if self.timestep_arg else None
         if isinstance(value, torch.Tensor):
             # Some pipelines pass one timestep per token or frame, with conditioning tokens pinned at 0: the
-            # largest entry is the one that follows the schedule.
-            timestep = float(value.max())
+            # largest entry is the one that follows the schedule (the smallest where the family says so: MiniMax-H3's
+            # keyframe rows stay pinned near clean on a rising schedule, :attr:`ModelAdapter.timestep_reduce`).
+            timestep = float(self._reduce(value))
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             timestep = float(value)
         else:
@@ -160,7 +163,12 @@ class TransformerCacheHook(layers.LayerHook):
         if self._unstepped and self._unstepped(args, kwargs):
             # No call begins: the block hooks find no active step and compute, and no step, branch or run counts it.
             return inner(*args, **kwargs)
-        signature = tuple(tuple(a.shape) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+        # The timestep's own shape is left out: MiniMax-H3 passes the distinct noise levels of its rows, one entry
+        # at the first step (all rows at 0) and two after it; every other model's batch shows in its inputs anyway.
+        timestep = self._reader.get(self.timestep_arg, args, kwargs) if self.timestep_arg else None
+        signature = tuple(
+            tuple(a.shape) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a is not timestep
+        )
         try:  # a refused call ends too: no block hook may think it runs inside it
             self.engine.begin_call(layers.announced_context(module), self._timestep(args, kwargs), signature)
             return inner(*args, **kwargs)
@@ -410,6 +418,7 @@ def install(
     interleaved: Groups | None = None,
     unstepped: Mapping[str, tuple[Any, ...]] | None = None,
     engine_class: type[CacheEngine] | None = None,
+    timestep_reduce: str = "max",
 ) -> tuple[CacheEngine, Callable[[], None]]:
     """Install the transformer hook and one block hook per block; return the engine and the undo.
 
@@ -422,6 +431,7 @@ def install(
         interleaved: Per group, the resolved :attr:`BlockGroup.interleaved` list (or ``None``), same order.
         unstepped: Arguments marking calls that are no denoising step (:attr:`ModelAdapter.unstepped_calls`).
         engine_class: The engine deciding each step (``None``: :class:`CacheEngine`, DBCache's residual test).
+        timestep_reduce: Which entry of a timestep tensor follows the schedule (:attr:`ModelAdapter.timestep_reduce`).
     """
     slots = plan_slots(groups, config.fn, config.bn, owner=type(config).__name__)
     engine = (engine_class or CacheEngine)(config, slots, reducer)
@@ -430,7 +440,7 @@ def install(
             transformer,
             layers.Layer.TRACK,
             TRANSFORMER_HOOK,
-            TransformerCacheHook(engine, transformer, timestep_arg, unstepped),
+            TransformerCacheHook(engine, transformer, timestep_arg, unstepped, timestep_reduce),
         )
     ]
     blocks = [block for _, group_blocks in groups for block in group_blocks]

@@ -118,11 +118,12 @@ def install(
     timestep_arg: str | None,
     reducer: Reducer | None = None,
     unstepped: Mapping[str, tuple[Any, ...]] | None = None,
+    timestep_reduce: str = "max",
 ) -> tuple[PruneEngine, Callable[[], None]]:
     """Install the transformer hook and one prune hook per block; return the engine and the undo."""
     slots = plan_slots(groups, config.fn, config.bn, owner=type(config).__name__)
     engine = PruneEngine(config, slots, reducer)
-    track = TransformerCacheHook(engine, transformer, timestep_arg, unstepped)
+    track = TransformerCacheHook(engine, transformer, timestep_arg, unstepped, timestep_reduce)
     undo = [layers.install(transformer, layers.Layer.TRACK, TRANSFORMER_HOOK, track)]
     blocks = [block for _, group_blocks in groups for block in group_blocks]
     for slot, block in zip(slots, blocks, strict=True):

@@ -32,6 +32,7 @@ _FLAGS = {
     ("run", "repeat"): "--repeat",
     ("process", "device"): "--device",
     ("call", "seed"): "--seed",
+    ("model", "loading"): "--load",
 }
 
 

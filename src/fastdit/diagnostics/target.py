@@ -22,6 +22,7 @@ import torch
 
 from fastdit.models.base import ModelAdapter, qualified_name
 from fastdit.models.registry import all_adapters, get_family, get_preset
+from fastdit.modular import call_pipeline
 
 __all__ = [
     "ForwardSetup",
@@ -217,7 +218,7 @@ def capture_tiny(adapter: ModelAdapter) -> ForwardSetup:
     try:
         torch.manual_seed(0)
         with torch.no_grad():
-            pipe(**kwargs, generator=torch.Generator().manual_seed(0))
+            call_pipeline(pipe, **kwargs, generator=torch.Generator().manual_seed(0))
     except _CapturedError:
         pass
     finally:

@@ -37,16 +37,17 @@ it must run), so that layer may skip too. :func:`install` refuses a hook that de
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
-from diffusers.hooks.hooks import BaseState, StateManager
+from diffusers.hooks.hooks import BaseState, CacheContext, StateManager
 
 __all__ = ["STACK_HOOK", "Layer", "LayerHook", "LayerStack", "announced_context", "install", "stack_of"]
 
@@ -274,6 +275,23 @@ def original_forward(module: torch.nn.Module) -> Callable[..., Any]:
     """The module's ``forward`` beneath fastdit's stack (the model's own computation)."""
     stack = stack_of(module)
     return module.forward if stack is None else stack.fn_ref.original_forward
+
+
+@contextlib.contextmanager
+def announce(module: torch.nn.Module, name: str) -> Iterator[None]:
+    """Announce the context ``name`` to fastdit's hooks on ``module`` for the block, as a pipeline's
+    ``module.cache_context(name)`` would, for a module without diffusers' cache contexts (MiniMax Music 3's
+    transformer is no ``CacheMixin``)."""
+    stack = stack_of(module)
+    if stack is None:
+        yield
+        return
+    previous = stack.probe._context
+    stack.probe.set_context(CacheContext(name))
+    try:
+        yield
+    finally:
+        stack.probe.set_context(previous)
 
 
 def announced_context(module: torch.nn.Module) -> str:

@@ -210,12 +210,14 @@ class CachePlan:
         block_groups: The block lists, in execution order.
         timestep_arg: The transformer ``forward`` parameter carrying the timestep (``None``: not read).
         unstepped_calls: As :attr:`ModelAdapter.unstepped_calls`.
+        timestep_reduce: As :attr:`ModelAdapter.timestep_reduce`.
     """
 
     family: str
     block_groups: tuple[BlockGroup, ...]
     timestep_arg: str | None = "timestep"
     unstepped_calls: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
+    timestep_reduce: str = "max"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -254,6 +256,9 @@ class ModelAdapter:
             such a call (GLM-Image's ``kv_caches`` object in its write mode). Such a call computes every block (the
             cache never serves it) and step caching does not count it: no step, branch or run of its own; under CFG
             parallelism every rank computes it (it belongs to no branch).
+        timestep_reduce: Which entry of a timestep tensor with several (one per token, frame or row group) follows
+            the schedule: ``"max"`` (conditioning tokens pinned at 0, the usual case) or ``"min"`` (MiniMax-H3, whose
+            keyframe rows stay pinned near clean on a rising schedule).
         example: ``module.path:function`` giving a small transformer and one call of it, ``(model, kwargs)``, for
             ``fastdit inspect`` of a family without a tiny pipeline (one served by a pipeline fastdit does not build,
             e.g. a diffusers ModularPipeline); ``""``: the first tiny pipeline's first transformer call is used.
@@ -274,6 +279,7 @@ class ModelAdapter:
     cfg_batch_dims: Mapping[str, int | None] = field(default_factory=dict)
     cfg_branch_components: Mapping[str, str] = field(default_factory=dict)
     unstepped_calls: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
+    timestep_reduce: str = "max"
     example: str = ""
 
     def __post_init__(self) -> None:
@@ -283,6 +289,11 @@ class ModelAdapter:
             raise ValueError(f"ModelAdapter.transformer_classes=() for family {self.family!r}: name at least one")
         if not self.block_groups:
             raise ValueError(f"ModelAdapter.block_groups=() for family {self.family!r}: name at least one")
+        if self.timestep_reduce not in ("max", "min"):
+            raise ValueError(
+                f"ModelAdapter.timestep_reduce={self.timestep_reduce!r} for family {self.family!r}: must be 'max' or "
+                "'min'"
+            )
         names = [t.name for t in self.tiny_pipelines]
         if len(set(names)) != len(names):
             raise ValueError(f"ModelAdapter.tiny_pipelines for {self.family!r}: duplicate names {names}")
@@ -295,6 +306,7 @@ class ModelAdapter:
             block_groups=self.block_groups,
             timestep_arg=self.timestep_arg,
             unstepped_calls=self.unstepped_calls,
+            timestep_reduce=self.timestep_reduce,
         )
 
     def tiny(self, name: str | None = None) -> TinyPipeline:

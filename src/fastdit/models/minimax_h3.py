@@ -9,10 +9,13 @@ noise levels of the packed rows (target rows, clean conditioning rows). There is
 expert layer; the checkpoint is guidance-distilled (one forward per step, no CFG).
 
 diffusers 0.42.1 serves this model through ``MiniMaxH3ModularPipeline`` only (a ModularPipeline: Qwen3-VL prompt
-encoding, the row-layout builder and two schedulers in blocks). fastdit's tiny-pipeline harness, component walk and
-CLI drive ``DiffusionPipeline``-like objects, so this family declares no tiny pipeline: its tests drive the bare
-transformer with the packed layout :func:`example` builds (also what ``fastdit inspect`` traces: the adapter's
-``example``) through the sampler loop :func:`tiny_denoise`.
+encoding, the row-layout builder and two schedulers in blocks), which fastdit drives through
+:mod:`fastdit.modular`. The tiny pipeline (:func:`tiny_pipeline`) is that pipeline's text-to-video+audio workflow
+(``t2va``; ``fl2va`` with a first keyframe) with every component built from a small config. Its geometry is the
+checkpoint's: 5 to 15 seconds at 24 fps (``num_frames = 17 n + 5``, at least 124), 40 audio latents a second in two
+stereo blocks of rows, the conditioning read at the text encoder's hidden state 50 (so the tiny Qwen3-VL has 51
+layers, 16 wide). The tests of the bare transformer drive the packed layout :func:`example` builds through the
+sampler loop :func:`tiny_denoise`.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from typing import Any
 
 import torch
 
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter
+from fastdit.models._lazy import LazyKwargs, tiny_image
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 from fastdit.parallel.tp_plan import Style, TensorParallelPlan
@@ -63,12 +67,78 @@ def tiny_transformer(seed: int = 0):
     )
 
 
+def tiny_pipeline() -> Any:
+    """``MiniMaxH3ModularPipeline`` (its ``t2va`` workflow) with tiny components: a 51-layer Qwen3-VL 16 wide, a video
+    VAE compressing 4x in space and time (4 latent channels, a one-layer ViT decoder), a one-stage audio VAE (4 latent
+    channels), the 3-block transformer of :func:`tiny_transformer`. ``transformer_ref`` (the ``ref2va`` partition)
+    is left out."""
+    from diffusers import (
+        AutoencoderKLMiniMaxH3,
+        AutoencoderKLMiniMaxH3Audio,
+        MiniMaxH3ModularPipeline,
+        MiniMaxH3Scheduler,
+    )
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from fastdit.testing.components.encoders import build
+    from fastdit.testing.components.qwen3_vl import qwen3_vl_model, qwen3_vl_processor
+
+    text_model, tokenizer = qwen3_vl_model(hidden_size=_TEXT_DIM, num_layers=51)
+    vae = build(
+        AutoencoderKLMiniMaxH3,
+        seed=2,
+        latent_channels=_VIDEO_CHANNELS,
+        block_out_channels=(8, 8),
+        layers_per_block=1,
+        spatial_downsample_factors=(2, 2),
+        temporal_downsample_factors=(2, 2),
+        norm_num_groups=4,
+        decoder_num_layers=1,
+        decoder_num_attention_heads=2,
+        decoder_attention_head_dim=8,
+        decoder_num_register_tokens=1,
+        decoder_ffn_mult=1,
+        latents_mean=(0.0,) * _VIDEO_CHANNELS,
+        latents_std=(1.0,) * _VIDEO_CHANNELS,
+    )
+    audio_vae = build(
+        AutoencoderKLMiniMaxH3Audio,
+        seed=3,
+        encoder_dim=4,
+        encoder_rates=(2,),
+        latent_dim=8,
+        latent_channels=_AUDIO_CHANNELS,
+        num_attention_heads=1,
+        decoder_dim=8,
+        decoder_rates=(2,),
+        decoder_kernel_sizes=(4,),
+        resblock_kernel_sizes=(3,),
+        resblock_dilation_sizes=((1,),),
+        sampling_rate=800,
+        latents_mean=[0.0] * _AUDIO_CHANNELS,
+        latents_std=[1.0] * _AUDIO_CHANNELS,
+    )
+    pipe = MiniMaxH3ModularPipeline()
+    pipe.update_components(
+        text_encoder=build(Qwen3VLForConditionalGeneration, text_model.config, seed=1),
+        tokenizer=tokenizer,
+        processor=qwen3_vl_processor(tokenizer),
+        vae=vae,
+        audio_vae=audio_vae,
+        scheduler=MiniMaxH3Scheduler(shift=12.0),
+        audio_scheduler=MiniMaxH3Scheduler(shift=3.0),
+        transformer=tiny_transformer(),
+    )
+    return pipe
+
+
 def packed_layout(
     text: int = 3, frames: int = 2, rows: int = 2, cols: int = 2, audio: int = 3, cond_frames: int = 1
 ) -> dict[str, torch.Tensor]:
     """The structural arguments of one packed sequence: ``[text | video frames | audio]`` rows.
 
-    The first ``cond_frames`` video frames are clean conditioning rows (a first keyframe: timestep index 1, value 0);
+    The first ``cond_frames`` video frames are clean conditioning rows (a first keyframe: timestep index 1, value
+    0.999, as the pipeline pins them);
     the other video rows and the audio rows are denoised (timestep index 0). Positions: text on the time axis
     before the video, video on its (t, h, w) grid, audio on the time axis of the video frames.
     """
@@ -103,7 +173,7 @@ def example(seed: int = 0) -> tuple[torch.nn.Module, dict[str, Any]]:
         "hidden_states": torch.randn(1, len(layout["video_indices"]), _VIDEO_CHANNELS * 4, generator=generator),
         "audio_hidden_states": torch.randn(1, len(layout["audio_indices"]), _AUDIO_CHANNELS, generator=generator),
         "encoder_hidden_states": torch.randn(1, len(layout["text_indices"]), _TEXT_DIM, generator=generator),
-        "timestep": torch.tensor([1.0, 0.0]),
+        "timestep": torch.tensor([0.0, 0.999]),
     }
     return tiny_transformer(seed), {**inputs, **layout, "return_dict": False}
 
@@ -119,7 +189,9 @@ def tiny_denoise(transformer: torch.nn.Module, steps: int = 3, seed: int = 0) ->
     with torch.no_grad():
         for sigma, following in itertools.pairwise(sigmas):
             call = {**kwargs, "hidden_states": video, "audio_hidden_states": audio}
-            call["timestep"] = torch.stack([sigma, torch.tensor(0.0)])
+            # As the pipeline passes it: the flow time 1 - sigma of the target rows, rising from 0, and the keyframe
+            # rows pinned at 0.999, just short of clean.
+            call["timestep"] = torch.stack([1.0 - sigma, torch.tensor(0.999)])
             video_velocity, audio_velocity = transformer(**call)
             video = video + (following - sigma) * video_velocity
             audio = audio + (following - sigma) * audio_velocity
@@ -168,21 +240,46 @@ TP_PLAN = TensorParallelPlan(
     "refiner alike; input/output projections and norm_out whole. No expert layers.",
 )
 
+# 124 = 17 * 7 + 5 frames: the shortest clip the checkpoint's 5-second floor allows.
+_T2VA = {"prompt": "a cat", "height": 8, "width": 8, "num_frames": 124, "num_inference_steps": 3}
+
 ADAPTER = register(
     ModelAdapter(
         family="minimax_h3",
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P3),),
+        # `timestep` holds the sorted distinct noise levels of the rows: the generated video rows rise from 0 (the
+        # smallest: the audio rows' shift is smaller), the keyframe rows stay pinned at 0.999, near clean on this
+        # rising schedule, and the largest entry would read the same value every step.
+        timestep_reduce="min",
         cp_plan=CP_PLAN,
         tp_plan=TP_PLAN,
         cfg_parallel=False,
-        example="fastdit.models.minimax_h3:example",
+        tiny_pipelines=(
+            TinyPipeline(
+                name="t2va",
+                build=tiny_pipeline,
+                call_kwargs=_T2VA,
+            ),
+            # The same pipeline from a first keyframe (fl2va): the keyframe's latents become clean conditioning rows
+            # and the text encoder reads it as a vision block.
+            TinyPipeline(name="fl2va", build=tiny_pipeline, call_kwargs=LazyKwargs({**_T2VA, "image": tiny_image(32)})),
+        ),
+        presets=(
+            ModelPreset(
+                name="minimax-h3",
+                pipeline_class="diffusers.MiniMaxH3ModularPipeline",
+                hub_id="MiniMaxAI/MiniMax-H3",
+            ),
+        ),
         notes=(
             "One packed sequence [text | keyframe and target video | audio] through one block list; the text "
             "refiner (`token_refiner`) runs on the text alone before it and always computes. `timestep` holds the "
-            "distinct noise levels of the rows (the cache reads the largest). No tiny pipeline and no CLI preset: "
-            "diffusers 0.42.1 ships MiniMax-H3 as a ModularPipeline only (MiniMaxH3ModularPipeline), which "
-            "fastdit's pipeline harness does not drive yet; cache, CP and TP are tested on the bare transformer. "
+            "distinct noise levels of the rows; the cache reads the smallest (the video rows' level; keyframe rows "
+            "stay pinned near clean). Served by a ModularPipeline (MiniMaxH3ModularPipeline, driven through "
+            "fastdit.modular); the tiny pipelines are its t2va workflow and its fl2va workflow from a first keyframe "
+            "(`num_inference_steps` counts sigma grid points: 3 give two transformer calls). Its ref2va workflow "
+            "(references, the `transformer_ref` partition) has no tiny pipeline. "
             "No CFG parallelism: the checkpoint is guidance-distilled (one forward per step)."
         ),
     )

@@ -15,8 +15,12 @@ cache is filled in full, and it is no step of either branch. Block 9 missing fro
 block for every usual ``fn`` / ``bn`` (the segment's residual spans what the branch computed); a cache plan whose
 front, back or segment-last block is block 9 would lose that role on the unconditional branch.
 
-diffusers 0.42.1 serves this model through ``WanAnimate2ModularPipeline`` only, which fastdit's tiny-pipeline harness
-does not drive: the tests run the bare transformer through :func:`tiny_animate`, the modular loop's calls.
+diffusers 0.42.1 serves this model through ``WanAnimate2ModularPipeline`` only (a ModularPipeline), which fastdit
+drives through :mod:`fastdit.modular`. The tiny pipeline (:func:`tiny_pipeline`) is that pipeline with every component
+built from a small config: one segment of 5 frames at 16 x 16 pixels (one token a latent frame), a CLIP vision tower
+1280 wide (``img_emb``'s fixed input width) over 224-pixel inputs in 4 patches. Its loop decodes each segment
+inside the denoise step and keeps no latents, so its "latent" output is the decoded video. The tests of the bare
+transformer run :func:`tiny_animate`, the modular loop's calls.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from typing import Any
 
 import torch
 
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter
+from fastdit.models._lazy import Deferred, LazyKwargs
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, HeadParallel, SplitInput
 from fastdit.parallel.tp_plan import Colwise, Rowwise, ShardedNorm, Style, TensorParallelPlan
@@ -63,6 +68,63 @@ def tiny_transformer(seed: int = 0):
         num_heads=2,
         num_layers=_LAYERS,
     )
+
+
+def tiny_pipeline() -> Any:
+    """``WanAnimate2ModularPipeline`` with tiny components: a UMT5 encoder 16 wide, a 1-layer CLIP vision tower, the
+    tiny Wan 2.1 VAE, the 12-block transformer of :func:`tiny_transformer`, a flow-matching Euler scheduler."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanAnimate2ModularPipeline
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    from fastdit.testing.components.autoencoder_kl_wan import autoencoder_kl_wan
+    from fastdit.testing.components.encoders import build, umt5_encoder
+
+    text_encoder, tokenizer = umt5_encoder(d_model=_TEXT_DIM, seed=1)
+    clip = CLIPVisionConfig(
+        hidden_size=_CLIP_DIM,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=224,  # the encode step resizes every frame to 224 x 224
+        patch_size=112,
+    )
+    pipe = WanAnimate2ModularPipeline()
+    pipe.update_components(
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        image_encoder=build(CLIPVisionModel, clip, seed=2),
+        vae=autoencoder_kl_wan(seed=3),
+        transformer=tiny_transformer(),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
+    )
+    return pipe
+
+
+def _frames(count: int, size: int, seed: int) -> list:
+    """``count`` random RGB frames of ``size`` squared pixels (deterministic)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)) for _ in range(count)]
+
+
+def _image(size: int, seed: int) -> Any:
+    return _frames(1, size, seed)[0]
+
+
+_PIXELS = 16
+_CALL = {
+    "prompt": "a dancer",
+    "negative_prompt": "blurry",
+    "image": Deferred(_image, (_PIXELS, 0)),
+    "driving_video": Deferred(_frames, (5, _PIXELS, 1)),
+    "height": _PIXELS,
+    "width": _PIXELS,
+    "segment_frame_length": 5,
+    "max_sequence_length": 8,  # the tiny transformer's text_len
+    "num_inference_steps": 2,
+}
 
 
 def _inputs(seed: int) -> dict[str, Any]:
@@ -213,12 +275,13 @@ ADAPTER = register(
         tp_plan=TP_PLAN,
         cfg_parallel=False,
         example="fastdit.models.wan_animate2:example",
+        tiny_pipelines=(TinyPipeline(name="animate", build=tiny_pipeline, call_kwargs=LazyKwargs(_CALL)),),
+        presets=(ModelPreset(name="wan-animate-2", pipeline_class="diffusers.WanAnimate2ModularPipeline"),),
         notes=(
             "The reference pass (`kv_cache_mode='extract'`) fills every block's KV cache at the first step's "
             "timestep; it is declared an unstepped call (computed in full, not counted). The unconditional branch "
-            "skips block 9 (`is_uncondtion`). No tiny pipeline and no CLI preset: diffusers 0.42.1 ships "
-            "Wan-Animate-2 as a ModularPipeline only (WanAnimate2ModularPipeline), which fastdit's pipeline harness "
-            "does not drive yet; cache, CP and TP are tested on the bare transformer. Context parallelism splits "
+            "skips block 9 (`is_uncondtion`). Served by a ModularPipeline (WanAnimate2ModularPipeline, driven "
+            "through fastdit.modular). Context parallelism splits "
             "the tokens at blocks.0; the generation self-attention scatters them into a buffer laid out by frame for "
             "the full video and attends through a flex BlockMask over that whole buffer, so it is head-parallel "
             "(`AttentionRouting.head_parallel`): the processor runs on the whole sequence of the rank's heads, its "

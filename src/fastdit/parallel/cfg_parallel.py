@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fastdit.hooks.args import UnsteppedCalls
-from fastdit.hooks.layers import Layer, LayerHook, announced_context, install
+from fastdit.hooks.layers import Layer, LayerHook, announce, announced_context, install
 from fastdit.hooks.state import Applied
 
 __all__ = [
@@ -199,9 +199,10 @@ class _Spec:
 
 
 def _announced(module: torch.nn.Module, name: str) -> contextlib.AbstractContextManager:
-    """``module.cache_context(name)`` where the module has diffusers' cache contexts, else nothing."""
+    """``module.cache_context(name)`` where the module has diffusers' cache contexts, else the same announcement to
+    fastdit's own hooks on it (the cache keeps its per-branch state by it on a rank that sees one branch only)."""
     enter = getattr(module, "cache_context", None)
-    return enter(name) if callable(enter) else contextlib.nullcontext()
+    return enter(name) if callable(enter) else announce(module, name)
 
 
 def _tensors(output: Any) -> list[torch.Tensor]:

@@ -9,6 +9,7 @@ import torch
 
 from fastdit.models.base import TinyPipeline
 from fastdit.models.registry import get_family
+from fastdit.modular import call_pipeline, is_modular, set_progress_bar_config
 
 __all__ = ["build_tiny", "run_tiny", "save_tiny", "scaled_steps"]
 
@@ -17,7 +18,7 @@ def build_tiny(family: str, variant: str | None = None) -> tuple[Any, TinyPipeli
     """Build the tiny pipeline ``variant`` of ``family`` (the first one if ``None``)."""
     tiny = get_family(family).tiny(variant)
     pipe = tiny.build()
-    pipe.set_progress_bar_config(disable=True)
+    set_progress_bar_config(pipe, disable=True)
     return pipe, tiny
 
 
@@ -25,13 +26,14 @@ def run_tiny(pipe: Any, tiny: TinyPipeline, *, seed: int = 0, **overrides: Any) 
     """Run ``pipe`` with the tiny call arguments and return its output as a float numpy array.
 
     Image pipelines return ``(batch, H, W, C)``; video pipelines ``(batch, frames, H, W, C)``; audio pipelines
-    (``audios``) ``(batch, channels, samples)``.
+    (``audios``) ``(batch, channels, samples)``. A ModularPipeline is called through
+    :func:`fastdit.modular.call_pipeline`.
     """
     kwargs = {**tiny.call_kwargs, **overrides}
     kwargs.setdefault("output_type", "np")
     torch.manual_seed(seed)  # a few pipelines draw from the global RNG besides the generator
     with torch.no_grad():
-        result = pipe(**kwargs, generator=torch.Generator().manual_seed(seed))
+        result = call_pipeline(pipe, **kwargs, generator=torch.Generator().manual_seed(seed))
     if isinstance(result, torch.Tensor):  # a pipeline returning its output bare (SANA-WM's refiner)
         result = result.detach().float().cpu().numpy()
     if isinstance(result, np.ndarray):
@@ -72,5 +74,7 @@ def scaled_steps(tiny: TinyPipeline, numerator: int, denominator: int = 1) -> di
 def save_tiny(family: str, directory: str, variant: str | None = None) -> str:
     """Save a tiny pipeline with ``save_pretrained`` so it loads with ``from_pretrained(directory)``."""
     pipe, _ = build_tiny(family, variant)
-    pipe.save_pretrained(directory, safe_serialization=True)
+    # A ModularPipeline's index then points every component at the directory (its default as of diffusers 0.43).
+    extra = {"overwrite_modular_index": True} if is_modular(pipe) else {}
+    pipe.save_pretrained(directory, safe_serialization=True, **extra)
     return directory
