@@ -127,8 +127,8 @@ def test_every_family_runs_its_mask_and_refuses_a_longer_run_up_front(family: st
             run_tiny(pipe, tiny, **steps_of(steps + 1))
     finally:
         fastdit.disable(pipe)
-    # A family's unstepped calls (SANA-WM's refiner captures its attention sink at timestep 0 first, Wan-Animate-2's reference pass) are no steps:
-    # they may run before the refused first step.
+    # A family's unstepped calls (SANA-WM's refiner captures its attention sink at timestep 0 first, Wan-Animate-2
+    # runs its reference pass) are no steps: they may run before the refused first step.
     assert done >= steps and (len(calls) == done or not up_front or bool(get_family(family).unstepped_calls))
 
 
