@@ -3,8 +3,8 @@
 Tensor parallelism: with two KV heads the full plan splits attention (q and k/v in whole heads), with DreamLite's
 single KV head the no-attention fallback keeps attention whole. Context parallelism (the UNet's stacks are covered by
 the family matrix): the bare model's one stack, split at its first block and gathered after its last, with the GQA
-processor the UNet installs and with diffusers' default one, over an odd token count (uneven shards). A
-cross-attention mask over the text rides along in both."""
+processor the UNet installs and with diffusers' default one, over an odd token count (uneven shards) with a
+self-attention key mask. A cross-attention mask over the text rides along in both."""
 
 from __future__ import annotations
 
@@ -54,7 +54,16 @@ def _run(
         fastdit.accelerate(model, parallel=parallel)
     try:
         with torch.no_grad():
-            out = model(sample, text, torch.tensor([500.0]), encoder_attention_mask=mask, return_dict=False)[0]
+            # Under context parallelism a self-attention key mask too (the last tokens masked), split with the keys.
+            keys = torch.arange(15).unsqueeze(0) < 12 if cp else None
+            out = model(
+                sample,
+                text,
+                torch.tensor([500.0]),
+                attention_mask=keys,
+                encoder_attention_mask=mask,
+                return_dict=False,
+            )[0]
         if parallel is not None:
             (info,) = fastdit.summary(model).transformers.values()
             plan = info["tensor_parallel"]["plan"] if tp > 1 else ",".join(info["techniques"])

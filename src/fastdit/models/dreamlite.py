@@ -131,15 +131,22 @@ _CALL = {
 # proj_in / proj_out (1x1 convolutions over the (B, C, H, W) map) and residual do too; so the (B, H*W, C) tokens are
 # split where the stack's first block takes them and gathered where its last block returns them, every rank running
 # everything outside the blocks on the whole map as on one device. Inside a block every other operation is per token:
-# LayerNorms over channels, the GEGLU FFN, no positional embedding (positional_embeddings is never set) and no
-# self-attention mask (the pipelines pass none). The self-attention (attn1) is context-parallel: the UNet installs
-# DreamLiteAttnProcessor2_0 (unet_dreamlite, dispatch_attention_fn with a parallel_config; GQA heads repeated before
-# the call, RMS QK-norms per head), the bare transformer keeps diffusers' AttnProcessor2_0 (attention_processor, F's
-# SDPA). The cross-attention (attn2) reads the replicated text: local, its text mask applying to the local queries
-# as on one device. A stack's paths exist either in the UNet or in the bare transformer: all optional.
+# LayerNorms over channels, the GEGLU FFN, no positional embedding (positional_embeddings is never set); the
+# pipelines pass no self-attention mask, one passed to the model is split with the keys. The self-attention (attn1) is
+# context-parallel: the UNet installs DreamLiteAttnProcessor2_0 (unet_dreamlite: dispatch_attention_fn with a
+# parallel_config; GQA heads repeated before the call, RMS QK-norms per head), the bare transformer keeps diffusers'
+# AttnProcessor2_0 (attention_processor: F's SDPA). The cross-attention (attn2) reads the replicated text: local, its
+# text mask applying to the local queries as on one device. A stack's paths exist either in the UNet or in the bare
+# transformer: all optional.
 _STACK_LISTS = (_BARE, *_UNET_STACKS)
 CP_PLAN = ContextParallelPlan(
-    inputs={f"{stack}.0": {"hidden_states": SplitInput(dim=1, expected_dims=3)} for stack in _STACK_LISTS},
+    inputs={
+        **{f"{stack}.0": {"hidden_states": SplitInput(dim=1, expected_dims=3)} for stack in _STACK_LISTS},
+        # A self-attention mask over the keys ((B, S) bool in the bare transformer, a (B, 1, S) bias from the UNet),
+        # which the transformer passes whole to every block: each block's copy split like the tokens, a key-padding
+        # mask over the local keys (whole, the processor would pad it to its local query length).
+        **{f"{stack}.*": {"attention_mask": SplitInput(dim=-1)} for stack in _STACK_LISTS},
+    },
     gather={f"{stack}.-1": GatherOutput(dim=1, expected_dims=3) for stack in _STACK_LISTS},
     attention=AttentionRouting(
         modules=("diffusers.models.unets.unet_dreamlite",),
@@ -148,6 +155,7 @@ CP_PLAN = ContextParallelPlan(
     ),
     optional=(
         *(f"{stack}.0" for stack in _STACK_LISTS),
+        *(f"{stack}.*" for stack in _STACK_LISTS),
         *(f"{stack}.-1" for stack in _STACK_LISTS),
         *(f"{stack}.*.attn2" for stack in _STACK_LISTS),
     ),
