@@ -204,10 +204,14 @@ def test_every_plan_validates_against_the_default_config_on_meta(family: str) ->
         try:
             with torch.device("meta"):
                 transformer = cls()
-        except TypeError:  # a class without a usable default config (in_channels=None): the tiny one's config
+        except (TypeError, ValueError):  # no usable default config (in_channels=None): the tiny one's config
             from fastdit.testing.pipelines import build_tiny
 
-            config = build_tiny(family)[0].transformer.config
+            # The tiny pipeline's largest module of that class: a component, or a sub-module of one (the transformer
+            # stacks inside a UNet, of which the self-attention-free ones have no attention to route).
+            components = [c for c in build_tiny(family)[0].components.values() if isinstance(c, torch.nn.Module)]
+            found = [m for c in components for m in c.modules() if type(m) is cls]
+            config = max(found, key=lambda m: sum(p.numel() for p in m.parameters())).config
             with torch.device("meta"):
                 transformer = cls.from_config(config)
         for degree in (2, 3, 4, 8):
@@ -302,11 +306,54 @@ def test_last_entry_of_a_module_list(flux_dev: torch.nn.Module) -> None:
     assert match_modules(flux_dev, "nothing.-1") == []
     with pytest.raises(ValueError, match="ModuleList or Sequential"):
         match_modules(flux_dev, "proj_out.-1")
-    with pytest.raises(ValueError, match=r"cannot follow a '\*'"):
-        match_modules(flux_dev, "transformer_blocks.*.-1")
+    with pytest.raises(ValueError, match=r"ModuleList or Sequential at 'transformer_blocks\.0'"):
+        match_modules(flux_dev, "transformer_blocks.*.-1")  # '*' matches blocks, which are no lists
     validate_plan(flux_dev, _plan(gather={"single_transformer_blocks.-1": GatherOutput(1, 3)}), 2)
     with pytest.raises(ValueError, match=r"'nothing\.-1' matches no module"):
         validate_plan(flux_dev, _plan(gather={"nothing.-1": GatherOutput(1, 3)}), 2)
+
+
+class _Stage(torch.nn.Module):
+    def __init__(self, blocks: int) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(blocks))
+
+
+class _Staged(torch.nn.Module):
+    """Stages with block lists of different lengths (a UNet's transformer stacks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stages = torch.nn.ModuleList([_Stage(1), _Stage(3), _Stage(2)])
+
+
+def test_last_entry_of_every_list_a_wildcard_matches() -> None:
+    """``-1`` after ``*``: the last entry of each list the components before it match."""
+    model = _Staged()
+    assert [n for n, _ in match_modules(model, "stages.*.blocks.-1")] == [
+        "stages.0.blocks.0",
+        "stages.1.blocks.2",
+        "stages.2.blocks.1",
+    ]
+    assert [n for n, _ in match_modules(model, "stages.-1.blocks.-1")] == ["stages.2.blocks.1"]
+    assert match_modules(model, "others.*.blocks.-1") == []
+
+
+def test_optional_paths_may_match_nothing(flux_dev: torch.nn.Module) -> None:
+    """Paths in ``optional`` (a UNet's lists that the bare transformer lacks) may match nothing; others must."""
+    gather = {"proj_out": GatherOutput(1, 3), "down_blocks.*.attentions.*.blocks.-1": GatherOutput(1, 3)}
+    inputs = {"": {"hidden_states": SplitInput(1, 3)}, "down_blocks.*.blocks.0": {"hidden_states": SplitInput(1, 3)}}
+    routing = AttentionRouting(modules=(FLUX_MODULE,), local=("down_blocks.*.blocks.*.attn2",))
+    optional = ("down_blocks.*.attentions.*.blocks.-1", "down_blocks.*.blocks.0", "down_blocks.*.blocks.*.attn2")
+    validate_plan(flux_dev, _plan(inputs=inputs, gather=gather, attention=routing, optional=optional), 2)
+    with pytest.raises(ValueError, match=r"path 'down_blocks\.\*\.blocks\.0' matches no module"):
+        validate_plan(flux_dev, _plan(inputs=inputs, gather=gather, attention=routing, optional=optional[::2]), 2)
+    with pytest.raises(ValueError, match=r"local path 'down_blocks\.\*\.blocks\.\*\.attn2' covers no attention"):
+        validate_plan(flux_dev, _plan(inputs=inputs, gather=gather, attention=routing, optional=optional[:2]), 2)
+    with pytest.raises(ValueError, match=r"optional entry 'proj_output': not a path"):
+        _plan(optional=("proj_output",))
+    with pytest.raises(ValueError, match="expected a tuple of paths"):
+        _plan(optional="proj_out")
 
 
 # --- leading-token counts and gathering one element of a tuple output ---

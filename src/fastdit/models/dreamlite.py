@@ -14,6 +14,7 @@ from __future__ import annotations
 from fastdit.models._lazy import LazyKwargs, tiny_image
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.parallel.tp_plan import Colwise, Rowwise, Style, TensorParallelPlan
 from fastdit.parallel.tp_shapes import feed_forward, under
 
@@ -125,6 +126,44 @@ _CALL = {
     "max_sequence_length": 16,
 }
 
+# Context parallelism inside the transformer stacks only. Between them the UNet runs 3x3 (or depthwise-separable)
+# convolutions, strided down/upsampling and GroupNorms over the whole feature map, and each stack's own GroupNorm,
+# proj_in / proj_out (1x1 convolutions over the (B, C, H, W) map) and residual do too; so the (B, H*W, C) tokens are
+# split where the stack's first block takes them and gathered where its last block returns them, every rank running
+# everything outside the blocks on the whole map as on one device. Inside a block every other operation is per token:
+# LayerNorms over channels, the GEGLU FFN, no positional embedding (positional_embeddings is never set); the
+# pipelines pass no self-attention mask, one passed to the model is split with the keys. The self-attention (attn1) is
+# context-parallel: the UNet installs DreamLiteAttnProcessor2_0 (unet_dreamlite: dispatch_attention_fn with a
+# parallel_config; GQA heads repeated before the call, RMS QK-norms per head), the bare transformer keeps diffusers'
+# AttnProcessor2_0 (attention_processor: F's SDPA). The cross-attention (attn2) reads the replicated text: local, its
+# text mask applying to the local queries as on one device. A stack's paths exist either in the UNet or in the bare
+# transformer: all optional.
+_STACK_LISTS = (_BARE, *_UNET_STACKS)
+CP_PLAN = ContextParallelPlan(
+    inputs={
+        **{f"{stack}.0": {"hidden_states": SplitInput(dim=1, expected_dims=3)} for stack in _STACK_LISTS},
+        # A self-attention mask over the keys ((B, S) bool in the bare transformer, a (B, 1, S) bias from the UNet),
+        # which the transformer passes whole to every block: each block's copy split like the tokens, a key-padding
+        # mask over the local keys (whole, the processor would pad it to its local query length).
+        **{f"{stack}.*": {"attention_mask": SplitInput(dim=-1)} for stack in _STACK_LISTS},
+    },
+    gather={f"{stack}.-1": GatherOutput(dim=1, expected_dims=3) for stack in _STACK_LISTS},
+    attention=AttentionRouting(
+        modules=("diffusers.models.unets.unet_dreamlite",),
+        sdpa_modules=("diffusers.models.attention_processor",),
+        local=tuple(f"{stack}.*.attn2" for stack in _STACK_LISTS),
+    ),
+    optional=(
+        *(f"{stack}.0" for stack in _STACK_LISTS),
+        *(f"{stack}.*" for stack in _STACK_LISTS),
+        *(f"{stack}.-1" for stack in _STACK_LISTS),
+        *(f"{stack}.*.attn2" for stack in _STACK_LISTS),
+    ),
+    notes="Tokens split inside each transformer stack only (at its first block, gathered after its last): the "
+    "convolutions, GroupNorms and resamplers between and around the stacks run on the whole map; one all-gather per "
+    "stack. No positional embedding; cross-attention to the replicated text local.",
+)
+
 # Tensor parallelism, in every transformer stack (the UNet's and the bare transformer's; a pattern a model lacks, such
 # as attn1 of the no-self-attention stages, is optional). DreamLiteAttnProcessor2_0 reshapes q with attn.heads
 # (divided) and derives the KV heads from the local key width, then repeats each over heads // kv_heads query heads:
@@ -187,6 +226,7 @@ ADAPTER = register(
             BlockGroup(path=_BARE, pattern=ForwardPattern.P2, optional=True),
             *(BlockGroup(path=path, pattern=ForwardPattern.P2) for path in _UNET_STACKS),
         ),
+        cp_plan=CP_PLAN,
         tp_plan=TP_PLAN,
         tiny_pipelines=(
             # One per pipeline class: the base pipeline's text-to-image (batched CFG) and the mobile pipeline's
@@ -220,10 +260,14 @@ ADAPTER = register(
             "(a diptych; zeros for text-to-image). CFG is batched: [uncond, cond] for text-to-image, [uncond, "
             "image, text] for editing (which two ranks cannot halve: refused under cfg=2); the mobile pipeline is "
             "guidance-distilled (one call per step: refused). "
-            "No context-parallel plan: between the transformer stacks the UNet runs 3x3 convolutions, strided "
-            "down- and upsampling and GroupNorms over the whole feature map at every resolution; a sequence split "
-            "at module boundaries would need halos and norm statistics at each of them, for a model whose "
-            "latents are small (mobile-sized)."
+            "Context parallelism splits the tokens inside each transformer stack only: the stack's first block "
+            "takes its rank's shard of the (B, H*W, C) tokens and its last block's output is all-gathered, so the "
+            "3x3 convolutions, strided down- and upsampling and GroupNorms between the stacks (and each stack's "
+            "GroupNorm, 1x1 proj_in / proj_out and residual) run on the whole feature map on every rank, as on one "
+            "device. Only the blocks' self-attention (context-parallel), cross-attention to the replicated text "
+            "(local) and GEGLU FFN are divided; the ResNets and resamplers are not, and every stack costs one "
+            "all-gather of its output (7 per UNet call in the tiny config, one per transformer in DreamLite's). "
+            "A stack's map must hold at least one token per rank (the deepest resolution bounds the degree)."
         ),
     )
 )

@@ -431,7 +431,7 @@ def _install_routing(
     linear = linear_attention_paths(transformer, routing)
     heads = head_parallel_paths(transformer, routing)
     # Linear and head-parallel attention are not routed like softmax attention: their modules are left unmarked.
-    local_paths = local_attention_paths(transformer, routing) | set(linear) | set(heads)
+    local_paths = local_attention_paths(transformer, routing, plan.optional) | set(linear) | set(heads)
     if linear:
         undo.append(install_token_sums(transformer, linear, group))
     if heads:

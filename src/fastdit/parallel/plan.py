@@ -673,6 +673,9 @@ class ContextParallelPlan:
         halo: Module path -> :class:`Halo` (modules mixing neighbouring rows of a row-split grid).
         attention: Attention routing.
         notes: How the family's positional embeddings stay consistent with the split (for the docs).
+        optional: Paths of ``inputs``, ``outputs``, ``gather``, ``halo`` or ``attention.local``, exactly as written
+            there, that may match no module of a transformer the family serves (a family serving a UNet and the bare
+            transformer stack it is built of, each lacking the other's lists). Every other path must match.
     """
 
     inputs: Mapping[str, Mapping[str, SplitInput | LeadingCount | LocalExtent | LengthLogBase | GatherInput]] = field(
@@ -683,6 +686,7 @@ class ContextParallelPlan:
     halo: Mapping[str, Halo] = field(default_factory=dict)
     attention: AttentionRouting
     notes: str = ""
+    optional: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         outputs = {p: (s if isinstance(s, tuple) else (s,)) for p, s in self.outputs.items()}
@@ -708,6 +712,16 @@ class ContextParallelPlan:
                 raise ValueError(f"ContextParallelPlan.gather[{path!r}]={gather!r}: expected GatherOutput")
         if not self.gather:
             raise ValueError("ContextParallelPlan.gather={}: gather the output somewhere (usually proj_out)")
+        if isinstance(self.optional, str):
+            raise ValueError(f"ContextParallelPlan.optional={self.optional!r}: expected a tuple of paths")
+        object.__setattr__(self, "optional", tuple(self.optional))
+        named = {*self.inputs, *self.outputs, *self.gather, *self.halo, *self.attention.local}
+        for path in self.optional:
+            if path not in named:
+                raise ValueError(
+                    f"ContextParallelPlan.optional entry {path!r}: not a path of inputs, outputs, gather, halo or "
+                    "attention.local"
+                )
         split_names = {name for args in self.inputs.values() for name, s in args.items() if isinstance(s, SplitInput)}
         for name in self.attention.mask_segments:
             if name not in split_names:
@@ -763,31 +777,24 @@ class ContextParallelPlan:
 _LAST = "-1"
 
 
-def _resolve_last(root: torch.nn.Module, path: str) -> str | None:
-    """``path`` with each ``-1`` component replaced by the index of the last entry of that list (``None``: none).
+def _expand_last(root: torch.nn.Module, path: str) -> list[str]:
+    """``path`` with its first ``-1`` component replaced by the index of the last entry of each list it follows.
 
-    Components before a ``-1`` must be concrete (no ``*``): "the last entry" of several lists is not one path.
+    The components before the ``-1`` may hold ``*``: each ``ModuleList`` / ``Sequential`` they match gives one path
+    (``"stages.*.blocks.-1"``: the last block of every stage). No match: no path.
     """
     parts = path.split(".")
-    resolved: list[str] = []
-    for part in parts:
-        if part != _LAST:
-            resolved.append(part)
-            continue
-        prefix = ".".join(resolved)
-        if "*" in resolved:
-            raise ValueError(f"context-parallel plan path {path!r}: '-1' cannot follow a '*' component")
-        try:
-            container = root.get_submodule(prefix)
-        except AttributeError:
-            return None
+    at = parts.index(_LAST)
+    prefix, rest = ".".join(parts[:at]), parts[at + 1 :]
+    expanded: list[str] = []
+    for name, container in match_modules(root, prefix):
         if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)) or len(container) == 0:
             raise ValueError(
                 f"context-parallel plan path {path!r}: '-1' needs a non-empty ModuleList or Sequential at "
-                f"{prefix!r}, found {type(container).__name__}"
+                f"{name!r}, found {type(container).__name__}"
             )
-        resolved.append(str(len(container) - 1))
-    return ".".join(resolved)
+        expanded.append(".".join([*([name] if name else []), str(len(container) - 1), *rest]))
+    return expanded
 
 
 _CLASS_FILTER = re.compile(r"^(?P<path>.*)\[(?P<cls>[A-Za-z_][A-Za-z0-9_]*)\]$")
@@ -803,7 +810,8 @@ def match_modules(root: torch.nn.Module, path: str) -> list[tuple[str, torch.nn.
     """Modules under ``root`` matching ``path``.
 
     ``""`` is the root; a ``*`` component matches any one path component; a ``-1`` component names the last entry
-    of the ``ModuleList`` / ``Sequential`` before it (``"blocks.-1"``: the last block). A trailing ``[ClassName]``
+    of the ``ModuleList`` / ``Sequential`` before it (``"blocks.-1"``: the last block; ``"stages.*.blocks.-1"``: the
+    last block of every stage). A trailing ``[ClassName]``
     keeps only the matches whose class has that name (``"blocks.*.mlp[MoELayer]"``: the mixture-of-experts
     feed-forwards of a list whose other blocks have a dense one at the same path); a context-parallel plan path so
     filtered may match no module at all (a checkpoint without such layers).
@@ -814,10 +822,10 @@ def match_modules(root: torch.nn.Module, path: str) -> list[tuple[str, torch.nn.
     if path == "":
         return [("", root)]
     if _LAST in path.split("."):
-        resolved = _resolve_last(root, path)
-        if resolved is None:
-            return []
-        path = resolved
+        found: dict[str, torch.nn.Module] = {}
+        for concrete in _expand_last(root, path):
+            found.update(match_modules(root, concrete))
+        return list(found.items())
     pattern = re.compile("^" + r"\.".join("[^.]+" if p == "*" else re.escape(p) for p in path.split(".")) + "$")
     return [(name, module) for name, module in root.named_modules() if name and pattern.match(name)]
 
@@ -887,21 +895,29 @@ def _below(path: str, roots: list[str]) -> bool:
     return any(path == r or path.startswith(f"{r}.") or r == "" for r in roots)
 
 
-def local_attention_paths(transformer: torch.nn.Module, routing: AttentionRouting) -> set[str]:
+def local_attention_paths(
+    transformer: torch.nn.Module, routing: AttentionRouting, optional: tuple[str, ...] = ()
+) -> set[str]:
     """Paths of the attention modules (those with a ``processor``) that ``routing.local`` keeps local.
 
     A pattern covers the attention modules it matches and those below them (``"context_embedder"``: every attention
     inside the text embedder).
 
+    Args:
+        transformer: The module tree.
+        routing: The plan's attention routing.
+        optional: Patterns that may cover nothing (:attr:`ContextParallelPlan.optional`).
+
     Raises:
-        ValueError: a ``local`` pattern covers no attention module.
+        ValueError: a ``local`` pattern not in ``optional`` covers no attention module.
     """
     attention = [name for name, m in transformer.named_modules() if getattr(m, "processor", None) is not None]
     paths: set[str] = set()
     for pattern in routing.local:
         roots = [name for name, _ in match_modules(transformer, pattern)]
         found = [a for a in attention if _below(a, roots)]
-        if not found and split_class_filter(pattern)[1] is None:  # a class-filtered path may select nothing
+        # A class-filtered or optional path may select nothing.
+        if not found and split_class_filter(pattern)[1] is None and pattern not in optional:
             raise ValueError(
                 f"context-parallel plan: AttentionRouting.local path {pattern!r} covers no attention module of "
                 f"{type(transformer).__name__}"
@@ -959,7 +975,7 @@ def validate_plan(
     resolved = {path: match_modules(transformer, path) for path in paths}
     for path, found in resolved.items():
         # A class-filtered path selects the modules of that class, if any (a checkpoint with no MoE layer).
-        if not found and split_class_filter(path)[1] is None:
+        if not found and split_class_filter(path)[1] is None and path not in plan.optional:
             raise ValueError(f"context-parallel plan: path {path!r} matches no module of {cls}")
     for path, args in plan.inputs.items():
         for name, module in resolved[path]:
@@ -979,13 +995,18 @@ def validate_plan(
                         f"context-parallel plan: {where}.forward has no argument {arg!r} (path {path!r}); "
                         f"its arguments are {params}"
                     )
-    _validate_attention(transformer, plan.attention, degree, uneven_heads, tp_degree)
+    _validate_attention(transformer, plan.attention, degree, uneven_heads, tp_degree, plan.optional)
 
 
 def _validate_attention(
-    transformer: torch.nn.Module, routing: AttentionRouting, degree: int, uneven_heads: bool, tp_degree: int = 1
+    transformer: torch.nn.Module,
+    routing: AttentionRouting,
+    degree: int,
+    uneven_heads: bool,
+    tp_degree: int = 1,
+    optional: tuple[str, ...] = (),
 ) -> None:
-    local = local_attention_paths(transformer, routing)
+    local = local_attention_paths(transformer, routing, optional)
     linear = linear_attention_paths(transformer, routing)
     both = sorted(local & set(linear))
     if both:
