@@ -516,29 +516,89 @@ class HeadParallel:
         inputs: Sub-module paths (relative to the attention module) whose outputs are exchanged to head shards, the
             query's first: its lengths give the output's shards. Name the last module before the processor reshapes
             by heads and after anything that mixes heads (a QK-norm over the whole width: ``norm_q``, not ``to_q``).
-        output: Sub-module path whose first input is exchanged back to token shards (``"to_out.0"``).
+        output: Sub-module path whose first input is exchanged back to token shards (``"to_out.0"``), or a tuple of
+            them for a module with several pathways (Cosmos 3's ``("to_out", "to_add_out")``).
         heads: Attribute of the attention module giving its head count (read when the module starts).
         divide: Attributes of the attention module proportional to the heads (``heads``, ``inner_dim``) that the
             processor reshapes with: each is replaced by this rank's share (``value * local_heads // heads``) while
             the module runs, then restored. ``()``: the processor infers the head count from the tensors.
+        queries: For each output, the input whose token lengths it returns to (its pathway's query); ``()``: the
+            first input for every output.
+        input_heads: Input sub-module -> attribute of the attention module giving that input's head count, for
+            inputs with fewer heads than :attr:`heads` (grouped-query keys and values: ``num_key_value_heads``). Each
+            rank keeps the same share of every input's heads, so the groups stay aligned; a Ulysses degree that would
+            misalign them is refused.
+        arguments: ``forward`` argument of the attention module -> its heads dim, for arguments laid out for every
+            head (a per-head RoPE table, a key/value cache the caller allocates and the processor writes in place):
+            each tensor in it (nested in ``dict`` / ``list`` / ``tuple``) becomes this rank's heads along that dim
+            (``size / heads`` entries per head: a flattened ``H·D`` dim works too). A view where the rank's heads are
+            all real; where Ulysses pads the heads, a zero-padded copy whose real heads are written back after the
+            call if the processor changed them. A ``{ndim: dim}`` mapping picks the dim by the tensor's rank (a table
+            ``(B, H, S, r)`` or ``(B, S, H·D)`` by configuration).
+        optional: Inputs, outputs or arguments that may be absent (a sub-module set to ``None`` by configuration).
+
+    Tensors may be batched ``(B, S, ·)`` or packed ``(S, ·)`` (2-D, no batch dim): packed ones exchange along dim 0.
     """
 
     inputs: tuple[str, ...]
-    output: str
+    output: str | tuple[str, ...]
     heads: str = "heads"
     divide: tuple[str, ...] = ()
+    queries: tuple[str, ...] = ()
+    input_heads: Mapping[str, str] = field(default_factory=dict)
+    arguments: Mapping[str, int | Mapping[int, int]] = field(default_factory=dict)
+    optional: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", _names("HeadParallel.inputs", self.inputs))
         object.__setattr__(self, "divide", _names("HeadParallel.divide", self.divide, allow_empty=True))
-        for name in ("output", "heads"):
-            value = getattr(self, name)
-            if not isinstance(value, str) or not value:
-                raise ValueError(f"HeadParallel.{name}={value!r}: expected a name")
-        if len(set(self.inputs)) != len(self.inputs) or self.output in self.inputs:
+        object.__setattr__(self, "optional", _names("HeadParallel.optional", self.optional, allow_empty=True))
+        if isinstance(self.output, str):
+            if not self.output:
+                raise ValueError(f"HeadParallel.output={self.output!r}: expected a name")
+        else:
+            object.__setattr__(self, "output", _names("HeadParallel.output", self.output))
+        if not isinstance(self.heads, str) or not self.heads:
+            raise ValueError(f"HeadParallel.heads={self.heads!r}: expected a name")
+        subs = (*self.inputs, *self.outputs)
+        if len(set(subs)) != len(subs):
             raise ValueError(
                 f"HeadParallel.inputs={self.inputs!r}, output={self.output!r}: each sub-module is exchanged once"
             )
+        queries = _names("HeadParallel.queries", self.queries, allow_empty=True)
+        if queries and (len(queries) != len(self.outputs) or not set(queries) <= set(self.inputs)):
+            raise ValueError(
+                f"HeadParallel.queries={queries!r}: one input of {self.inputs!r} per output of {self.outputs!r}"
+            )
+        object.__setattr__(self, "queries", queries or (self.inputs[0],) * len(self.outputs))
+        input_heads = dict(self.input_heads)
+        for sub, attr in input_heads.items():
+            if sub not in self.inputs or not isinstance(attr, str) or not attr:
+                raise ValueError(
+                    f"HeadParallel.input_heads[{sub!r}]={attr!r}: expected an input of {self.inputs!r} -> an attribute"
+                )
+        object.__setattr__(self, "input_heads", MappingProxyType(input_heads))
+        arguments = {}
+        for name, dim in dict(self.arguments).items():
+            dims = dim if isinstance(dim, Mapping) else {None: dim}
+            if (
+                not isinstance(name, str)
+                or not name
+                or not all(isinstance(d, int) and not isinstance(d, bool) for d in dims.values())
+            ):
+                raise ValueError(f"HeadParallel.arguments[{name!r}]={dim!r}: expected a name -> a dim or {{ndim: dim}}")
+            arguments[name] = MappingProxyType(dict(dim)) if isinstance(dim, Mapping) else dim
+        object.__setattr__(self, "arguments", MappingProxyType(arguments))
+        unknown = set(self.optional) - set(subs) - set(arguments)
+        if unknown:
+            raise ValueError(
+                f"HeadParallel.optional={self.optional!r}: {sorted(unknown)} are no inputs, outputs or arguments"
+            )
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        """The output sub-modules (:attr:`output` as a tuple)."""
+        return (self.output,) if isinstance(self.output, str) else self.output
 
 
 @dataclass(frozen=True)
@@ -1024,14 +1084,23 @@ def _validate_head_parallel(
 ) -> None:
     """The sub-modules and attributes a :class:`HeadParallel` names exist on the attention module at ``path``."""
     where = f"AttentionRouting.head_parallel: {path!r} ({type(module).__name__})"
-    for sub in (*spec.inputs, spec.output):
+    for sub in (*spec.inputs, *spec.outputs):
         try:
-            module.get_submodule(sub)
+            found = module.get_submodule(sub)
         except AttributeError:
-            raise ValueError(f"context-parallel plan: {where} has no sub-module {sub!r}") from None
+            found = None
+        if found is None and sub not in spec.optional:
+            raise ValueError(f"context-parallel plan: {where} has no sub-module {sub!r}")
     heads = getattr(module, spec.heads, None)
     if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
         raise ValueError(f"context-parallel plan: {where}.{spec.heads}={heads!r} is not a head count")
+    for sub, attr in spec.input_heads.items():
+        count = getattr(module, attr, None)
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1 or heads % count:
+            raise ValueError(
+                f"context-parallel plan: {where}.{attr}={count!r} (HeadParallel.input_heads[{sub!r}]) is not a head "
+                f"count dividing its {heads} heads"
+            )
     for name in spec.divide:
         value = getattr(module, name, None)
         if not isinstance(value, int) or isinstance(value, bool) or value % heads:

@@ -28,6 +28,7 @@ record, or from one exchange when a split was uneven), so all ranks make the sam
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -50,7 +51,12 @@ class _Call:
     heads: int
     local_heads: int
     saved: list[tuple[str, Any]] = field(default_factory=list)
-    query_lens: list[int] | None = None
+    # Input sub-module -> every rank's token count of what it returned (the outputs' shards).
+    lens: dict[str, list[int]] = field(default_factory=dict)
+    # Input sub-module -> its head count, where it differs from ``heads`` (HeadParallel.input_heads).
+    input_heads: dict[str, int] = field(default_factory=dict)
+    # (the caller's real heads of a head argument, the zero-padded copy the processor received, the heads dim).
+    write_back: list[tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=list)
 
 
 def _rank(group: dist.ProcessGroup | None, degree: int) -> int:
@@ -71,8 +77,8 @@ class _Exchange:
         return -(-heads // self.ulysses)
 
     def lengths(self, x: torch.Tensor) -> list[int]:
-        """Every rank's token count of ``x`` (cp-group order: ring-major)."""
-        return [row[0] for row in self.marker.shard_lengths([x.shape[1]], x.device)]
+        """Every rank's token count of ``x`` (cp-group order: ring-major); packed 2-D tensors have no batch dim."""
+        return [row[0] for row in self.marker.shard_lengths([x.shape[0 if x.ndim == 2 else 1]], x.device)]
 
     def _ulysses_lens(self, lens: list[int]) -> list[int]:
         return lens[self.r * self.ulysses : (self.r + 1) * self.ulysses]
@@ -80,9 +86,48 @@ class _Exchange:
     def _ring_lens(self, lens: list[int]) -> list[int]:
         return [sum(lens[j * self.ulysses : (j + 1) * self.ulysses]) for j in range(self.ring)]
 
+    def local_argument(self, value: Any, dim: int | Mapping[int, int], call: _Call, where: str) -> Any:
+        """This rank's heads of every tensor in a ``forward`` argument laid out for every head (``arguments``)."""
+        if isinstance(value, torch.Tensor):
+            d = dim.get(value.ndim) if isinstance(dim, Mapping) else dim
+            if d is None:
+                raise ValueError(
+                    f"context parallel: {where} got a {value.ndim}-D tensor; HeadParallel.arguments gives its heads "
+                    f"dim for {sorted(dim)}-D tensors only"
+                )
+            d = d % value.ndim
+            size = value.shape[d]
+            if size % call.heads:
+                raise ValueError(
+                    f"context parallel: {where} has size {size} along its heads dim {d}, not a multiple of "
+                    f"{call.heads} heads"
+                )
+            per_head = size // call.heads
+            first = self.u * call.local_heads
+            real = max(0, min(call.heads, first + call.local_heads) - first)
+            if real == call.local_heads:
+                return value.narrow(d, first * per_head, real * per_head)
+            # Padded heads (Ulysses degree not dividing the heads): a copy with zero heads appended; whatever the
+            # processor writes into the real ones goes back to the caller's tensor after the call.
+            shape = list(value.shape)
+            shape[d] = call.local_heads * per_head
+            padded = value.new_zeros(shape)
+            if real:
+                target = value.narrow(d, first * per_head, real * per_head)
+                padded.narrow(d, 0, real * per_head).copy_(target)
+                call.write_back.append((target, padded, d))
+            return padded
+        if isinstance(value, dict):
+            return type(value)((k, self.local_argument(v, dim, call, where)) for k, v in value.items())
+        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+            return type(value)(self.local_argument(v, dim, call, where) for v in value)
+        return value
+
     @torch.compiler.disable
     def to_heads(self, x: torch.Tensor, heads: int, lens: list[int], where: str) -> torch.Tensor:
         """``(B, S_local, H·D)`` or ``(B, S_local, H, D)`` token shard -> the whole sequence of this rank's heads."""
+        if x.ndim == 2:  # packed (S, H·D): a batch of one
+            return self.to_heads(x.unsqueeze(0), heads, lens, where).squeeze(0)
         flat = x.ndim == 3
         if flat and x.shape[-1] % heads:
             raise ValueError(f"context parallel: {where} returned width {x.shape[-1]}, not a multiple of {heads} heads")
@@ -102,11 +147,15 @@ class _Exchange:
         return x_BSHD.flatten(2) if flat else x_BSHD
 
     @torch.compiler.disable
-    def to_tokens(self, y: torch.Tensor, call: _Call, where: str) -> torch.Tensor:
+    def to_tokens(self, y: torch.Tensor, call: _Call, query: str, where: str) -> torch.Tensor:
         """The processor's ``(B, S_global, H_local·D)`` result -> this rank's tokens with every head."""
-        lens = call.query_lens
+        lens = call.lens.get(query)
         if lens is None:
-            raise RuntimeError(f"context parallel: {where} ran before its query was exchanged (HeadParallel.inputs)")
+            raise RuntimeError(
+                f"context parallel: {where} ran before its query {query!r} was exchanged (HeadParallel.inputs)"
+            )
+        if y.ndim == 2:  # packed (S, H·D): a batch of one
+            return self.to_tokens(y.unsqueeze(0), call, query, where).squeeze(0)
         if y.ndim != 3 or y.shape[1] != sum(lens) or y.shape[-1] % call.local_heads:
             raise ValueError(
                 f"context parallel: {where} received shape {tuple(y.shape)}; HeadParallel expects (B, {sum(lens)}, "
@@ -138,6 +187,26 @@ def _gather_tokens(x_BSHD: torch.Tensor, group: dist.ProcessGroup | None, lens: 
     return torch.cat([p[:, :n] for p, n in zip(parts, lens, strict=True)], dim=1)
 
 
+def _find(module: torch.nn.Module, sub: str) -> torch.nn.Module | None:
+    """The sub-module at ``sub``, or None where the configuration leaves it out (HeadParallel.optional)."""
+    try:
+        return module.get_submodule(sub)
+    except AttributeError:
+        return None
+
+
+def _positions(module: torch.nn.Module, spec: HeadParallel) -> dict[str, int]:
+    """Positional index (after ``self``) of each of ``spec.arguments`` in the module's ``forward``."""
+    if not spec.arguments:
+        return {}
+    params = [
+        p.name
+        for p in inspect.signature(module.forward).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    return {name: params.index(name) for name in spec.arguments if name in params}
+
+
 def install_head_parallel(
     transformer: torch.nn.Module, paths: Mapping[str, HeadParallel], marker: ContextParallelAttention
 ) -> Callable[[], None]:
@@ -160,41 +229,81 @@ def install_head_parallel(
 
     for path, spec in paths.items():
         module = transformer.get_submodule(path)
+        positions = _positions(module, spec)
 
-        def enter(mod: torch.nn.Module, args: tuple, *, spec: HeadParallel = spec) -> None:
+        def enter(
+            mod: torch.nn.Module,
+            args: tuple,
+            kwargs: dict,
+            *,
+            spec: HeadParallel = spec,
+            where=path,
+            positions=positions,
+        ) -> Any:
             heads = getattr(mod, spec.heads)
             call = _Call(heads=heads, local_heads=exchange.local_heads(heads))
+            for sub, attr in spec.input_heads.items():
+                count = getattr(mod, attr)
+                # Each rank's share of the grouped heads must serve exactly its share of the query heads.
+                if count * call.local_heads != heads * exchange.local_heads(count):
+                    raise ValueError(
+                        f"context parallel: {where}.{attr}={count} ({sub}) and {spec.heads}={heads} split unevenly "
+                        f"over Ulysses degree {exchange.ulysses}: the ranks' key/value groups would not match their "
+                        "query heads"
+                    )
+                call.input_heads[sub] = count
             for name in spec.divide:
                 value = getattr(mod, name)
                 call.saved.append((name, value))
                 setattr(mod, name, value * call.local_heads // heads)
             calls().append(call)
+            if not spec.arguments:
+                return None
+            args, kwargs = list(args), dict(kwargs)
+            for name, dim in spec.arguments.items():
+                if name in kwargs:
+                    kwargs[name] = exchange.local_argument(kwargs[name], dim, call, f"{where}({name}=)")
+                elif positions.get(name, len(args)) < len(args):
+                    i = positions[name]
+                    args[i] = exchange.local_argument(args[i], dim, call, f"{where}({name}=)")
+            return tuple(args), kwargs
 
         def leave(mod: torch.nn.Module, args: tuple, output: Any) -> None:
             call = calls().pop()
             for name, value in call.saved:
                 setattr(mod, name, value)
+            for target, padded, dim in call.write_back:
+                part = padded.narrow(dim, 0, target.shape[dim])
+                if not torch.equal(part, target):
+                    target.copy_(part)
 
-        handles.append(module.register_forward_pre_hook(enter))
+        handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))
         handles.append(module.register_forward_hook(leave, always_call=True))
-        for i, sub in enumerate(spec.inputs):
+        for sub in spec.inputs:
+            sub_module = _find(module, sub)
+            if sub_module is None:
+                continue  # optional, absent in this configuration (validated)
             where = f"{path}.{sub}"
 
-            def to_heads(mod: torch.nn.Module, args: tuple, output: Any, *, first: bool = i == 0, where=where) -> Any:
+            def to_heads(mod: torch.nn.Module, args: tuple, output: Any, *, sub=sub, where=where) -> Any:
                 call = current(where)
                 lens = exchange.lengths(output)
-                if first:
-                    call.query_lens = lens
-                return exchange.to_heads(output, call.heads, lens, where)
+                call.lens[sub] = lens
+                return exchange.to_heads(output, call.input_heads.get(sub, call.heads), lens, where)
 
-            handles.append(module.get_submodule(sub).register_forward_hook(to_heads))
+            handles.append(sub_module.register_forward_hook(to_heads))
 
-        def to_tokens(mod: torch.nn.Module, args: tuple, *, where: str = f"{path}.{spec.output}") -> tuple:
-            return (exchange.to_tokens(args[0], current(where), where), *args[1:])
+        for out, query in zip(spec.outputs, spec.queries, strict=True):
+            out_module = _find(module, out)
+            if out_module is None:
+                continue
 
-        # Before any other pre-hook of the output projection: tensor parallelism's turns its input into a DTensor
-        # sharded over the heads, which must see this rank's tokens with all of its (TP-local) heads.
-        handles.append(module.get_submodule(spec.output).register_forward_pre_hook(to_tokens, prepend=True))
+            def to_tokens(mod: torch.nn.Module, args: tuple, *, where: str = f"{path}.{out}", query=query) -> tuple:
+                return (exchange.to_tokens(args[0], current(where), query, where), *args[1:])
+
+            # Before any other pre-hook of the output projection: tensor parallelism's turns its input into a DTensor
+            # sharded over the heads, which must see this rank's tokens with all of its (TP-local) heads.
+            handles.append(out_module.register_forward_pre_hook(to_tokens, prepend=True))
 
     def undo() -> None:
         for handle in handles:
