@@ -1101,8 +1101,11 @@ def _validate_head_parallel(
                 f"context-parallel plan: {where}.{attr}={count!r} (HeadParallel.input_heads[{sub!r}]) is not a head "
                 f"count dividing its {heads} heads"
             )
+    grouped = set(spec.input_heads.values())  # checked above, and divided by their own share when the module runs
     for name in spec.divide:
         value = getattr(module, name, None)
+        if name in grouped:
+            continue
         if not isinstance(value, int) or isinstance(value, bool) or value % heads:
             raise ValueError(
                 f"context-parallel plan: {where}.{name}={value!r} (HeadParallel.divide) is not an integer multiple of "

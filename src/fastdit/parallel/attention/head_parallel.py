@@ -252,10 +252,14 @@ def install_head_parallel(
                         "query heads"
                     )
                 call.input_heads[sub] = count
+            grouped = set(spec.input_heads.values())
             for name in spec.divide:
                 value = getattr(mod, name)
                 call.saved.append((name, value))
-                setattr(mod, name, value * call.local_heads // heads)
+                # A grouped head count (KV heads) takes its own share: equal to the proportional one (checked above).
+                setattr(
+                    mod, name, exchange.local_heads(value) if name in grouped else value * call.local_heads // heads
+                )
             calls().append(call)
             if not spec.arguments:
                 return None
