@@ -108,6 +108,15 @@ class Splitter(Protocol):
     def gather(self, tensor: Any, dim: int, expected_dims: int | None) -> Any: ...
 
 
+_UNIT_ELEMENT = re.compile(r"^(\w+)\[(\d+)\]$")
+
+
+def unit_argument(unit: str) -> tuple[str, int | None]:
+    """The ``forward`` argument a :attr:`SplitInput.unit` entry names, and the tuple element (``"THW[1]"``) or None."""
+    match = _UNIT_ELEMENT.match(unit)
+    return (match[1], int(match[2])) if match else (unit, None)
+
+
 @dataclass(frozen=True)
 class SplitInput:
     """Split a ``forward`` argument along ``dim`` over the context-parallel ranks.
@@ -137,6 +146,8 @@ class SplitInput:
         unit: Names of integer arguments of the same ``forward`` whose product is the split granularity: shards hold
             whole multiples of it (``("width",)``: whole rows of a flattened ``(height, width)`` grid, as a
             convolution over the grid needs). The size along ``dim`` must be a multiple of it. ``()``: single tokens.
+            ``"name[i]"`` names element ``i`` of a tuple argument (SANA-WM's ``("THW[1]", "THW[2]")``: whole frames
+            of a ``(frames, height, width)`` layout).
         keep_singleton: Whether a tensor of size 1 along ``dim`` passes whole, broadcasting over the tokens (a RoPE
             table of one row, a per-sample modulation where another variant of the model passes one per token):
             ``True`` always, ``False`` never (it is refused as too short for the ranks), ``None`` (default) unless
@@ -235,15 +246,23 @@ class SplitOutput:
         expected_dims: As for :class:`SplitInput`.
         index: Element of a tuple/list output to split; ``None`` if the output is a tensor.
         keep_singleton: As for :class:`SplitInput` (a RoPE module returning one row that broadcasts).
+        like: Name of a plain :class:`SplitInput` of the plan (split earlier in the same forward) whose shard sizes
+            the output takes, its length along ``dim`` being that input's global length: the output of a module that
+            ran on the gathered sequence (:class:`GatherInput`) goes back to the shards of an input split in whole
+            units (SANA-WM's frames), which a plain split of the length would not reproduce. An input not split in
+            this forward leaves the output whole. ``""``: a plain split of the output's length.
     """
 
     dim: int
     expected_dims: int | None = None
     index: int | None = None
     keep_singleton: bool | None = None
+    like: str = ""
 
     def __post_init__(self) -> None:
         _check_dim("SplitOutput", self.dim, self.expected_dims)
+        if not isinstance(self.like, str):
+            raise ValueError(f"SplitOutput.like={self.like!r}: expected the name of a split input, or ''")
 
 
 @dataclass(frozen=True)
@@ -366,13 +385,18 @@ class LocalExtent:
     ``ValueError`` alike (the check uses all ranks' lengths). As for :class:`LeadingCount`, non-``int`` values and an
     :attr:`of` not split in this forward pass unchanged, and extents at a module are adjusted after its splits.
 
+    With :attr:`index`, the argument is a tuple of extents (SANA-WM's ``HW = (frames, height, width)``) and only
+    that element is replaced.
+
     Attributes:
         of: Name of a :class:`SplitInput` of the plan whose tokens the grid holds.
         position: As for :class:`LeadingCount`.
+        index: Element of a tuple argument that is the extent; ``None``: the argument itself.
     """
 
     of: str
     position: int | None = None
+    index: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.of, str) or not self.of:
@@ -381,12 +405,20 @@ class LocalExtent:
             not isinstance(self.position, int) or isinstance(self.position, bool) or self.position < 0
         ):
             raise ValueError(f"LocalExtent.position={self.position!r}: must be a non-negative integer or None")
+        if self.index is not None and (not isinstance(self.index, int) or isinstance(self.index, bool)):
+            raise ValueError(f"LocalExtent.index={self.index!r}: must be an integer or None")
 
     reads_record = True  # narrowed from this forward's split record of ``of``
 
     def adjust(self, value: Any, splitter: Splitter, name: str, unit: int = 1) -> Any:
         """``value`` narrowed to this rank's shard of :attr:`of`."""
-        return splitter.extent(value, self.of)
+        if self.index is None:
+            return splitter.extent(value, self.of)
+        if not isinstance(value, (tuple, list)) or not -len(value) <= self.index < len(value):
+            return value  # not the tuple of extents (e.g. None): passes unchanged, like any non-int extent
+        items = list(value)
+        items[self.index] = splitter.extent(items[self.index], self.of)
+        return type(value)(items)
 
 
 @dataclass(frozen=True)
@@ -685,10 +717,12 @@ class AttentionRouting:
             object.__setattr__(self, name, tuple(getattr(self, name)))
         object.__setattr__(self, "mask_segments", tuple(self.mask_segments))
         object.__setattr__(self, "local", tuple(self.local))
-        if not any(getattr(self, name) for name in kinds) and not self.linear and not self.head_parallel:
+        # Only ``local``: every attention runs on what its module holds (a plan that gathers the sequence for each
+        # module mixing tokens, SANA-WM's recurrent attentions, leaves nothing to route).
+        if not any(getattr(self, name) for name in kinds) and not (self.linear or self.head_parallel or self.local):
             raise ValueError(
-                "AttentionRouting: modules, sdpa_modules, dispatch_modules and sdpa_calls are empty, and linear and "
-                "head_parallel too; name a module"
+                "AttentionRouting: modules, sdpa_modules, dispatch_modules and sdpa_calls are empty, and linear, "
+                "head_parallel and local too; name a module"
             )
         both = set(self.modules) & set(self.dispatch_modules)
         if both:
@@ -996,7 +1030,7 @@ def validate_plan(
             where = f"{name!r} ({type(module).__name__})" if name else cls
             for arg, spec in args.items():
                 for unit in getattr(spec, "unit", ()):
-                    if unit not in params:
+                    if unit_argument(unit)[0] not in params:
                         raise ValueError(
                             f"context-parallel plan: {where}.forward has no argument {unit!r} (SplitInput.unit of "
                             f"{arg!r}, path {path!r}); its arguments are {params}"
@@ -1037,7 +1071,7 @@ def _validate_attention(
         and n not in heads
         and not _below(n, inline)
     ]
-    if not attention and not linear and not inline and not heads:
+    if not attention and not linear and not inline and not heads and not local:
         raise ValueError(f"context-parallel plan: {type(transformer).__name__} has no attention processors to route")
     for path, module in attention:
         processor = module.processor
