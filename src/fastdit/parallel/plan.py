@@ -1071,7 +1071,10 @@ def _validate_attention(
         and n not in heads
         and not _below(n, inline)
     ]
-    if not attention and not linear and not inline and not heads and not local:
+    # A routing that names only ``local`` modules means it (every attention runs locally); one that names modules to
+    # route but leaves nothing for them is a mistake.
+    local_only = not any((routing.modules, routing.sdpa_modules, routing.dispatch_modules, routing.sdpa_calls))
+    if not attention and not linear and not inline and not heads and not (local and local_only):
         raise ValueError(f"context-parallel plan: {type(transformer).__name__} has no attention processors to route")
     for path, module in attention:
         processor = module.processor
