@@ -218,7 +218,12 @@ MESH_SPECS = {
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize(("family", "variant"), [("qwenimage21", "t2i"), ("kandinsky6_sr", "vsr")])
+# AnyFlow-FAR: TP's per-block KV-cache view, sliced again to the rank's heads; Cosmos 3: TP-divided query and KV
+# heads, exchanged per pathway.
+@pytest.mark.parametrize(
+    ("family", "variant"),
+    [("qwenimage21", "t2i"), ("kandinsky6_sr", "vsr"), ("anyflow_far", "t2v"), ("cosmos3", "t2v")],
+)
 def test_head_parallel_with_tensor_parallel_and_usp(dist4: WorkerPool, family: str, variant: str) -> None:
     from fastdit.diagnostics.family_ladder import RungSpec, assert_rows, run_family_ladder
 
