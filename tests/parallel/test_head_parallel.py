@@ -273,38 +273,9 @@ def test_head_arguments_are_views_of_the_rank_heads_or_padded_copies_written_bac
         _exchange(0, 2).local_argument(table, 2, _Call(heads=4, local_heads=2), "attn(rope=)")
 
 
-def test_grouped_heads_that_would_misalign_are_refused() -> None:
-    """6 query heads over 2 KV heads on Ulysses 4: 2 query heads and 1 KV head per rank would pair q2 with kv1."""
-    from fastdit.parallel.attention.head_parallel import install_head_parallel
-
-    class Attention(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.num_attention_heads, self.num_key_value_heads = 6, 2
-            self.to_q, self.to_k, self.to_out = torch.nn.Linear(4, 12), torch.nn.Linear(4, 4), torch.nn.Linear(12, 4)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.to_out(self.to_q(x))
-
-    model = torch.nn.Module()
-    model.attn = Attention()
-    marker = type("M", (), {"ulysses_degree": 4, "ring_degree": 1, "ulysses_group": None, "ring_group": None})()
-    spec = HeadParallel(
-        inputs=("to_q", "to_k"),
-        output="to_out",
-        heads="num_attention_heads",
-        input_heads={"to_k": "num_key_value_heads"},
-    )
-    import fastdit.parallel.attention.head_parallel as hp
-
-    original = hp._rank
-    hp._rank = lambda group, degree: 0
-    try:
-        undo = install_head_parallel(model, {"attn": spec}, marker)
-    finally:
-        hp._rank = original
-    try:
-        with pytest.raises(ValueError, match="key/value groups would not match"):
-            model.attn(torch.randn(1, 3, 4))
-    finally:
-        undo()
+def test_grouped_heads_are_exchanged_as_they_are_or_repeated_per_query_head() -> None:
+    exchange = _exchange(0, 2)
+    assert exchange.grouped(4, 2) == (2, 1)  # one KV head per rank beside its two query heads
+    assert exchange.grouped(2, 1) == (1, 2)  # one KV head for two ranks: repeated per query head
+    assert _exchange(0, 4).grouped(6, 2) == (2, 3)  # 2 query heads per rank would cut the groups of 3
+    assert _exchange(0, 3).grouped(4, 2) == (2, 1)  # padded: [q0 q1 | kv0], [q2 q3 | kv1], [pad | pad]

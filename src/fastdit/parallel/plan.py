@@ -558,8 +558,9 @@ class HeadParallel:
             first input for every output.
         input_heads: Input sub-module -> attribute of the attention module giving that input's head count, for
             inputs with fewer heads than :attr:`heads` (grouped-query keys and values: ``num_key_value_heads``). Each
-            rank keeps the same share of every input's heads, so the groups stay aligned; a Ulysses degree that would
-            misalign them is refused.
+            rank takes the KV heads of its query heads' groups: its share of them where the shares line up, else
+            (fewer KV heads than ranks) every KV head repeated per query head of its group. A :attr:`divide`
+            attribute named here takes the exchanged count's share.
         arguments: ``forward`` argument of the attention module -> its heads dim, for arguments laid out for every
             head (a per-head RoPE table, a key/value cache the caller allocates and the processor writes in place):
             each tensor in it (nested in ``dict`` / ``list`` / ``tuple``) becomes this rank's heads along that dim

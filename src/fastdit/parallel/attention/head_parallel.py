@@ -53,8 +53,8 @@ class _Call:
     saved: list[tuple[str, Any]] = field(default_factory=list)
     # Input sub-module -> every rank's token count of what it returned (the outputs' shards).
     lens: dict[str, list[int]] = field(default_factory=dict)
-    # Input sub-module -> its head count, where it differs from ``heads`` (HeadParallel.input_heads).
-    input_heads: dict[str, int] = field(default_factory=dict)
+    # Input sub-module -> (its head count, the repeat of each head before the exchange) (HeadParallel.input_heads).
+    input_heads: dict[str, tuple[int, int]] = field(default_factory=dict)
     # (the caller's real heads of a head argument, the zero-padded copy the processor received, the heads dim).
     write_back: list[tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=list)
 
@@ -85,6 +85,18 @@ class _Exchange:
 
     def _ring_lens(self, lens: list[int]) -> list[int]:
         return [sum(lens[j * self.ulysses : (j + 1) * self.ulysses]) for j in range(self.ring)]
+
+    def grouped(self, heads: int, count: int) -> tuple[int, int]:
+        """How an input of ``count`` grouped heads (KV heads of ``heads`` query heads) is exchanged: (count, repeat).
+
+        Each rank's query heads ``[u·L, (u+1)·L)`` must meet the KV heads of their groups. Where ``ceil(count / U)``
+        KV heads per rank line up with the ``L = ceil(heads / U)`` query heads (``count · L == heads · ceil(count /
+        U)``) they are exchanged as they are; otherwise (fewer KV heads than ranks, or groups cut by the padding)
+        every KV head is repeated once per query head of its group, so the input exchanges like the queries.
+        """
+        if count * self.local_heads(heads) == heads * self.local_heads(count):
+            return count, 1
+        return count, heads // count
 
     def local_argument(self, value: Any, dim: int | Mapping[int, int], call: _Call, where: str) -> Any:
         """This rank's heads of every tensor in a ``forward`` argument laid out for every head (``arguments``)."""
@@ -242,24 +254,16 @@ def install_head_parallel(
         ) -> Any:
             heads = getattr(mod, spec.heads)
             call = _Call(heads=heads, local_heads=exchange.local_heads(heads))
+            grouped: dict[str, int] = {}
             for sub, attr in spec.input_heads.items():
-                count = getattr(mod, attr)
-                # Each rank's share of the grouped heads must serve exactly its share of the query heads.
-                if count * call.local_heads != heads * exchange.local_heads(count):
-                    raise ValueError(
-                        f"context parallel: {where}.{attr}={count} ({sub}) and {spec.heads}={heads} split unevenly "
-                        f"over Ulysses degree {exchange.ulysses}: the ranks' key/value groups would not match their "
-                        "query heads"
-                    )
-                call.input_heads[sub] = count
-            grouped = set(spec.input_heads.values())
+                count, repeat = exchange.grouped(heads, getattr(mod, attr))
+                call.input_heads[sub] = (count, repeat)
+                grouped[attr] = exchange.local_heads(count * repeat)
             for name in spec.divide:
                 value = getattr(mod, name)
                 call.saved.append((name, value))
-                # A grouped head count (KV heads) takes its own share: equal to the proportional one (checked above).
-                setattr(
-                    mod, name, exchange.local_heads(value) if name in grouped else value * call.local_heads // heads
-                )
+                # A grouped head count (KV heads) takes the share its exchange gives each rank.
+                setattr(mod, name, grouped[name] if name in grouped else value * call.local_heads // heads)
             calls().append(call)
             if not spec.arguments:
                 return None
@@ -293,7 +297,10 @@ def install_head_parallel(
                 call = current(where)
                 lens = exchange.lengths(output)
                 call.lens[sub] = lens
-                return exchange.to_heads(output, call.input_heads.get(sub, call.heads), lens, where)
+                count, repeat = call.input_heads.get(sub, (call.heads, 1))
+                if repeat > 1:  # KV heads too few to split with the query heads: each repeated per query head
+                    output = output.unflatten(-1, (count, -1)).repeat_interleave(repeat, dim=-2).flatten(-2)
+                return exchange.to_heads(output, count * repeat, lens, where)
 
             handles.append(sub_module.register_forward_hook(to_heads))
 
