@@ -190,8 +190,9 @@ ADAPTER = register(
             "heads), which neither a token shard nor a head shard can run: every block's self-attention module "
             "gathers its input and runs on the whole sequence on every rank, its output split back (exact; the "
             "attention is not sped up, the cross-attention, Mix-FFN and modulation are). The optional "
-            "`frame_valid_mask` (never passed by the pipeline) is not split by the plan: the block would see it "
-            "against its local frames."
+            "`frame_valid_mask` (padded frames; never passed by the pipeline) is not split by the plan: under "
+            "context parallelism each block refuses it (`frame_valid_mask shape mismatch`: the global frames "
+            "against the rank's)."
         ),
     )
 )
