@@ -17,7 +17,15 @@ need the exchange earlier. For a :class:`~fastdit.parallel.plan.HeadParallel` mo
   all-gathered, so every rank holds the whole sequence of its heads; USP does the all-to-all inside the Ulysses group,
   then the all-gather over the ring;
 * the output projection: its input, the processor's result ``(B, S_global, H_local·D)``, goes back to this rank's
-  tokens with every head (the inverse all-to-all; under ring, this ring rank's block of the sequence).
+  tokens with every head (the inverse all-to-all; under ring, this ring rank's block of the sequence); a module with
+  several pathways (Cosmos 3's prefix and generation streams) has one output per pathway, each returning to the
+  shards of its own query's stream;
+* the module's ``forward`` arguments laid out for every head (``HeadParallel.arguments``: a KV cache the pipeline
+  allocates and the processor writes in place, a per-head RoPE table): each tensor becomes this rank's heads, a
+  view (so writes land in the caller's buffer) or, where Ulysses pads the heads, a padded copy written back.
+
+Grouped KV heads (``HeadParallel.input_heads``) exchange their own count, repeated per query head where the ranks'
+shares would not line up; packed 2-D streams ``(S, H·D)`` exchange along dim 0.
 
 Between the two the processor sees the sequence as on one device, so positions, masks, ``BlockMask`` s and key/value
 caches (each rank caching its heads) apply unchanged; its attention calls are not routed (they run locally, on the
