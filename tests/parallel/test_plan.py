@@ -521,6 +521,8 @@ def test_split_output_like_takes_the_shards_of_its_input() -> None:
         splitter.split_like(out[:, :40], 1, 3, "attn", "x")
     with pytest.raises(ValueError, match=r"SplitOutput\.like"):
         SplitOutput(1, like=None)
+    with pytest.raises(ValueError, match=r"SplitOutput\.like='y' is not a split input"):
+        _plan(outputs={"transformer_blocks.*.attn": SplitOutput(1, like="y")})
 
 
 def test_local_only_routing_is_a_routing() -> None:

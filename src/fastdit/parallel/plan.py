@@ -792,6 +792,13 @@ class ContextParallelPlan:
         for name in self.attention.mask_segments:
             if name not in split_names:
                 raise ValueError(f"AttentionRouting.mask_segments: {name!r} is not a split input of the plan")
+        for path, splits in self.outputs.items():
+            for spec in splits:
+                if spec.like and spec.like not in split_names:
+                    raise ValueError(
+                        f"ContextParallelPlan.outputs[{path!r}]: SplitOutput.like={spec.like!r} is not a split input "
+                        "of the plan"
+                    )
         for path, args in self.inputs.items():
             for name, split in args.items():
                 if not isinstance(split, SplitInput):
