@@ -106,6 +106,17 @@ def test_qwenimage21_usp_matches_single_process(dist4: WorkerPool) -> None:
 
 
 def test_head_parallel_spec_errors() -> None:
+    with pytest.raises(ValueError, match=r"HeadParallel\.queries"):
+        HeadParallel(inputs=("to_q", "add_q"), output=("to_out", "to_add_out"), queries=("to_q",))
+    with pytest.raises(ValueError, match=r"HeadParallel\.input_heads\['to_x'\]"):
+        HeadParallel(inputs=("to_q",), output="to_out", input_heads={"to_x": "num_key_value_heads"})
+    with pytest.raises(ValueError, match=r"HeadParallel\.arguments\['kv_cache'\]"):
+        HeadParallel(inputs=("to_q",), output="to_out", arguments={"kv_cache": "2"})
+    with pytest.raises(ValueError, match=r"HeadParallel\.optional"):
+        HeadParallel(inputs=("to_q",), output="to_out", optional=("to_gate",))
+    spec = HeadParallel(inputs=("to_q", "add_q"), output=("to_out", "to_add_out"), queries=("to_q", "add_q"))
+    assert spec.outputs == ("to_out", "to_add_out")
+    assert HeadParallel(inputs=("to_q", "to_k"), output="to_out.0").queries == ("to_q",)
     with pytest.raises(ValueError, match=r"HeadParallel\.inputs"):
         HeadParallel(inputs=(), output="to_out.0")
     with pytest.raises(ValueError, match=r"HeadParallel\.inputs"):
@@ -207,7 +218,12 @@ MESH_SPECS = {
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize(("family", "variant"), [("qwenimage21", "t2i"), ("kandinsky6_sr", "vsr")])
+# AnyFlow-FAR: TP's per-block KV-cache view, sliced again to the rank's heads; Cosmos 3: TP-divided query and KV
+# heads, exchanged per pathway.
+@pytest.mark.parametrize(
+    ("family", "variant"),
+    [("qwenimage21", "t2i"), ("kandinsky6_sr", "vsr"), ("anyflow_far", "t2v"), ("cosmos3", "t2v")],
+)
 def test_head_parallel_with_tensor_parallel_and_usp(dist4: WorkerPool, family: str, variant: str) -> None:
     from fastdit.diagnostics.family_ladder import RungSpec, assert_rows, run_family_ladder
 
@@ -223,3 +239,43 @@ def test_head_parallel_in_compiled_blocks_with_cache(dist2: WorkerPool) -> None:
     specs = [RungSpec("ulysses2-cache-bn1-compiled", {"ulysses": 2}, cache_bn=1, compile=True)]
     overrides = cached_call_overrides("qwenimage21", "t2i")
     assert_rows(dist2.run(run_family_ladder, "qwenimage21", "t2i", specs, overrides, timeout=600))
+
+
+def _exchange(u: int, ulysses: int):
+    from fastdit.parallel.attention.head_parallel import _Exchange
+
+    exchange = _Exchange.__new__(_Exchange)
+    exchange.ulysses, exchange.ring, exchange.u, exchange.r = ulysses, 1, u, 0
+    return exchange
+
+
+def test_head_arguments_are_views_of_the_rank_heads_or_padded_copies_written_back() -> None:
+    from fastdit.parallel.attention.head_parallel import _Call
+
+    cache = torch.arange(2 * 5 * 3, dtype=torch.float32).view(2, 5, 3)  # (2, heads, L): 5 heads
+    # Ulysses 2 of 5 heads: 3 each (one zero head padded on rank 1).
+    call = _Call(heads=5, local_heads=3)
+    view = _exchange(0, 2).local_argument({"c": [cache]}, 1, call, "attn(kv_cache=)")["c"][0]
+    assert view.data_ptr() == cache.data_ptr() and view.shape == (2, 3, 3) and not call.write_back
+    padded = _exchange(1, 2).local_argument(cache, 1, call, "attn(kv_cache=)")
+    assert padded.shape == (2, 3, 3) and torch.equal(padded[:, :2], cache[:, 3:]) and not padded[:, 2].any()
+    ((target, copy, dim),) = call.write_back
+    padded[:, 0] = -1.0  # the processor writes its real heads; the leave hook copies them back
+    target.copy_(copy.narrow(dim, 0, target.shape[dim]))
+    assert (cache[:, 3] == -1).all() and (cache[:, 4] != -1).all()
+    # A flattened H·D dim ({ndim: dim}) takes the rank's heads' columns; a rank of its own is refused clearly.
+    table = torch.arange(4 * 6, dtype=torch.float32).view(1, 4, 6)  # (B, S, H·D) with 2 heads of 3
+    half = _exchange(1, 2).local_argument(table, {3: 2}, _Call(heads=2, local_heads=1), "attn(rope=)")
+    assert torch.equal(half, table[..., 3:])
+    with pytest.raises(ValueError, match=r"attn\(rope=\) got a 2-D tensor"):
+        _exchange(0, 2).local_argument(table[0], {3: 2}, _Call(heads=2, local_heads=1), "attn(rope=)")
+    with pytest.raises(ValueError, match="not a multiple of 4 heads"):
+        _exchange(0, 2).local_argument(table, 2, _Call(heads=4, local_heads=2), "attn(rope=)")
+
+
+def test_grouped_heads_are_exchanged_as_they_are_or_repeated_per_query_head() -> None:
+    exchange = _exchange(0, 2)
+    assert exchange.grouped(4, 2) == (2, 1)  # one KV head per rank beside its two query heads
+    assert exchange.grouped(2, 1) == (1, 2)  # one KV head for two ranks: repeated per query head
+    assert _exchange(0, 4).grouped(6, 2) == (2, 3)  # 2 query heads per rank would cut the groups of 3
+    assert _exchange(0, 3).grouped(4, 2) == (2, 1)  # padded: [q0 q1 | kv0], [q2 q3 | kv1], [pad | pad]

@@ -558,3 +558,44 @@ def test_tail_split_passes_whole_when_its_input_was_not_split_and_refuses_a_long
     assert spec.adjust(rows, unsplit, "local_seq") is rows
     with pytest.raises(ShardError, match="local_seq has 7 tokens along dim 1, more than hidden_states"):
         spec.adjust(torch.zeros(1, 7, 2), _tail_splitter(0, [3, 3]), "local_seq")
+
+
+# --- whole frames of a tuple layout: SplitInput.unit "name[i]", LocalExtent.index, SplitOutput.like ---
+
+
+def test_unit_and_extent_read_elements_of_a_tuple_argument() -> None:
+    from fastdit.parallel.plan import unit_argument
+
+    assert unit_argument("THW[2]") == ("THW", 2) and unit_argument("width") == ("width", None)
+    splitter = _tail_splitter(1, [32, 16])  # rank 1 of 2: one of three frames of 16 tokens
+    splitter.layout.record("x", [32, 16])
+    assert LocalExtent(of="x", index=0).adjust((3, 4, 4), splitter, "HW") == (1, 4, 4)
+    assert LocalExtent(of="x", index=0).adjust(None, splitter, "HW") is None  # not a tuple: unchanged
+    with pytest.raises(ValueError, match=r"LocalExtent\.index"):
+        LocalExtent(of="x", index="0")
+
+
+def test_split_output_like_takes_the_shards_of_its_input() -> None:
+    splitter = _tail_splitter(0, [32, 16])
+    splitter.layout.record("x", [32, 16])
+    out = torch.arange(48).view(1, 48, 1)
+    assert splitter.split_like(out, 1, 3, "attn", "x").flatten().tolist() == list(range(32))
+    assert splitter.split_like(out, 1, 3, "attn", "y") is out  # "y" not split in this forward: whole
+    with pytest.raises(ValueError, match=r"SplitOutput\.like"):
+        splitter.split_like(out[:, :40], 1, 3, "attn", "x")
+    with pytest.raises(ValueError, match=r"SplitOutput\.like"):
+        SplitOutput(1, like=None)
+    with pytest.raises(ValueError, match=r"SplitOutput\.like='y' is not a split input"):
+        _plan(outputs={"transformer_blocks.*.attn": SplitOutput(1, like="y")})
+
+
+def test_local_only_routing_is_a_routing() -> None:
+    from fastdit.models import sana_wm
+
+    assert AttentionRouting(local=("blocks.*.cross_attn",)).local == ("blocks.*.cross_attn",)
+    transformer = sana_wm.tiny_transformer(0)
+    validate_plan(transformer, sana_wm.CP_PLAN, 2)  # also its "THW[1]" units, checked by the argument's name
+    unit = {"blocks.0": {"x": SplitInput(1, 3, unit=("TWH[1]",))}}
+    plan = ContextParallelPlan(inputs=unit, gather=sana_wm.CP_PLAN.gather, attention=sana_wm.CP_PLAN.attention)
+    with pytest.raises(ValueError, match=r"no argument 'TWH\[1\]'"):
+        validate_plan(transformer, plan, 2)

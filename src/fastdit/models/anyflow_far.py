@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, HeadParallel, SplitInput
 from fastdit.parallel.tp_plan import LocalArgument, TensorParallelPlan
 from fastdit.parallel.tp_shapes import wan_tp_plan
 
@@ -86,6 +87,37 @@ TP_PLAN = TensorParallelPlan(
     "cache passed as a view of the rank's heads; scale_shift_table modulation and the embedders whole.",
 )
 
+# Context parallelism: the tokens (the chunk's noisy tokens in a denoising call, the clean chunks so far in a prefill)
+# split at blocks.0 and the per-token modulation (timestep_proj, (B, S, 6, D); (B, 1, 6, D) broadcast) at every
+# block; gathered after the last block (norm_out's modulation is per token, built whole by forward). The causal
+# self-attention works on the global sequence: it writes the KV cache by global token index, concatenates the cached
+# keys and values with the chunk's own, and the prefill attends through a flex BlockMask over the padded sequence. So
+# it is head-parallel: q/k/v leave norm_q / norm_k (RMSNorms over the whole width, exact on a token shard) and to_v as
+# the whole sequence of this rank's heads; the RoPE dict is passed whole (forward builds it for the global positions
+# and trims the query table to the chunk); each block's KV cache ((2, B, heads, L, D) tensors) becomes this rank's
+# heads (`arguments`), so each rank caches its heads in the pipeline's buffer. Cross-attention to the text is local.
+CP_PLAN = ContextParallelPlan(
+    inputs={
+        "blocks.0": {"hidden_states": SplitInput(dim=1, expected_dims=3)},
+        "blocks.*": {"temb": SplitInput(dim=1, expected_dims=4, keep_singleton=True)},
+    },
+    gather={"blocks.-1": GatherOutput(dim=1, expected_dims=3)},
+    attention=AttentionRouting(
+        head_parallel={
+            "blocks.*.attn1": HeadParallel(
+                inputs=("norm_q", "norm_k", "to_v"),
+                output="to_out.0",
+                divide=("heads",),
+                arguments={"kv_cache": 2},
+            )
+        },
+        local=("blocks.*.attn2",),
+    ),
+    notes="Tokens split at blocks.0 and the per-token modulation at every block; causal self-attention "
+    "head-parallel (its KV cache writes, cache concatenation and prefill BlockMask on the whole sequence of the "
+    "rank's heads, each rank caching its heads); cross-attention local; gathered after the last block.",
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="anyflow_far",
@@ -93,6 +125,7 @@ ADAPTER = register(
         block_groups=(BlockGroup(path="blocks", pattern=ForwardPattern.P2),),
         # The prefill call writes every block's KV cache: it must compute every block, and is no denoising step.
         unstepped_calls={"kv_cache_flag": ({"is_cache_step": True},)},
+        cp_plan=CP_PLAN,
         tp_plan=TP_PLAN,
         cfg_parallel=False,
         tiny_pipelines=(TinyPipeline(name="t2v", build=tiny_anyflow_far, call_kwargs=_CALL),),
@@ -114,10 +147,13 @@ ADAPTER = register(
             "Chunk-wise causal generation: a run of denoising steps per chunk, attending to the KV cache of the "
             "earlier chunks; between chunks a prefill call (`kv_cache_flag['is_cache_step']`, timestep 0) writes "
             "every block's KV cache, declared an unstepped call (computed in full, not counted). Per-frame "
-            "timesteps (B, F) and a per-token modulation, as in `anyflow`. No context-parallel plan: the blocks' "
-            "causal processor concatenates the cached keys and values with the chunk's own before attention and "
-            "writes the cache by global token index, and the prefill attends through a flex BlockMask over the whole "
-            "padded sequence, neither of which a token shard can take. No CFG parallelism: the two branches share "
+            "timesteps (B, F) and a per-token modulation, as in `anyflow`. Context parallelism splits the tokens of "
+            "every call (the chunk in a denoising call, the clean chunks in a prefill); the causal processor joins "
+            "the cached keys and values with the chunk's own, writes the cache by global token index and attends "
+            "through a flex BlockMask over the padded sequence in the prefill, so its self-attention is "
+            "head-parallel (`AttentionRouting.head_parallel`): it runs unchanged on the whole sequence of the "
+            "rank's heads, and each rank caches its heads in the pipeline's buffer (`HeadParallel.arguments`). "
+            "No CFG parallelism: the two branches share "
             "one batched KV cache that the pipeline allocates for both (batch 2B) and every block writes in place, "
             "which a split batch would leave half written."
         ),

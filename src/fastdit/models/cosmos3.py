@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, HeadParallel, SplitInput
 from fastdit.parallel.tp_plan import Colwise, Rowwise, Style, TensorParallelPlan
 from fastdit.parallel.tp_shapes import under
 
@@ -108,6 +109,35 @@ TP_PLAN = TensorParallelPlan(
     "replicated.",
 )
 
+# Context parallelism: both packed 2-D streams (S, D) split along their tokens at layers.0 and gathered after the
+# last layer (forward reads the predictions by global index from the joined sequence). The attention works on the
+# global sequence: the prefix pathway is causal over the whole prefix and the generation queries attend to
+# [prefix keys, generation keys], so it is head-parallel with two pathways: the six projections leave as the whole
+# stream of this rank's heads (the QK-norms are per head, after them; k/v have num_key_value_heads, kept in step
+# with the query heads so every rank's GQA groups match), each pathway's result returns to its own stream's shard
+# before to_out / to_add_out. The rotary tables (S, head_dim) are per stream and pass whole.
+_PATHWAYS = HeadParallel(
+    inputs=("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"),
+    output=("to_out", "to_add_out"),
+    queries=("to_q", "add_q_proj"),
+    heads="num_attention_heads",
+    divide=("num_attention_heads", "num_key_value_heads"),
+    input_heads={p: "num_key_value_heads" for p in ("to_k", "to_v", "add_k_proj", "add_v_proj")},
+)
+CP_PLAN = ContextParallelPlan(
+    inputs={
+        "layers.0": {
+            "und_seq": SplitInput(dim=0, expected_dims=2),
+            "gen_seq": SplitInput(dim=0, expected_dims=2),
+        }
+    },
+    gather={"layers.-1": GatherOutput(dim=0, expected_dims=2, index=(0, 1))},
+    attention=AttentionRouting(head_parallel={"layers.*.self_attn": _PATHWAYS}),
+    notes="Prefix and generation streams split at layers.0; both attention pathways head-parallel (the causal "
+    "prefix and the generation attention to [prefix, generation] on the whole streams of the rank's query and KV "
+    "heads); gathered after the last layer.",
+)
+
 _CALL = {
     "prompt": "a cat holding a sign",
     "negative_prompt": "blue",
@@ -146,16 +176,18 @@ ADAPTER = register(
                 },
             ),
         ),
+        cp_plan=CP_PLAN,
         tp_plan=TP_PLAN,
         notes=(
             "The prompt is embedded by the transformer itself (no text encoder); the understanding prefix and the "
             "generation tokens are packed 2-D streams (no batch dim) with mRoPE position ids over the joint "
             "sequence. CFG: cond / uncond calls in cache contexts. The pipeline's default guardrail downloads its "
             "models (the tiny pipeline turns it off). T2I (num_frames=1), I2V, V2V, sound and action generation "
-            "run the same transformer call. No context-parallel plan: the prefix pathway is causal attention "
-            "(is_causal=True), which context-parallel attention does not take, and its keys also feed the "
-            "generation pathway, so the prefix cannot be left whole either; the model's own CP seams "
-            "(_cp_shard_fn / _cp_gather_fn) expect an external helper."
+            "run the same transformer call. Context parallelism splits both packed streams (prefix and generation) "
+            "along their tokens; the prefix pathway is causal attention (is_causal=True) and its keys also feed the "
+            "generation pathway, so the attention is head-parallel with two pathways: each runs unchanged on the "
+            "whole streams of the rank's query heads and their KV heads (a Ulysses degree that would split the GQA "
+            "groups unevenly is refused). The model's own CP seams (_cp_shard_fn / _cp_gather_fn) stay unset."
         ),
     )
 )

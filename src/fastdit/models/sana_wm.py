@@ -16,6 +16,16 @@ from __future__ import annotations
 from fastdit.models._lazy import LazyKwargs, tiny_image
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import (
+    AttentionRouting,
+    ContextParallelPlan,
+    GatherInput,
+    GatherOutput,
+    Halo,
+    LocalExtent,
+    SplitInput,
+    SplitOutput,
+)
 from fastdit.parallel.tp_plan import Colwise, Rowwise, TensorParallelPlan
 from fastdit.parallel.tp_shapes import under
 
@@ -86,6 +96,42 @@ TP_PLAN = TensorParallelPlan(
 )
 
 
+# Context parallelism. The tokens are frame-major (frames, height, width): split at blocks.0 in whole latent frames
+# (units of THW[1]·THW[2] tokens), so the block's per-frame modulation (t, (B, 1, T, 6·C), split along its frames
+# alike: both cut T frames the same way) and its reshape to (B, frames, -1, C) stay exact on a shard; the per-token
+# Plucker embedding splits with the tokens. The self-attention of every block cannot run on a shard, nor on the
+# rank's heads: the GDN blocks run a bidirectional recurrence over the frames (each frame's state feeds the next),
+# after a 4-frame convolution over K, with per-frame gates pooled from the input over each frame and QK-norms over
+# the whole width (across heads) between the fused qkv projection and the recurrence, so no exchange point lies
+# between whole-sequence and whole-head work; the softmax blocks share that camera branch and those gates. So each
+# block's self-attention module gathers its input (GatherInput) and runs on the whole sequence on every rank (its
+# THW, RoPE table, camera conditions and UCPE transforms are global, passed whole), and its output is split back
+# (SplitOutput): exact, the attention computed redundantly. The Mix-FFN runs on the rank's frames (its THW narrowed
+# to the rank's frames by LocalExtent): the 3x3 spatial convolution is per frame, the temporal (3, 1) convolution
+# gets a one-frame halo. Cross-attention to the prompt is local. Gathered after the last block (the final layer's
+# modulation is per frame).
+_FRAMES = ("THW[1]", "THW[2]")
+CP_PLAN = ContextParallelPlan(
+    inputs={
+        "blocks.0": {"x": SplitInput(dim=1, expected_dims=3, unit=_FRAMES)},
+        "blocks.*": {
+            "t": SplitInput(dim=2, expected_dims=4),
+            "plucker_emb": SplitInput(dim=1, expected_dims=3, unit=_FRAMES),
+        },
+        "blocks.*.attn": {"x": GatherInput(dim=1, expected_dims=3)},
+        "blocks.*.mlp": {"HW": LocalExtent(of="x", index=0)},
+    },
+    outputs={"blocks.*.attn": SplitOutput(dim=1, expected_dims=3, like="x")},
+    gather={"blocks.-1": GatherOutput(dim=1, expected_dims=3)},
+    halo={"blocks.*.mlp.t_conv": Halo(dim=2, size=1)},
+    attention=AttentionRouting(local=("blocks.*.cross_attn",)),
+    notes="Split at blocks.0 in whole latent frames, the per-frame modulation and the Plucker embedding alike; each "
+    "self-attention (GDN recurrence over the frames, or softmax) gathered and computed whole on every rank, its "
+    "output split back; the Mix-FFN on the rank's frames with a one-frame temporal halo; cross-attention local; "
+    "gathered after the last block.",
+)
+
+
 def _call() -> dict:
     return {
         "image": tiny_image(_SIZE),
@@ -132,16 +178,21 @@ ADAPTER = register(
                 },
             ),
         ),
+        cp_plan=CP_PLAN,
         tp_plan=TP_PLAN,
         notes=(
             "Image-and-camera-to-video: the pipeline needs an image, a prompt, a camera trajectory (`c2w` or an "
             "`action` string) and intrinsics. CFG is batched in one call without cache contexts; the first latent "
             "frame is pinned with a per-frame timestep of 0 (the step is read from the largest). "
-            "No context-parallel plan: the self-attention of most blocks is a bidirectional gated delta rule, a "
-            "recurrence over the frames whose state after each frame feeds the next (and a 4-frame short "
-            "convolution over K), so a sequence split in frames would need a scan across the ranks, and a split "
-            "inside frames breaks its per-frame pooling and scaling; plans split at module boundaries cannot express "
-            "either."
+            "Context parallelism splits the tokens in whole latent frames. The self-attention of most blocks is a "
+            "bidirectional gated delta rule, a recurrence over the frames whose state after each frame feeds the "
+            "next (after a 4-frame short convolution over K, with gates pooled per frame and QK-norms across the "
+            "heads), which neither a token shard nor a head shard can run: every block's self-attention module "
+            "gathers its input and runs on the whole sequence on every rank, its output split back (exact; the "
+            "attention is not sped up, the cross-attention, Mix-FFN and modulation are). The optional "
+            "`frame_valid_mask` (padded frames; never passed by the pipeline) is not split by the plan: under "
+            "context parallelism each block refuses it (`frame_valid_mask shape mismatch`: the global frames "
+            "against the rank's)."
         ),
     )
 )

@@ -19,6 +19,7 @@ from __future__ import annotations
 from fastdit.models._lazy import Deferred, LazyKwargs
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
+from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, HeadParallel, SplitInput
 from fastdit.parallel.tp_plan import TensorParallelPlan
 from fastdit.parallel.tp_shapes import feed_forward, under
 
@@ -97,6 +98,43 @@ TP_PLAN = TensorParallelPlan(
     "pipeline), the unused audio tower, AdaLN tables and embedders replicated.",
 )
 
+# Context parallelism: the window's tokens split at transformer_blocks.0 and the modulation (temb, (B, S, 6·D) per
+# token or (B, 1, 6·D)) at every block; gathered after the last block (norm_out's modulation is built whole). The
+# self-attention prepends the cached sink and history keys/values to the window's own, and the pipeline trims the
+# history by a global token count (`history[:, -keep_tokens:]`), so it is head-parallel: q/k/v leave norm_q / norm_k
+# (RMSNorms over the whole width) and to_v, and the optional per-head gate logits leave to_gate_logits, as the whole
+# window of this rank's heads; what the cache captures is then the whole window of the rank's heads, so the trim
+# keeps the right keys and every rank's cache holds its heads. The RoPE tables the pipeline builds for the window
+# and the sink hold every head ((B, H, S, r) for split RoPE, (B, S, H·D) interleaved): each becomes this rank's
+# heads. Cross-attention to the prompt is local.
+_AUDIO_ATTENTION = ("audio_attn1", "audio_attn2", "audio_to_video_attn", "video_to_audio_attn")
+CP_PLAN = ContextParallelPlan(
+    inputs={
+        "transformer_blocks.0": {"hidden_states": SplitInput(dim=1, expected_dims=3)},
+        "transformer_blocks.*": {"temb": SplitInput(dim=1, expected_dims=3, keep_singleton=True)},
+    },
+    gather={"transformer_blocks.-1": GatherOutput(dim=1, expected_dims=3)},
+    attention=AttentionRouting(
+        head_parallel={
+            "transformer_blocks.*.attn1": HeadParallel(
+                inputs=("norm_q", "norm_k", "to_v", "to_gate_logits"),
+                output="to_out.0",
+                divide=("heads",),
+                arguments={"query_rotary_emb": {4: 1, 3: 2}, "sink_rotary_emb": {4: 1, 3: 2}},
+                optional=("to_gate_logits", "sink_rotary_emb"),
+            )
+        },
+        # The prompt cross-attention, and the audio tower's attentions (built for the checkpoint, never run).
+        local=(
+            "transformer_blocks.*.attn2",
+            *(f"transformer_blocks.*.{a}" for a in _AUDIO_ATTENTION),
+        ),
+    ),
+    notes="Window tokens split at transformer_blocks.0 and the modulation at every block; self-attention "
+    "head-parallel (sink and history KV cache, captured and trimmed on the whole window of the rank's heads; RoPE "
+    "tables sliced to the rank's heads); cross-attention local; gathered after the last block.",
+)
+
 _CALL = {
     "sana_latent": Deferred(stage1_latent),
     "prompt": "a cat holding a sign",
@@ -125,15 +163,17 @@ ADAPTER = register(
             ),
         ),
         unstepped_calls={"kv_cache_mode": ("capture_pre_rope", "inject_and_capture_post_rope")},
+        cp_plan=CP_PLAN,
         tp_plan=TP_PLAN,
         cfg_parallel=False,
         notes=(
             "Refines a stage-1 latent (`sana_latent`, a tensor) window by window with a sliding KV cache: every "
             "window is a 3-step run of its own, and the two key-capturing calls at timestep 0 are unstepped calls. "
-            "The pipeline returns a bare tensor (latents without a VAE, frames with one). No context-parallel plan: "
-            "the pipeline trims each layer's cached history to the last `kv_max_frames - sink_size` frames by a "
-            "global token count (`history[:, -keep_tokens:]`), which on a rank's shard of the tokens keeps the wrong "
-            "keys, and the cache lives outside the model where no plan reaches. No CFG parallelism: the refiner runs "
+            "The pipeline returns a bare tensor (latents without a VAE, frames with one). Context parallelism splits "
+            "the window's tokens; the pipeline trims each layer's cached history by a global token count "
+            "(`history[:, -keep_tokens:]`), so the self-attention is head-parallel: the cache captures the whole "
+            "window of the rank's heads and the trim keeps the right keys; the pipeline's RoPE tables are sliced "
+            "to the rank's heads (`HeadParallel.arguments`). No CFG parallelism: the refiner runs "
             "one conditional call per step (distilled, no guidance)."
         ),
     )

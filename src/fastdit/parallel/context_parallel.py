@@ -62,6 +62,7 @@ from fastdit.parallel.plan import (
     match_modules,
     passes_whole,
     sdpa_call_paths,
+    unit_argument,
     validate_plan,
 )
 from fastdit.parallel.runtime import ParallelRuntime
@@ -145,6 +146,23 @@ class _Splitter:
                 self.degree,
                 sizes,
             )
+        return tensor.narrow(dim, sum(sizes[: self.rank]), sizes[self.rank])
+
+    def split_like(self, tensor: Any, dim: int, expected_dims: int | None, name: str, like: str) -> Any:
+        """``tensor``, as long along ``dim`` as the split input ``like``, split with that input's shard sizes."""
+        if isinstance(tensor, (tuple, list)):
+            return type(tensor)(self.split_like(t, dim, expected_dims, name, like) for t in tensor)
+        if not isinstance(tensor, torch.Tensor) or (expected_dims is not None and tensor.ndim != expected_dims):
+            return tensor
+        sizes = self.layout.splits.get(like)
+        if sizes is None:
+            return tensor  # ``like`` is whole in this forward
+        if sum(sizes) != tensor.shape[dim]:  # global sizes: every rank raises alike
+            raise ValueError(
+                f"context parallel: {name} has {tensor.shape[dim]} tokens along dim {dim}, but {like} (SplitOutput."
+                f"like) was split from {sum(sizes)}"
+            )
+        self.layout.record(name, list(sizes))
         return tensor.narrow(dim, sum(sizes[: self.rank]), sizes[self.rank])
 
     def split_segments(
@@ -292,7 +310,10 @@ class _ArgPositions:
         """The product of the integer arguments a ``SplitInput.unit`` names (1 without a unit)."""
         unit = 1
         for name in getattr(spec, "unit", ()):
-            value = self.args.param(name, args, kwargs)  # validated: a forward parameter
+            param, element = unit_argument(name)
+            value = self.args.param(param, args, kwargs)  # validated: a forward parameter
+            if element is not None:  # "THW[1]": an element of a tuple argument
+                value = value[element] if isinstance(value, (tuple, list)) and element < len(value) else value
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"context parallel: split unit {name!r} is {value!r}, not an int")
             unit *= value
@@ -355,13 +376,17 @@ class _OutputHook(layers.LayerHook):
     def post(self, module: torch.nn.Module, output: Any) -> Any:
         for spec in self.splits:
             name = self.path if spec.index is None else f"{self.path}[{spec.index}]"
+
+            def split(value: Any, spec: SplitOutput = spec, name: str = name) -> Any:
+                if spec.like:
+                    return self.splitter.split_like(value, spec.dim, spec.expected_dims, name, spec.like)
+                return self.splitter.split(value, spec.dim, spec.expected_dims, name, 1, spec.keep_singleton)
+
             if spec.index is None:
-                output = self.splitter.split(output, spec.dim, spec.expected_dims, name, 1, spec.keep_singleton)
+                output = split(output)
             else:
                 items = list(output)
-                items[spec.index] = self.splitter.split(
-                    items[spec.index], spec.dim, spec.expected_dims, name, 1, spec.keep_singleton
-                )
+                items[spec.index] = split(items[spec.index])
                 output = type(output)(items) if isinstance(output, tuple) else items
         if self.gather is not None:
             spec = self.gather

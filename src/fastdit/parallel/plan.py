@@ -110,6 +110,15 @@ class Splitter(Protocol):
     def gather(self, tensor: Any, dim: int, expected_dims: int | None) -> Any: ...
 
 
+_UNIT_ELEMENT = re.compile(r"^(\w+)\[(\d+)\]$")
+
+
+def unit_argument(unit: str) -> tuple[str, int | None]:
+    """The ``forward`` argument a :attr:`SplitInput.unit` entry names, and the tuple element (``"THW[1]"``) or None."""
+    match = _UNIT_ELEMENT.match(unit)
+    return (match[1], int(match[2])) if match else (unit, None)
+
+
 @dataclass(frozen=True)
 class SplitInput:
     """Split a ``forward`` argument along ``dim`` over the context-parallel ranks.
@@ -139,6 +148,8 @@ class SplitInput:
         unit: Names of integer arguments of the same ``forward`` whose product is the split granularity: shards hold
             whole multiples of it (``("width",)``: whole rows of a flattened ``(height, width)`` grid, as a
             convolution over the grid needs). The size along ``dim`` must be a multiple of it. ``()``: single tokens.
+            ``"name[i]"`` names element ``i`` of a tuple argument (SANA-WM's ``("THW[1]", "THW[2]")``: whole frames
+            of a ``(frames, height, width)`` layout).
         keep_singleton: Whether a tensor of size 1 along ``dim`` passes whole, broadcasting over the tokens (a RoPE
             table of one row, a per-sample modulation where another variant of the model passes one per token):
             ``True`` always, ``False`` never (it is refused as too short for the ranks), ``None`` (default) unless
@@ -250,15 +261,23 @@ class SplitOutput:
         expected_dims: As for :class:`SplitInput`.
         index: Element of a tuple/list output to split; ``None`` if the output is a tensor.
         keep_singleton: As for :class:`SplitInput` (a RoPE module returning one row that broadcasts).
+        like: Name of a plain :class:`SplitInput` of the plan (split earlier in the same forward) whose shard sizes
+            the output takes, its length along ``dim`` being that input's global length: the output of a module that
+            ran on the gathered sequence (:class:`GatherInput`) goes back to the shards of an input split in whole
+            units (SANA-WM's frames), which a plain split of the length would not reproduce. An input not split in
+            this forward leaves the output whole. ``""``: a plain split of the output's length.
     """
 
     dim: int
     expected_dims: int | None = None
     index: int | None = None
     keep_singleton: bool | None = None
+    like: str = ""
 
     def __post_init__(self) -> None:
         _check_dim("SplitOutput", self.dim, self.expected_dims)
+        if not isinstance(self.like, str):
+            raise ValueError(f"SplitOutput.like={self.like!r}: expected the name of a split input, or ''")
 
 
 @dataclass(frozen=True)
@@ -381,13 +400,18 @@ class LocalExtent:
     ``ValueError`` alike (the check uses all ranks' lengths). As for :class:`LeadingCount`, non-``int`` values and an
     :attr:`of` not split in this forward pass unchanged, and extents at a module are adjusted after its splits.
 
+    With :attr:`index`, the argument is a tuple of extents (SANA-WM's ``HW = (frames, height, width)``) and only
+    that element is replaced.
+
     Attributes:
         of: Name of a :class:`SplitInput` of the plan whose tokens the grid holds.
         position: As for :class:`LeadingCount`.
+        index: Element of a tuple argument that is the extent; ``None``: the argument itself.
     """
 
     of: str
     position: int | None = None
+    index: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.of, str) or not self.of:
@@ -396,12 +420,20 @@ class LocalExtent:
             not isinstance(self.position, int) or isinstance(self.position, bool) or self.position < 0
         ):
             raise ValueError(f"LocalExtent.position={self.position!r}: must be a non-negative integer or None")
+        if self.index is not None and (not isinstance(self.index, int) or isinstance(self.index, bool)):
+            raise ValueError(f"LocalExtent.index={self.index!r}: must be an integer or None")
 
     reads_record = True  # narrowed from this forward's split record of ``of``
 
     def adjust(self, value: Any, splitter: Splitter, name: str, unit: int = 1) -> Any:
         """``value`` narrowed to this rank's shard of :attr:`of`."""
-        return splitter.extent(value, self.of)
+        if self.index is None:
+            return splitter.extent(value, self.of)
+        if not isinstance(value, (tuple, list)) or not -len(value) <= self.index < len(value):
+            return value  # not the tuple of extents (e.g. None): passes unchanged, like any non-int extent
+        items = list(value)
+        items[self.index] = splitter.extent(items[self.index], self.of)
+        return type(value)(items)
 
 
 @dataclass(frozen=True)
@@ -531,29 +563,90 @@ class HeadParallel:
         inputs: Sub-module paths (relative to the attention module) whose outputs are exchanged to head shards, the
             query's first: its lengths give the output's shards. Name the last module before the processor reshapes
             by heads and after anything that mixes heads (a QK-norm over the whole width: ``norm_q``, not ``to_q``).
-        output: Sub-module path whose first input is exchanged back to token shards (``"to_out.0"``).
+        output: Sub-module path whose first input is exchanged back to token shards (``"to_out.0"``), or a tuple of
+            them for a module with several pathways (Cosmos 3's ``("to_out", "to_add_out")``).
         heads: Attribute of the attention module giving its head count (read when the module starts).
         divide: Attributes of the attention module proportional to the heads (``heads``, ``inner_dim``) that the
             processor reshapes with: each is replaced by this rank's share (``value * local_heads // heads``) while
             the module runs, then restored. ``()``: the processor infers the head count from the tensors.
+        queries: For each output, the input whose token lengths it returns to (its pathway's query); ``()``: the
+            first input for every output.
+        input_heads: Input sub-module -> attribute of the attention module giving that input's head count, for
+            inputs with fewer heads than :attr:`heads` (grouped-query keys and values: ``num_key_value_heads``). Each
+            rank takes the KV heads of its query heads' groups: its share of them where the shares line up, else
+            (fewer KV heads than ranks) every KV head repeated per query head of its group. A :attr:`divide`
+            attribute named here takes the exchanged count's share.
+        arguments: ``forward`` argument of the attention module -> its heads dim, for arguments laid out for every
+            head (a per-head RoPE table, a key/value cache the caller allocates and the processor writes in place):
+            each tensor in it (nested in ``dict`` / ``list`` / ``tuple``) becomes this rank's heads along that dim
+            (``size / heads`` entries per head: a flattened ``H·D`` dim works too). A view where the rank's heads are
+            all real; where Ulysses pads the heads, a zero-padded copy whose real heads are written back after the
+            call if the processor changed them. A ``{ndim: dim}`` mapping picks the dim by the tensor's rank (a table
+            ``(B, H, S, r)`` or ``(B, S, H·D)`` by configuration).
+        optional: Inputs, outputs or arguments that may be absent (a sub-module set to ``None`` by configuration).
+
+    Tensors may be batched ``(B, S, ·)`` or packed ``(S, ·)`` (2-D, no batch dim): packed ones exchange along dim 0.
     """
 
     inputs: tuple[str, ...]
-    output: str
+    output: str | tuple[str, ...]
     heads: str = "heads"
     divide: tuple[str, ...] = ()
+    queries: tuple[str, ...] = ()
+    input_heads: Mapping[str, str] = field(default_factory=dict)
+    arguments: Mapping[str, int | Mapping[int, int]] = field(default_factory=dict)
+    optional: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", _names("HeadParallel.inputs", self.inputs))
         object.__setattr__(self, "divide", _names("HeadParallel.divide", self.divide, allow_empty=True))
-        for name in ("output", "heads"):
-            value = getattr(self, name)
-            if not isinstance(value, str) or not value:
-                raise ValueError(f"HeadParallel.{name}={value!r}: expected a name")
-        if len(set(self.inputs)) != len(self.inputs) or self.output in self.inputs:
+        object.__setattr__(self, "optional", _names("HeadParallel.optional", self.optional, allow_empty=True))
+        if isinstance(self.output, str):
+            if not self.output:
+                raise ValueError(f"HeadParallel.output={self.output!r}: expected a name")
+        else:
+            object.__setattr__(self, "output", _names("HeadParallel.output", self.output))
+        if not isinstance(self.heads, str) or not self.heads:
+            raise ValueError(f"HeadParallel.heads={self.heads!r}: expected a name")
+        subs = (*self.inputs, *self.outputs)
+        if len(set(subs)) != len(subs):
             raise ValueError(
                 f"HeadParallel.inputs={self.inputs!r}, output={self.output!r}: each sub-module is exchanged once"
             )
+        queries = _names("HeadParallel.queries", self.queries, allow_empty=True)
+        if queries and (len(queries) != len(self.outputs) or not set(queries) <= set(self.inputs)):
+            raise ValueError(
+                f"HeadParallel.queries={queries!r}: one input of {self.inputs!r} per output of {self.outputs!r}"
+            )
+        object.__setattr__(self, "queries", queries or (self.inputs[0],) * len(self.outputs))
+        input_heads = dict(self.input_heads)
+        for sub, attr in input_heads.items():
+            if sub not in self.inputs or not isinstance(attr, str) or not attr:
+                raise ValueError(
+                    f"HeadParallel.input_heads[{sub!r}]={attr!r}: expected an input of {self.inputs!r} -> an attribute"
+                )
+        object.__setattr__(self, "input_heads", MappingProxyType(input_heads))
+        arguments = {}
+        for name, dim in dict(self.arguments).items():
+            dims = dim if isinstance(dim, Mapping) else {None: dim}
+            if (
+                not isinstance(name, str)
+                or not name
+                or not all(isinstance(d, int) and not isinstance(d, bool) for d in dims.values())
+            ):
+                raise ValueError(f"HeadParallel.arguments[{name!r}]={dim!r}: expected a name -> a dim or {{ndim: dim}}")
+            arguments[name] = MappingProxyType(dict(dim)) if isinstance(dim, Mapping) else dim
+        object.__setattr__(self, "arguments", MappingProxyType(arguments))
+        unknown = set(self.optional) - set(subs) - set(arguments)
+        if unknown:
+            raise ValueError(
+                f"HeadParallel.optional={self.optional!r}: {sorted(unknown)} are no inputs, outputs or arguments"
+            )
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        """The output sub-modules (:attr:`output` as a tuple)."""
+        return (self.output,) if isinstance(self.output, str) else self.output
 
 
 @dataclass(frozen=True)
@@ -640,10 +733,12 @@ class AttentionRouting:
             object.__setattr__(self, name, tuple(getattr(self, name)))
         object.__setattr__(self, "mask_segments", tuple(self.mask_segments))
         object.__setattr__(self, "local", tuple(self.local))
-        if not any(getattr(self, name) for name in kinds) and not self.linear and not self.head_parallel:
+        # Only ``local``: every attention runs on what its module holds (a plan that gathers the sequence for each
+        # module mixing tokens, SANA-WM's recurrent attentions, leaves nothing to route).
+        if not any(getattr(self, name) for name in kinds) and not (self.linear or self.head_parallel or self.local):
             raise ValueError(
-                "AttentionRouting: modules, sdpa_modules, dispatch_modules and sdpa_calls are empty, and linear and "
-                "head_parallel too; name a module"
+                "AttentionRouting: modules, sdpa_modules, dispatch_modules and sdpa_calls are empty, and linear, "
+                "head_parallel and local too; name a module"
             )
         both = set(self.modules) & set(self.dispatch_modules)
         if both:
@@ -726,6 +821,13 @@ class ContextParallelPlan:
         for name in self.attention.mask_segments:
             if name not in split_names:
                 raise ValueError(f"AttentionRouting.mask_segments: {name!r} is not a split input of the plan")
+        for path, splits in self.outputs.items():
+            for spec in splits:
+                if spec.like and spec.like not in split_names:
+                    raise ValueError(
+                        f"ContextParallelPlan.outputs[{path!r}]: SplitOutput.like={spec.like!r} is not a split input "
+                        "of the plan"
+                    )
         for path, args in self.inputs.items():
             for name, split in args.items():
                 if not isinstance(split, SplitInput):
@@ -983,7 +1085,7 @@ def validate_plan(
             where = f"{name!r} ({type(module).__name__})" if name else cls
             for arg, spec in args.items():
                 for unit in getattr(spec, "unit", ()):
-                    if unit not in params:
+                    if unit_argument(unit)[0] not in params:
                         raise ValueError(
                             f"context-parallel plan: {where}.forward has no argument {unit!r} (SplitInput.unit of "
                             f"{arg!r}, path {path!r}); its arguments are {params}"
@@ -1029,7 +1131,10 @@ def _validate_attention(
         and n not in heads
         and not _below(n, inline)
     ]
-    if not attention and not linear and not inline and not heads:
+    # A routing that names only ``local`` modules means it (every attention runs locally); one that names modules to
+    # route but leaves nothing for them is a mistake.
+    local_only = not any((routing.modules, routing.sdpa_modules, routing.dispatch_modules, routing.sdpa_calls))
+    if not attention and not linear and not inline and not heads and not (local and local_only):
         raise ValueError(f"context-parallel plan: {type(transformer).__name__} has no attention processors to route")
     for path, module in attention:
         processor = module.processor
@@ -1076,16 +1181,28 @@ def _validate_head_parallel(
 ) -> None:
     """The sub-modules and attributes a :class:`HeadParallel` names exist on the attention module at ``path``."""
     where = f"AttentionRouting.head_parallel: {path!r} ({type(module).__name__})"
-    for sub in (*spec.inputs, spec.output):
+    for sub in (*spec.inputs, *spec.outputs):
         try:
-            module.get_submodule(sub)
+            found = module.get_submodule(sub)
         except AttributeError:
-            raise ValueError(f"context-parallel plan: {where} has no sub-module {sub!r}") from None
+            found = None
+        if found is None and sub not in spec.optional:
+            raise ValueError(f"context-parallel plan: {where} has no sub-module {sub!r}")
     heads = getattr(module, spec.heads, None)
     if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
         raise ValueError(f"context-parallel plan: {where}.{spec.heads}={heads!r} is not a head count")
+    for sub, attr in spec.input_heads.items():
+        count = getattr(module, attr, None)
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1 or heads % count:
+            raise ValueError(
+                f"context-parallel plan: {where}.{attr}={count!r} (HeadParallel.input_heads[{sub!r}]) is not a head "
+                f"count dividing its {heads} heads"
+            )
+    grouped = set(spec.input_heads.values())  # checked above, and divided by their own share when the module runs
     for name in spec.divide:
         value = getattr(module, name, None)
+        if name in grouped:
+            continue
         if not isinstance(value, int) or isinstance(value, bool) or value % heads:
             raise ValueError(
                 f"context-parallel plan: {where}.{name}={value!r} (HeadParallel.divide) is not an integer multiple of "

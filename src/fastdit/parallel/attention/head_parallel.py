@@ -17,7 +17,15 @@ need the exchange earlier. For a :class:`~fastdit.parallel.plan.HeadParallel` mo
   all-gathered, so every rank holds the whole sequence of its heads; USP does the all-to-all inside the Ulysses group,
   then the all-gather over the ring;
 * the output projection: its input, the processor's result ``(B, S_global, H_local·D)``, goes back to this rank's
-  tokens with every head (the inverse all-to-all; under ring, this ring rank's block of the sequence).
+  tokens with every head (the inverse all-to-all; under ring, this ring rank's block of the sequence); a module with
+  several pathways (Cosmos 3's prefix and generation streams) has one output per pathway, each returning to the
+  shards of its own query's stream;
+* the module's ``forward`` arguments laid out for every head (``HeadParallel.arguments``: a KV cache the pipeline
+  allocates and the processor writes in place, a per-head RoPE table): each tensor becomes this rank's heads, a
+  view (so writes land in the caller's buffer) or, where Ulysses pads the heads, a padded copy written back.
+
+Grouped KV heads (``HeadParallel.input_heads``) exchange their own count, repeated per query head where the ranks'
+shares would not line up; packed 2-D streams ``(S, H·D)`` exchange along dim 0.
 
 Between the two the processor sees the sequence as on one device, so positions, masks, ``BlockMask`` s and key/value
 caches (each rank caching its heads) apply unchanged; its attention calls are not routed (they run locally, on the
@@ -28,6 +36,7 @@ record, or from one exchange when a split was uneven), so all ranks make the sam
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -50,7 +59,12 @@ class _Call:
     heads: int
     local_heads: int
     saved: list[tuple[str, Any]] = field(default_factory=list)
-    query_lens: list[int] | None = None
+    # Input sub-module -> every rank's token count of what it returned (the outputs' shards).
+    lens: dict[str, list[int]] = field(default_factory=dict)
+    # Input sub-module -> (its head count, the repeat of each head before the exchange) (HeadParallel.input_heads).
+    input_heads: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # (the caller's real heads of a head argument, the zero-padded copy the processor received, the heads dim).
+    write_back: list[tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=list)
 
 
 def _rank(group: dist.ProcessGroup | None, degree: int) -> int:
@@ -71,8 +85,8 @@ class _Exchange:
         return -(-heads // self.ulysses)
 
     def lengths(self, x: torch.Tensor) -> list[int]:
-        """Every rank's token count of ``x`` (cp-group order: ring-major)."""
-        return [row[0] for row in self.marker.shard_lengths([x.shape[1]], x.device)]
+        """Every rank's token count of ``x`` (cp-group order: ring-major); packed 2-D tensors have no batch dim."""
+        return [row[0] for row in self.marker.shard_lengths([x.shape[0 if x.ndim == 2 else 1]], x.device)]
 
     def _ulysses_lens(self, lens: list[int]) -> list[int]:
         return lens[self.r * self.ulysses : (self.r + 1) * self.ulysses]
@@ -80,9 +94,60 @@ class _Exchange:
     def _ring_lens(self, lens: list[int]) -> list[int]:
         return [sum(lens[j * self.ulysses : (j + 1) * self.ulysses]) for j in range(self.ring)]
 
+    def grouped(self, heads: int, count: int) -> tuple[int, int]:
+        """How an input of ``count`` grouped heads (KV heads of ``heads`` query heads) is exchanged: (count, repeat).
+
+        Each rank's query heads ``[u·L, (u+1)·L)`` must meet the KV heads of their groups. Where ``ceil(count / U)``
+        KV heads per rank line up with the ``L = ceil(heads / U)`` query heads (``count · L == heads · ceil(count /
+        U)``) they are exchanged as they are; otherwise (fewer KV heads than ranks, or groups cut by the padding)
+        every KV head is repeated once per query head of its group, so the input exchanges like the queries.
+        """
+        if count * self.local_heads(heads) == heads * self.local_heads(count):
+            return count, 1
+        return count, heads // count
+
+    def local_argument(self, value: Any, dim: int | Mapping[int, int], call: _Call, where: str) -> Any:
+        """This rank's heads of every tensor in a ``forward`` argument laid out for every head (``arguments``)."""
+        if isinstance(value, torch.Tensor):
+            d = dim.get(value.ndim) if isinstance(dim, Mapping) else dim
+            if d is None:
+                raise ValueError(
+                    f"context parallel: {where} got a {value.ndim}-D tensor; HeadParallel.arguments gives its heads "
+                    f"dim for {sorted(dim)}-D tensors only"
+                )
+            d = d % value.ndim
+            size = value.shape[d]
+            if size % call.heads:
+                raise ValueError(
+                    f"context parallel: {where} has size {size} along its heads dim {d}, not a multiple of "
+                    f"{call.heads} heads"
+                )
+            per_head = size // call.heads
+            first = self.u * call.local_heads
+            real = max(0, min(call.heads, first + call.local_heads) - first)
+            if real == call.local_heads:
+                return value.narrow(d, first * per_head, real * per_head)
+            # Padded heads (Ulysses degree not dividing the heads): a copy with zero heads appended; whatever the
+            # processor writes into the real ones goes back to the caller's tensor after the call.
+            shape = list(value.shape)
+            shape[d] = call.local_heads * per_head
+            padded = value.new_zeros(shape)
+            if real:
+                target = value.narrow(d, first * per_head, real * per_head)
+                padded.narrow(d, 0, real * per_head).copy_(target)
+                call.write_back.append((target, padded, d))
+            return padded
+        if isinstance(value, dict):
+            return type(value)((k, self.local_argument(v, dim, call, where)) for k, v in value.items())
+        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+            return type(value)(self.local_argument(v, dim, call, where) for v in value)
+        return value
+
     @torch.compiler.disable
     def to_heads(self, x: torch.Tensor, heads: int, lens: list[int], where: str) -> torch.Tensor:
         """``(B, S_local, H·D)`` or ``(B, S_local, H, D)`` token shard -> the whole sequence of this rank's heads."""
+        if x.ndim == 2:  # packed (S, H·D): a batch of one
+            return self.to_heads(x.unsqueeze(0), heads, lens, where).squeeze(0)
         flat = x.ndim == 3
         if flat and x.shape[-1] % heads:
             raise ValueError(f"context parallel: {where} returned width {x.shape[-1]}, not a multiple of {heads} heads")
@@ -102,11 +167,15 @@ class _Exchange:
         return x_BSHD.flatten(2) if flat else x_BSHD
 
     @torch.compiler.disable
-    def to_tokens(self, y: torch.Tensor, call: _Call, where: str) -> torch.Tensor:
+    def to_tokens(self, y: torch.Tensor, call: _Call, query: str, where: str) -> torch.Tensor:
         """The processor's ``(B, S_global, H_local·D)`` result -> this rank's tokens with every head."""
-        lens = call.query_lens
+        lens = call.lens.get(query)
         if lens is None:
-            raise RuntimeError(f"context parallel: {where} ran before its query was exchanged (HeadParallel.inputs)")
+            raise RuntimeError(
+                f"context parallel: {where} ran before its query {query!r} was exchanged (HeadParallel.inputs)"
+            )
+        if y.ndim == 2:  # packed (S, H·D): a batch of one
+            return self.to_tokens(y.unsqueeze(0), call, query, where).squeeze(0)
         if y.ndim != 3 or y.shape[1] != sum(lens) or y.shape[-1] % call.local_heads:
             raise ValueError(
                 f"context parallel: {where} received shape {tuple(y.shape)}; HeadParallel expects (B, {sum(lens)}, "
@@ -138,6 +207,26 @@ def _gather_tokens(x_BSHD: torch.Tensor, group: dist.ProcessGroup | None, lens: 
     return torch.cat([p[:, :n] for p, n in zip(parts, lens, strict=True)], dim=1)
 
 
+def _find(module: torch.nn.Module, sub: str) -> torch.nn.Module | None:
+    """The sub-module at ``sub``, or None where the configuration leaves it out (HeadParallel.optional)."""
+    try:
+        return module.get_submodule(sub)
+    except AttributeError:
+        return None
+
+
+def _positions(module: torch.nn.Module, spec: HeadParallel) -> dict[str, int]:
+    """Positional index (after ``self``) of each of ``spec.arguments`` in the module's ``forward``."""
+    if not spec.arguments:
+        return {}
+    params = [
+        p.name
+        for p in inspect.signature(module.forward).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    return {name: params.index(name) for name in spec.arguments if name in params}
+
+
 def install_head_parallel(
     transformer: torch.nn.Module, paths: Mapping[str, HeadParallel], marker: ContextParallelAttention
 ) -> Callable[[], None]:
@@ -160,41 +249,80 @@ def install_head_parallel(
 
     for path, spec in paths.items():
         module = transformer.get_submodule(path)
+        positions = _positions(module, spec)
 
-        def enter(mod: torch.nn.Module, args: tuple, *, spec: HeadParallel = spec) -> None:
+        def enter(
+            mod: torch.nn.Module,
+            args: tuple,
+            kwargs: dict,
+            *,
+            spec: HeadParallel = spec,
+            where=path,
+            positions=positions,
+        ) -> Any:
             heads = getattr(mod, spec.heads)
             call = _Call(heads=heads, local_heads=exchange.local_heads(heads))
+            grouped: dict[str, int] = {}
+            for sub, attr in spec.input_heads.items():
+                count, repeat = exchange.grouped(heads, getattr(mod, attr))
+                call.input_heads[sub] = (count, repeat)
+                grouped[attr] = exchange.local_heads(count * repeat)
             for name in spec.divide:
                 value = getattr(mod, name)
                 call.saved.append((name, value))
-                setattr(mod, name, value * call.local_heads // heads)
+                # A grouped head count (KV heads) takes the share its exchange gives each rank.
+                setattr(mod, name, grouped[name] if name in grouped else value * call.local_heads // heads)
             calls().append(call)
+            if not spec.arguments:
+                return None
+            args, kwargs = list(args), dict(kwargs)
+            for name, dim in spec.arguments.items():
+                if name in kwargs:
+                    kwargs[name] = exchange.local_argument(kwargs[name], dim, call, f"{where}({name}=)")
+                elif positions.get(name, len(args)) < len(args):
+                    i = positions[name]
+                    args[i] = exchange.local_argument(args[i], dim, call, f"{where}({name}=)")
+            return tuple(args), kwargs
 
         def leave(mod: torch.nn.Module, args: tuple, output: Any) -> None:
             call = calls().pop()
             for name, value in call.saved:
                 setattr(mod, name, value)
+            for target, padded, dim in call.write_back:
+                part = padded.narrow(dim, 0, target.shape[dim])
+                if not torch.equal(part, target):
+                    target.copy_(part)
 
-        handles.append(module.register_forward_pre_hook(enter))
+        handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))
         handles.append(module.register_forward_hook(leave, always_call=True))
-        for i, sub in enumerate(spec.inputs):
+        for sub in spec.inputs:
+            sub_module = _find(module, sub)
+            if sub_module is None:
+                continue  # optional, absent in this configuration (validated)
             where = f"{path}.{sub}"
 
-            def to_heads(mod: torch.nn.Module, args: tuple, output: Any, *, first: bool = i == 0, where=where) -> Any:
+            def to_heads(mod: torch.nn.Module, args: tuple, output: Any, *, sub=sub, where=where) -> Any:
                 call = current(where)
                 lens = exchange.lengths(output)
-                if first:
-                    call.query_lens = lens
-                return exchange.to_heads(output, call.heads, lens, where)
+                call.lens[sub] = lens
+                count, repeat = call.input_heads.get(sub, (call.heads, 1))
+                if repeat > 1:  # KV heads too few to split with the query heads: each repeated per query head
+                    output = output.unflatten(-1, (count, -1)).repeat_interleave(repeat, dim=-2).flatten(-2)
+                return exchange.to_heads(output, count * repeat, lens, where)
 
-            handles.append(module.get_submodule(sub).register_forward_hook(to_heads))
+            handles.append(sub_module.register_forward_hook(to_heads))
 
-        def to_tokens(mod: torch.nn.Module, args: tuple, *, where: str = f"{path}.{spec.output}") -> tuple:
-            return (exchange.to_tokens(args[0], current(where), where), *args[1:])
+        for out, query in zip(spec.outputs, spec.queries, strict=True):
+            out_module = _find(module, out)
+            if out_module is None:
+                continue
 
-        # Before any other pre-hook of the output projection: tensor parallelism's turns its input into a DTensor
-        # sharded over the heads, which must see this rank's tokens with all of its (TP-local) heads.
-        handles.append(module.get_submodule(spec.output).register_forward_pre_hook(to_tokens, prepend=True))
+            def to_tokens(mod: torch.nn.Module, args: tuple, *, where: str = f"{path}.{out}", query=query) -> tuple:
+                return (exchange.to_tokens(args[0], current(where), query, where), *args[1:])
+
+            # Before any other pre-hook of the output projection: tensor parallelism's turns its input into a DTensor
+            # sharded over the heads, which must see this rank's tokens with all of its (TP-local) heads.
+            handles.append(out_module.register_forward_pre_hook(to_tokens, prepend=True))
 
     def undo() -> None:
         for handle in handles:
