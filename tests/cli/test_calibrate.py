@@ -65,6 +65,7 @@ def test_calibrate_then_generate_from_the_file(calibration_dir: Path, capsys: An
     assert "chosen on runs of num_steps=12, asked to serve num_steps=10" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # the same search as the PSNR target's, to its other stopping rule (tests/bench covers both)
 def test_speedup_target(tmp_path: Path, capsys: Any) -> None:
     out = tmp_path / "fast.json"
     assert main(["calibrate", "--target-speedup", "2", "--policies", "dbcache", *SMALL, "--out", str(out)]) == 0
@@ -72,6 +73,7 @@ def test_speedup_target(tmp_path: Path, capsys: Any) -> None:
     assert isinstance(loaded.config, DBCache) and loaded.provenance["calibration"]["blocks_computed_fraction"] <= 0.5
 
 
+@pytest.mark.slow
 def test_unreachable_target_writes_nothing(tmp_path: Path, capsys: Any) -> None:
     out = tmp_path / "never.json"
     argv = ["calibrate", "--target-speedup", "50", "--policies", "dbcache", *SMALL, "--out", str(out)]
