@@ -33,6 +33,7 @@ from fastdit.cli.options import (
     check_size,
     configure_threads,
     output_path,
+    parse_seeds,
     resolve_device,
     resolve_dtype,
     resolve_source,
@@ -99,18 +100,6 @@ class _Plan:
     out: Path
 
 
-def _seeds(text: str) -> list[int]:
-    try:
-        seeds = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise CLIError(f"argument --seeds {text}: expected comma-separated integers") from None
-    if not seeds or min(seeds) < 0:
-        raise CLIError(f"argument --seeds {text}: expected one or more non-negative integers")
-    for seed in seeds:
-        check_positive("--seeds", seed, allow_zero=True)
-    return seeds
-
-
 def _configs(text: str, num_steps: int | None, model: str) -> list[tuple[str, Any]]:
     specs = [spec.strip() for spec in text.split(";") if spec.strip()]
     if not specs:
@@ -138,7 +127,7 @@ def _plan(args: argparse.Namespace) -> _Plan:
         check_writable(out, directory=True)
     except OSError as error:
         raise CLIError(f"argument --out {args.out}: {error.filename} {error.strerror}") from None
-    seeds = _seeds(args.seeds)
+    seeds = parse_seeds("--seeds", args.seeds)
     source, pipeline_class = resolve_source(args)
     try:
         kwargs = call_arguments(pipeline_class, source.defaults, call_values(args, pipeline_class))

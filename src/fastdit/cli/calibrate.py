@@ -39,6 +39,7 @@ from fastdit.cli.options import (
     check_size,
     configure_threads,
     output_path,
+    parse_seeds,
     resolve_device,
     resolve_dtype,
     resolve_source,
@@ -107,16 +108,6 @@ class _Plan:
     dtype: Any
 
 
-def _seeds(option: str, text: str) -> tuple[int, ...]:
-    try:
-        seeds = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise CLIError(f"argument {option} {text}: expected comma-separated integers") from None
-    if not seeds or min(seeds) < 0:
-        raise CLIError(f"argument {option} {text}: expected one or more non-negative integers")
-    return seeds
-
-
 def _target(args: argparse.Namespace) -> Target:
     try:
         return Target(psnr=args.target_psnr, speedup=args.target_speedup, ssim=args.ssim_min, margin_db=args.margin)
@@ -143,7 +134,8 @@ def _plan(args: argparse.Namespace) -> _Plan:
     check_positive("--prompts", args.prompts)
     check_positive("--batch", args.batch)
     target, policies = _target(args), _policies(args.policies)
-    seeds, heldout = _seeds("--seeds", args.seeds), _seeds("--heldout-seeds", args.heldout_seeds)
+    seeds = tuple(parse_seeds("--seeds", args.seeds))
+    heldout = tuple(parse_seeds("--heldout-seeds", args.heldout_seeds))
     shared = sorted(set(seeds) & set(heldout))
     if shared:
         raise CLIError(f"argument --heldout-seeds {args.heldout_seeds}: seeds {shared} are calibration seeds too")

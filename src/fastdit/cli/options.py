@@ -73,6 +73,7 @@ __all__ = [
     "output_path",
     "parse_parallel",
     "parse_quantize",
+    "parse_seeds",
     "parse_value",
     "resolve_device",
     "resolve_dtype",
@@ -465,6 +466,23 @@ def cache_from_spec(spec: str, num_steps: int | None, option: str = "--configs",
     if preset == NO_CACHE and overrides:
         raise CLIError(f"argument {option}: {spec!r}: preset {NO_CACHE!r} takes no fields")
     return _build(preset, overrides, num_steps, f"{option} {spec!r}", model)
+
+
+def parse_seeds(option: str, text: str) -> list[int]:
+    """Read a comma-separated list of non-negative seeds (``--seeds 0,1``).
+
+    Raises:
+        CLIError: On a piece that is not an integer, a negative seed or an empty list, naming ``option``.
+    """
+    try:
+        seeds = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise CLIError(f"argument {option} {text}: expected comma-separated integers") from None
+    if not seeds or min(seeds) < 0:
+        raise CLIError(f"argument {option} {text}: expected one or more non-negative integers")
+    for seed in seeds:
+        check_positive("--seeds", seed, allow_zero=True)  # the seed limit, whichever option gave it
+    return seeds
 
 
 def parse_parallel(text: str, num_processes: int) -> Parallel:
