@@ -67,7 +67,8 @@ LAYOUTS = ("single", "ulysses", "ring", "usp", "tp", "tp_ulysses", "cfg", "cfg_u
 # schedule computing every other step (random weights never hit a residual threshold: this measures the mechanics).
 # blockgraph: CUDA graphs per block (CudaGraph(scope="blocks")) even without a cache.
 # q8: FP8 rowwise quantization of the blocks' linears (fastdit.Quantize); cacheK: the fixed schedule computes every
-# K-th step (cache = cache2).
+# K-th step (cache = cache2); magP: MagCache preset P (balanced, fast, ultra) with the reference pipeline's packaged
+# calibration, so its steps compute on the schedule they compute on there (28 steps only; whole steps skipped).
 OPTIONS = (
     "compile",
     "graph",
@@ -80,6 +81,9 @@ OPTIONS = (
     "cache3",
     "cache4",
     "q8",
+    "magbalanced",
+    "magfast",
+    "magultra",
 )
 ANCHOR_MODES = ("diffusers_ulysses", "cachedit_ulysses", "diffusers_tp")
 VAE_FLUX = {"block_out_channels": (128, 256, 512, 512), "layers_per_block": 2}
@@ -193,8 +197,14 @@ def timed(run: Callable[[], Any], args: argparse.Namespace, device: torch.device
     return result, max_across_processes(statistics.median(times), device)
 
 
-def cache_for(options: list[str], steps: int) -> fastdit.DBCache | None:
-    """F1B0 computing every K-th step (a fixed schedule; ``cache``: K = 2, ``cacheK``), or ``None`` without one."""
+def cache_for(options: list[str], steps: int) -> fastdit.DBCache | fastdit.MagCache | None:
+    """F1B0 computing every K-th step (a fixed schedule; ``cache``: K = 2, ``cacheK``), a MagCache preset on the
+    reference calibration (``magP``), or ``None`` without one."""
+    preset = next((o.removeprefix("mag") for o in options if o.startswith("mag")), None)
+    if preset is not None:
+        from fastdit.cache.magcache import magcache_preset, reference_calibration
+
+        return magcache_preset(preset, reference_calibration(steps))
     every = next((2 if o == "cache" else int(o.removeprefix("cache")) for o in options if o.startswith("cache")), None)
     if every is None:
         return None
@@ -349,12 +359,30 @@ def run_modes(
             (images, latents), seconds = timed(call, args, device)
             if mode in args.profile.split(","):
                 profiles.append(profile_call(call, mode, rank, device))
+            computed = blocks_computed(pipe)
         finally:
             undo()
         if baseline is None:
             baseline = (images, latents, seconds)
-        rows.append({**score(mode, seconds, images, latents, baseline, world_size), **memory, **peak_memory(device)})
+        row = {**score(mode, seconds, images, latents, baseline, world_size), **memory, **peak_memory(device)}
+        rows.append({**row, **computed})
     return rows, profiles, steps, size
+
+
+def blocks_computed(pipe: Any) -> dict[str, Any]:
+    """The cache's share of block evaluations computed and its cached steps in the last call (empty without one)."""
+    try:
+        cache = fastdit.summary(pipe).transformers.get("transformer", {}).get("cache")
+    except ValueError:  # the mode applied nothing
+        return {}
+    if not cache:
+        return {}
+    branches = cache["branches"].values()
+    total = sum(b["blocks_total"] for b in branches)
+    return {
+        "blocks_computed": round(sum(b["blocks_computed"] for b in branches) / max(total, 1), 4),
+        "cached_steps": sum(len(b["cached_steps"]) for b in branches),
+    }
 
 
 def model_memory(device: torch.device) -> dict[str, float]:
