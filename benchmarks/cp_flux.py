@@ -68,7 +68,8 @@ LAYOUTS = ("single", "ulysses", "ring", "usp", "tp", "tp_ulysses", "cfg", "cfg_u
 # blockgraph: CUDA graphs per block (CudaGraph(scope="blocks")) even without a cache.
 # q8: FP8 rowwise quantization of the blocks' linears (fastdit.Quantize); cacheK: the fixed schedule computes every
 # K-th step (cache = cache2); magP: MagCache preset P (balanced, fast, ultra) with the reference pipeline's packaged
-# calibration, so its steps compute on the schedule they compute on there (28 steps only; whole steps skipped).
+# calibration, so its steps compute on the schedule they compute on there (28 steps only; whole steps skipped);
+# vae: with compile, the VAE decoder is compiled too (Compile(vae=True)).
 OPTIONS = (
     "compile",
     "graph",
@@ -84,6 +85,7 @@ OPTIONS = (
     "magbalanced",
     "magfast",
     "magultra",
+    "vae",
 )
 ANCHOR_MODES = ("diffusers_ulysses", "cachedit_ulysses", "diffusers_tp")
 VAE_FLUX = {"block_out_channels": (128, 256, 512, 512), "layers_per_block": 2}
@@ -251,7 +253,7 @@ def compile_for(options: list[str]) -> fastdit.Compile | None:
     """The Compile config of a mode's options (``graph`` alone graphs eager kernels, without dynamo)."""
     if not {"compile", "cudagraphs"} & set(options):
         return None
-    return fastdit.Compile(mode="reduce-overhead" if "cudagraphs" in options else None)
+    return fastdit.Compile(mode="reduce-overhead" if "cudagraphs" in options else None, vae="vae" in options)
 
 
 def graphs_for(options: list[str]) -> fastdit.CudaGraph | None:

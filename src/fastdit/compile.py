@@ -3,6 +3,9 @@
 Each block's own computation is compiled as the ``compiled`` stage of its :class:`~fastdit.hooks.blocks.BlockRunner`,
 beneath every fastdit layer: cache hooks (which read host values to decide) and parallel splits stay eager around
 it. Repeated blocks share one compiled graph per block class and shape (dynamo caches by code object).
+
+With ``Compile(vae=True)`` each VAE's decoder module is compiled whole as well (:func:`apply_vae_compile`): it runs once
+per image after the denoising loop, with no fastdit layer inside it.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from fastdit.hooks import blocks as block_runner
 from fastdit.hooks import layers
 from fastdit.hooks.state import Applied
 
-__all__ = ["apply_compile"]
+__all__ = ["apply_compile", "apply_vae_compile", "vae_decoder"]
 
 
 def _options(config: Compile) -> dict:
@@ -33,5 +36,26 @@ def apply_compile(modules: Sequence[torch.nn.Module], config: Compile) -> Applie
     def restore() -> None:
         for fn in reversed(undo):
             fn()
+
+    return Applied(restore)
+
+
+def vae_decoder(vae: torch.nn.Module) -> torch.nn.Module | None:
+    """The module a VAE decodes latents with (its ``decoder`` submodule), or ``None`` when it has none."""
+    decoder = getattr(vae, "decoder", None)
+    return decoder if isinstance(decoder, torch.nn.Module) else None
+
+
+def apply_vae_compile(vaes: Sequence[torch.nn.Module], config: Compile) -> Applied:
+    """Compile the decoder of every VAE in ``vaes`` (``nn.Module.compile``: the module keeps its identity, so the
+    pipeline's calls go through the compiled code); return the undo."""
+    decoders = [vae_decoder(vae) for vae in vaes]
+    for decoder in decoders:
+        assert decoder is not None, "checked by the compile technique"
+        decoder.compile(**_options(config))
+
+    def restore() -> None:
+        for decoder in decoders:
+            decoder._compiled_call_impl = None  # what nn.Module.compile set: calls go to the eager forward again
 
     return Applied(restore)

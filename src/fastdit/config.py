@@ -520,7 +520,8 @@ _GRAPHING_MODES = ("reduce-overhead", "max-autotune")
 
 @dataclass(frozen=True, kw_only=True)
 class Compile:
-    """torch.compile settings for the transformer blocks (cache decisions stay outside compiled code)."""
+    """torch.compile settings for the transformer blocks (cache decisions stay outside compiled code), and
+    optionally the VAE decoders."""
 
     backend: str = _doc("torch.compile backend.", "inductor")
     mode: str | None = _doc("torch.compile mode, e.g. 'max-autotune-no-cudagraphs'.", None)
@@ -538,10 +539,16 @@ class Compile:
     )
     graph_warmup: int = _doc("Calls per input signature run normally before the CUDA graph is captured.", 2)
     max_graphs: int = _doc("Input signatures captured per transformer; later new signatures run without a graph.", 8)
+    vae: bool = _doc(
+        "Also compile each VAE's decoder (its norms and activations fuse; the decode is part of every image's "
+        "time). Not with Parallel(vae=True), whose row bands exchange halos between the decoder's layers.",
+        False,
+    )
 
     def __post_init__(self) -> None:
         _check_fields(
             self,
+            vae=_BOOL,
             backend=_TEXT,
             mode=_optional(_TEXT),
             fullgraph=_BOOL,

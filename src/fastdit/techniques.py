@@ -402,14 +402,50 @@ class _Compile:
         return request.compile is not None
 
     def check(self, request: Request, components: Components) -> None:
-        pass  # Compile validates itself; graph breaks surface at the first call
+        # Compile validates its own fields; graph breaks surface at the first call.
+        if request.compile.vae:
+            _check_vae_compile(request, components)
 
     def apply(self, context: Context) -> None:
-        from fastdit.compile import apply_compile
+        from fastdit.compile import apply_compile, apply_vae_compile
+        from fastdit.components.registry import VAE
 
         for item in context.components.denoisers:
             applied = apply_compile([block for _, block in item.blocks()], context.request.compile)
             context.add(self.name, item.name, applied.undo)
+        if context.request.compile.vae:
+            for item in context.components.of(VAE):
+                context.add("compile.vae", item.name, apply_vae_compile([item.module], context.request.compile).undo)
+
+
+def _check_vae_compile(request: Request, components: Components) -> None:
+    """``Compile(vae=True)`` needs VAEs with a decoder module, and no VAE parallelism around their layers."""
+    from fastdit.compile import vae_decoder
+    from fastdit.components.registry import VAE
+
+    config = request.compile
+    if request.parallel is not None and request.parallel.vae:
+        raise ArgumentError(
+            "accelerate",
+            "compile",
+            config,
+            "Compile(vae=True) with Parallel(vae=True): the parallel decode exchanges row halos between the decoder's "
+            "layers, which a compiled decoder would trace through; compile the blocks only (vae=False) or decode "
+            "without VAE parallelism",
+        )
+    vaes = components.of(VAE)
+    if not vaes:
+        what = "a bare transformer" if components.pipeline is None else type(components.pipeline).__name__
+        raise ArgumentError("accelerate", "compile", config, f"Compile(vae=True): {what} has no VAE fastdit knows")
+    for item in vaes:
+        if vae_decoder(item.module) is None:
+            cls = type(item.module)
+            raise ArgumentError(
+                "accelerate",
+                "compile",
+                config,
+                f"Compile(vae=True): {item.name} ({cls.__qualname__}) has no `decoder` module to compile",
+            )
 
 
 class _CudaGraph:

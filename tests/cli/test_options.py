@@ -18,7 +18,7 @@ from fastdit.cli.options import (
     parse_quantize,
     parse_value,
 )
-from fastdit.config import DBCache, DBPrune, Parallel, Quantize, StepMask, TaylorSeer
+from fastdit.config import Compile, DBCache, DBPrune, Parallel, Quantize, StepMask, TaylorSeer
 from fastdit.errors import FieldError, FieldsError
 from fastdit.testing.pipelines import build_tiny
 
@@ -207,3 +207,13 @@ def test_parse_quantize_rejects(text: str, needle: str) -> None:
     with pytest.raises(CLIError, match="--quantize") as info:
         parse_quantize(text)
     assert needle in str(info.value)
+
+
+def test_compile_vae_flag_compiles_blocks_and_decoder() -> None:
+    """``--compile-vae`` alone asks for compiled blocks and decoders; ``--compile`` alone leaves the VAE eager."""
+    from fastdit.cli.generate import acceleration_options
+
+    assert acceleration_options(_args("--compile-vae"), 4)["compile"] == Compile(vae=True)
+    assert acceleration_options(_args("--compile"), 4)["compile"] == Compile()
+    error = FieldError("Compile", "vae", "x", "must be a bool")
+    assert field_error_message(error, _args("--compile-vae")).startswith("argument --compile-vae: ")

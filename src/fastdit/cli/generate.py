@@ -138,6 +138,11 @@ def add_acceleration_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--compile", action="store_true", help="torch.compile the transformer blocks")
     group.add_argument(
+        "--compile-vae",
+        action="store_true",
+        help="torch.compile the VAE decoders too (implies --compile; not with a parallel VAE decode)",
+    )
+    group.add_argument(
         "--cuda-graph",
         action="store_true",
         help="replay transformer calls as CUDA graphs (CUDA only; with --cache each block is graphed and the cache "
@@ -281,8 +286,8 @@ def acceleration_options(args: argparse.Namespace, num_steps: int | None, model:
         options["parallel"] = with_timeout(args, parse_parallel(args.parallel, num_processes))
     else:
         with_timeout(args, None)  # refuses --dist-timeout alone
-    if args.compile:
-        options["compile"] = Compile()
+    if args.compile or args.compile_vae:
+        options["compile"] = Compile(vae=args.compile_vae)
     if args.cuda_graph:  # graphs without dynamo unless --compile is given too
         options["cuda_graph"] = CudaGraph()
     if args.quantize is not None:
@@ -356,7 +361,7 @@ def plan_from_args(args: argparse.Namespace) -> GeneratePlan:
     device = resolve_device(args.device)
     configure_threads(args.threads, reference=source.reference, device=device)
     video = is_video_pipeline(pipeline_class)
-    default_warmup = 1 if compare or args.compile or args.cuda_graph else 0
+    default_warmup = 1 if compare or args.compile or args.compile_vae or args.cuda_graph else 0
     return GeneratePlan(
         source=source,
         pipeline_class=pipeline_class,

@@ -598,6 +598,7 @@ _ACCELERATION_FIELD_FLAGS: Mapping[tuple[str, str], str] = MappingProxyType(
         **{("Parallel", name): "--parallel" for name, _default, _doc in config_fields(Parallel)},
         ("Compile", "backend"): "--compile",
         ("Compile", "cuda_graph"): "--cuda-graph",
+        ("Compile", "vae"): "--compile-vae",
         **{("CudaGraph", name): "--cuda-graph" for name in ("device", "scope", "warmup", "max_graphs")},
         ("Attention", "backend"): "--attention",
         **{("Offload", name): "--offload" for name, _default, _doc in config_fields(Offload)},
@@ -619,7 +620,7 @@ _CONFIG_FLAGS: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
         **{cls.__name__: ("--cache", "--configs") for cls in (DBCache, DBPrune, TaylorSeer, StepMask)},
         "Parallel": ("--parallel",),
-        "Compile": ("--compile", "--cuda-graph"),
+        "Compile": ("--compile", "--compile-vae", "--cuda-graph"),
         "CudaGraph": ("--cuda-graph",),
         "Attention": ("--attention",),
         "Offload": ("--offload",),
