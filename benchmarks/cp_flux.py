@@ -87,7 +87,8 @@ OPTIONS = (
     "magultra",
     "vae",
 )
-ANCHOR_MODES = ("diffusers_ulysses", "cachedit_ulysses", "diffusers_tp")
+ANCHOR_MODES = ("diffusers_ulysses", "cachedit_ulysses", "diffusers_tp", "diffusers_compile")
+# diffusers_compile: one GPU, diffusers' own compile_repeated_blocks(fullgraph=True) of the transformer.
 VAE_FLUX = {"block_out_channels": (128, 256, 512, 512), "layers_per_block": 2}
 VAE_TINY = {"block_out_channels": (8, 8, 8, 8), "layers_per_block": 1, "norm_num_groups": 8}
 
@@ -264,8 +265,10 @@ def graphs_for(options: list[str]) -> fastdit.CudaGraph | None:
 
 
 def accelerate_anchor(pipe: Any, mode: str, world_size: int) -> Callable[[], None]:
-    """diffusers' or cache-dit's own Ulysses (no undo: these run last, one per process)."""
-    if mode == "diffusers_ulysses":
+    """diffusers' or cache-dit's own Ulysses or compile (no undo: these run last, one per process)."""
+    if mode == "diffusers_compile":
+        pipe.transformer.compile_repeated_blocks(fullgraph=True)
+    elif mode == "diffusers_ulysses":
         from diffusers import ContextParallelConfig
 
         pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world_size))
@@ -282,7 +285,7 @@ def accelerate_anchor(pipe: Any, mode: str, world_size: int) -> Callable[[], Non
 
 
 def library(mode: str) -> str:
-    if mode in ("diffusers_ulysses", "diffusers_tp"):
+    if mode in ("diffusers_ulysses", "diffusers_tp", "diffusers_compile"):
         import diffusers
 
         return f"diffusers {diffusers.__version__}"
@@ -348,7 +351,7 @@ def run_modes(
     rows, baseline, profiles = [], None, []
     for mode in args.modes.split(","):
         if (
-            (mode.split("+")[0] != "single" and world_size == 1)
+            (mode.split("+")[0] not in ("single", "diffusers_compile") and world_size == 1)
             or (mode.split("+")[0] in ("usp", "tp_ulysses", "cfg_ulysses") and (world_size < 4 or world_size % 2))
             or (mode.split("+")[0] == "cfg" and world_size != 2)
         ):
@@ -411,7 +414,7 @@ def score(mode: str, seconds: float, images, latents, baseline, world_size: int)
     return {
         "mode": mode,
         "library": library(mode),
-        "degree": 1 if mode.split("+")[0] == "single" else world_size,  # tp_ulysses: the product
+        "degree": 1 if mode.split("+")[0] in ("single", "diffusers_compile") else world_size,  # tp_ulysses: the product
         "seconds": round(seconds, 4),
         "speedup": round(base_seconds / seconds, 3),
         "psnr": quality.psnr,
