@@ -8,6 +8,7 @@ library and configuration, so each library can run in its own process):
 
     python benchmarks/cache_frontier.py --groups presets,magcache
     python benchmarks/cache_frontier.py --libraries diffusers
+    python benchmarks/cache_frontier.py --groups forecast --out benchmarks/results/2026-12-02_cpu_forecast
     PYTHONPATH=<dir with cache_dit> python benchmarks/cache_frontier.py --libraries cache-dit
 
 MagCache's calibration is the packaged one of the reference transformer (one sample: digit 0, seed 0 — a
@@ -163,14 +164,15 @@ def forecast_candidates(calibration: fastdit.MagCalibration, scale: float) -> di
     out: dict[str, Any] = {}
     for method in FORECAST_METHODS:
         extra = {"hermite_scale": scale} if method == "hermite" else {}
+        label = f"hermite σ{scale:.3g}" if method == "hermite" else method
         for name in FORECAST_PRESETS:
             config = cache_config(name)
             forecast = dataclasses.replace(config.taylorseer, method=method, **extra)
-            out[f"preset:{name} {method}"] = dataclasses.replace(config, taylorseer=forecast)
+            out[f"preset:{name} {label}"] = dataclasses.replace(config, taylorseer=forecast)
         for name in MAGCACHE_PRESETS:
             config = magcache_preset(name, calibration)
             forecast = dataclasses.replace(config.taylorseer, method=method, **extra)
-            out[f"MagCache preset:{name} {method}"] = dataclasses.replace(config, taylorseer=forecast)
+            out[f"MagCache preset:{name} {label}"] = dataclasses.replace(config, taylorseer=forecast)
     return out
 
 

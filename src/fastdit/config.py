@@ -138,7 +138,7 @@ def _doc(text: str, default: Any) -> Any:
     return field(default=default, metadata={"doc": text})
 
 
-_HERMITE_SCALE = 0.5
+_HERMITE_SCALE = math.sqrt(0.5)
 
 
 @dataclass(frozen=True, kw_only=True)
