@@ -152,6 +152,7 @@ def timestep_candidates(calibration: fastdit.MagCalibration) -> dict[str, Any]:
 
 
 FORECAST_METHODS = ("taylor", "hermite", "foca")
+_SCALE = fastdit.TaylorSeer().hermite_scale
 FORECAST_PRESETS = ("balanced", "fast", "ultra")
 
 
@@ -177,7 +178,7 @@ def forecast_candidates(calibration: fastdit.MagCalibration, scale: float) -> di
 
 
 def fastdit_groups(
-    session: Session, groups: set[str], calibration: fastdit.MagCalibration | None, scale: float = 0.5
+    session: Session, groups: set[str], calibration: fastdit.MagCalibration | None, scale: float = _SCALE
 ) -> list[Variant]:
     variants = preset_variants(session, len(transformer_blocks(session))) if "presets" in groups else []
     if "candidates" in groups:
@@ -326,7 +327,9 @@ def main() -> None:
         default="presets,magcache",
         help="fastdit groups: presets, candidates, magcache, magpresets, timestep, forecast",
     )
-    parser.add_argument("--hermite-scale", type=float, default=0.5, help="σ of the 'forecast' group's Hermite rows")
+    parser.add_argument(
+        "--hermite-scale", type=float, default=_SCALE, help="σ of the 'forecast' group's Hermite rows (default 1/√2)"
+    )
     parser.add_argument("--only", default=None, help="regular expression: measure only the matching names")
     parser.add_argument("--recalibrate", action="store_true", help="record MagCache's calibration again (and save it)")
     parser.add_argument("--batch", type=int, default=20, help="images per pipeline call (a cache decides per call)")

@@ -242,3 +242,21 @@ def test_every_method_forecasts_in_dbcache_and_magcache_with_cfg_branches(toy) -
             assert torch.isfinite(outputs[i]).all()
             for j in range(i):
                 assert not torch.equal(outputs[i], outputs[j])  # each method's forecast is the one replayed
+
+
+def test_presets_forecast_as_documented() -> None:
+    from fastdit.cache.magcache import magcache_preset, reference_calibration
+    from fastdit.cache.presets import cache_config
+
+    # FoCa where it won on the calibration and held-out seeds and held on the confirmation seeds (docs/cache.md).
+    assert {name: cache_config(name).taylorseer.method for name in ("balanced", "fast", "ultra")} == {
+        "balanced": "taylor",
+        "fast": "foca",
+        "ultra": "taylor",
+    }
+    calibration = reference_calibration()
+    assert {name: magcache_preset(name, calibration).taylorseer.method for name in ("balanced", "fast", "ultra")} == {
+        "balanced": "taylor",
+        "fast": "foca",
+        "ultra": "taylor",
+    }

@@ -20,9 +20,9 @@ or the timestep, :func:`~fastdit.cache.taylorseer.taylor_position`) — and diff
     positions (the extrapolant of variable-step multistep methods; exact on quadratic drift, where the Taylor
     forecast's backward differences are not); the *corrector* takes one trapezoidal (Heun) step from the last
     computed residual with the mean of the predictor's slope there and its mean slope to the target. The corrected
-    forecast keeps linear drift exact and bends half as much as the predictor (``f + f'·d + f''·d²/4``), which is
-    what keeps it stable when the target lies several steps away. Needs order 2; with two computed residuals it is
-    the linear forecast.
+    forecast keeps linear drift exact and bends half as much as the predictor (``f + f'·d + f''·d²/4``), which damps
+    it when the target lies several steps away. Needs order 2; with two computed residuals it is the linear
+    forecast.
 
 A residual computed at the position of the last one (an equal timestep) replaces it: an equal position carries no
 slope. A forecast needs two computed residuals at distinct positions; before that, the caches reuse the last one.
