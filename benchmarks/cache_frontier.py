@@ -8,6 +8,7 @@ library and configuration, so each library can run in its own process):
 
     python benchmarks/cache_frontier.py --groups presets,magcache
     python benchmarks/cache_frontier.py --libraries diffusers
+    python benchmarks/cache_frontier.py --groups forecast --out benchmarks/results/2026-12-02_cpu_forecast
     PYTHONPATH=<dir with cache_dit> python benchmarks/cache_frontier.py --libraries cache-dit
 
 MagCache's calibration is the packaged one of the reference transformer (one sample: digit 0, seed 0 — a
@@ -150,7 +151,35 @@ def timestep_candidates(calibration: fastdit.MagCalibration) -> dict[str, Any]:
     return out
 
 
-def fastdit_groups(session: Session, groups: set[str], calibration: fastdit.MagCalibration | None) -> list[Variant]:
+FORECAST_METHODS = ("taylor", "hermite", "foca")
+_SCALE = fastdit.TaylorSeer().hermite_scale
+FORECAST_PRESETS = ("balanced", "fast", "ultra")
+
+
+def forecast_candidates(calibration: fastdit.MagCalibration, scale: float) -> dict[str, Any]:
+    """The forecasting presets (DBCache and MagCache, all TaylorSeer 2 over the timestep) with each forecast method.
+
+    Only the forecast changes: MagCache decides from its calibration alone, so its steps and blocks are those of
+    the preset whatever the method; DBCache's residual test may move a step when the forecast changes the images.
+    """
+    out: dict[str, Any] = {}
+    for method in FORECAST_METHODS:
+        extra = {"hermite_scale": scale} if method == "hermite" else {}
+        label = f"hermite σ{scale:.3g}" if method == "hermite" else method
+        for name in FORECAST_PRESETS:
+            config = cache_config(name)
+            forecast = dataclasses.replace(config.taylorseer, method=method, **extra)
+            out[f"preset:{name} {label}"] = dataclasses.replace(config, taylorseer=forecast)
+        for name in MAGCACHE_PRESETS:
+            config = magcache_preset(name, calibration)
+            forecast = dataclasses.replace(config.taylorseer, method=method, **extra)
+            out[f"MagCache preset:{name} {label}"] = dataclasses.replace(config, taylorseer=forecast)
+    return out
+
+
+def fastdit_groups(
+    session: Session, groups: set[str], calibration: fastdit.MagCalibration | None, scale: float = _SCALE
+) -> list[Variant]:
     variants = preset_variants(session, len(transformer_blocks(session))) if "presets" in groups else []
     if "candidates" in groups:
         variants += [fastdit_variant(session, n, c) for n, c in dbcache_candidates().items()]
@@ -163,6 +192,8 @@ def fastdit_groups(session: Session, groups: set[str], calibration: fastdit.MagC
         ]
     if "timestep" in groups and calibration is not None:
         variants += [fastdit_variant(session, n, c) for n, c in timestep_candidates(calibration).items()]
+    if "forecast" in groups and calibration is not None:
+        variants += [fastdit_variant(session, n, c) for n, c in forecast_candidates(calibration, scale).items()]
     return variants
 
 
@@ -292,7 +323,12 @@ def main() -> None:
         "--libraries", default="fastdit", help="comma list: fastdit, diffusers, cache-dit (each in its own process)"
     )
     parser.add_argument(
-        "--groups", default="presets,magcache", help="fastdit groups: presets, candidates, magcache, timestep"
+        "--groups",
+        default="presets,magcache",
+        help="fastdit groups: presets, candidates, magcache, magpresets, timestep, forecast",
+    )
+    parser.add_argument(
+        "--hermite-scale", type=float, default=_SCALE, help="σ of the 'forecast' group's Hermite rows (default 1/√2)"
     )
     parser.add_argument("--only", default=None, help="regular expression: measure only the matching names")
     parser.add_argument("--recalibrate", action="store_true", help="record MagCache's calibration again (and save it)")
@@ -321,7 +357,11 @@ def main() -> None:
             calibration = calibrate(session.pipe, _calibration_run(session))
             save_calibration(calibration, reference_calibration_path())
         calibration = reference_calibration()
-    variants = fastdit_groups(session, set(args.groups.split(",")), calibration) if "fastdit" in libraries else []
+    variants = (
+        fastdit_groups(session, set(args.groups.split(",")), calibration, args.hermite_scale)
+        if "fastdit" in libraries
+        else []
+    )
     if "diffusers" in libraries:
         variants += diffusers_variants(session)
     if "cache-dit" in libraries:

@@ -138,6 +138,9 @@ def _doc(text: str, default: Any) -> Any:
     return field(default=default, metadata={"doc": text})
 
 
+_HERMITE_SCALE = math.sqrt(0.5)
+
+
 @dataclass(frozen=True, kw_only=True)
 class TaylorSeer:
     """Predict skipped residuals from finite differences of past computed ones (instead of reusing them verbatim)."""
@@ -153,9 +156,33 @@ class TaylorSeer:
         "receives; follows a schedule whose spacing is uneven, falls back to the step index without one).",
         "step",
     )
+    method: Literal["taylor", "hermite", "foca"] = _doc(
+        "How the forecast extrapolates: 'taylor' (the divided-difference Taylor series), 'hermite' (the same "
+        "derivative estimates on a scaled Hermite basis that damps long extrapolations) or 'foca' (forecast then "
+        "calibrate: the polynomial through the last computed residuals, corrected by a trapezoidal step; order 2).",
+        "taylor",
+    )
+    hermite_scale: float = _doc(
+        "The Hermite basis' contraction σ in (0, 1]: the k-th term's growth over long distances is (2σ²)^k times "
+        "the Taylor term's; 1/√2 keeps the linear term exact (method='hermite' only).",
+        _HERMITE_SCALE,
+    )
 
     def __post_init__(self) -> None:
-        _check_fields(self, order=_one_of(1, 2), forecast_decision=_BOOL, variable=_one_of("step", "timestep"))
+        _check_fields(
+            self,
+            order=_one_of(1, 2),
+            forecast_decision=_BOOL,
+            variable=_one_of("step", "timestep"),
+            method=_one_of("taylor", "hermite", "foca"),
+            hermite_scale=_Rule(lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
+        )
+        if self.method == "foca" and self.order != 2:
+            # At order 1 the corrector has no curvature to calibrate: the forecast would be Taylor's, under a
+            # name that promises more.
+            raise FieldError("TaylorSeer", "order", self.order, "must be 2 with method='foca'")
+        if self.method != "hermite" and self.hermite_scale != _HERMITE_SCALE:
+            raise FieldError("TaylorSeer", "hermite_scale", self.hermite_scale, "applies to method='hermite' only")
 
 
 STEP_MASK_PRESETS = ("slow", "medium", "fast", "ultra")

@@ -610,8 +610,14 @@ def _reference_other(rank: int, world_size: int, parallel: dict[str, int] | None
     [
         fastdit.DBPrune(fn=1, bn=0, threshold=0.3, warmup_steps=2),
         fastdit.DBCache(fn=1, bn=0, threshold=0.3, warmup_steps=2, taylorseer=fastdit.TaylorSeer(order=2)),
+        fastdit.DBCache(
+            fn=1, bn=0, threshold=0.3, warmup_steps=2, taylorseer=fastdit.TaylorSeer(order=2, method="foca")
+        ),
+        fastdit.DBCache(
+            fn=1, bn=0, threshold=0.3, warmup_steps=2, taylorseer=fastdit.TaylorSeer(order=2, method="hermite")
+        ),
     ],
-    ids=["dbprune", "taylorseer"],
+    ids=["dbprune", "taylorseer", "foca", "hermite"],
 )
 def test_prune_and_taylorseer_under_context_parallel(dist2: WorkerPool, config: Any) -> None:
     from fastdit.metrics import psnr

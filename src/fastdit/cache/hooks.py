@@ -21,9 +21,10 @@ from typing import Any
 
 import torch
 
+from fastdit.cache.forecast import forecast_predict, forecast_update
 from fastdit.cache.policy import Reducer, check_run_length, decide
 from fastdit.cache.state import BranchState, RunTracker, SegmentMemory
-from fastdit.cache.taylorseer import taylor_position, taylor_predict, taylor_update
+from fastdit.cache.taylorseer import taylor_position
 from fastdit.config import DBCache, MagCache
 from fastdit.errors import FastditWarning, FieldsError
 from fastdit.hooks import layers
@@ -248,14 +249,9 @@ class BlockCacheHook(layers.LayerHook):
         taylor = self.engine.config.taylorseer
         if taylor is not None:
             position = taylor_position(taylor, state.step, state.timestep)
-            memory.taylor = taylor_update(
-                memory.taylor, memory.taylor_step, memory.hidden_residual, position, taylor.order
-            )
+            forecast_update(taylor, memory.forecast, memory.hidden_residual, position, state.step)
             if memory.encoder_residual is not None:
-                memory.taylor_encoder = taylor_update(
-                    memory.taylor_encoder, memory.taylor_step, memory.encoder_residual, position, taylor.order
-                )
-            memory.taylor_step = position
+                forecast_update(taylor, memory.forecast_encoder, memory.encoder_residual, position, state.step)
 
     def _replay(
         self, state: BranchState, memory: SegmentMemory, hidden: torch.Tensor, encoder: torch.Tensor | None
@@ -273,10 +269,10 @@ class BlockCacheHook(layers.LayerHook):
         return (*packed, *extras) if extras else packed
 
     def _residual(self, memory: SegmentMemory, state: BranchState, *, encoder: bool) -> torch.Tensor:
-        coefficients = memory.taylor_encoder if encoder else memory.taylor
+        forecast = memory.forecast_encoder if encoder else memory.forecast
         taylor = self.engine.config.taylorseer
-        if taylor is not None and len(coefficients) > 1:
-            return taylor_predict(coefficients, memory.taylor_step, taylor_position(taylor, state.step, state.timestep))
+        if taylor is not None and forecast.ready:
+            return forecast_predict(taylor, forecast, taylor_position(taylor, state.step, state.timestep))
         return memory.encoder_residual if encoder else memory.hidden_residual
 
 

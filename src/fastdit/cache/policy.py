@@ -10,8 +10,9 @@ from collections.abc import Callable
 
 import torch
 
+from fastdit.cache.forecast import forecast_predict, forecast_update
 from fastdit.cache.state import BranchState
-from fastdit.cache.taylorseer import taylor_position, taylor_predict, taylor_update
+from fastdit.cache.taylorseer import taylor_position
 from fastdit.config import DBCache, StepMask
 from fastdit.errors import FieldError
 
@@ -82,9 +83,9 @@ def forced_decision(config: DBCache, state: BranchState, has_cache: bool) -> boo
 def _reference(config: DBCache, state: BranchState) -> torch.Tensor:
     """What the current front residual is compared with: the last computed one, or its Taylor forecast."""
     taylor = config.taylorseer
-    if taylor is not None and taylor.forecast_decision and len(state.front_taylor) > 1:
+    if taylor is not None and taylor.forecast_decision and state.front_forecast.ready:
         position = taylor_position(taylor, state.step, state.timestep)
-        return taylor_predict(state.front_taylor, state.front_taylor_step, position)
+        return forecast_predict(taylor, state.front_forecast, position)
     return state.front_residual
 
 
@@ -109,10 +110,7 @@ def decide(config: DBCache, state: BranchState, residual: torch.Tensor, reduce: 
         taylor = config.taylorseer
         if taylor is not None and taylor.forecast_decision:
             position = taylor_position(taylor, state.step, state.timestep)
-            state.front_taylor = taylor_update(
-                state.front_taylor, state.front_taylor_step, residual, position, taylor.order
-            )
-            state.front_taylor_step = position
+            forecast_update(taylor, state.front_forecast, residual, position, state.step)
     else:
         state.continuous_cached += 1
         state.cached_steps.append(state.step)

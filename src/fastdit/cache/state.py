@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from fastdit.cache.forecast import Forecast
+
 __all__ = ["BranchState", "RunTracker", "SegmentMemory"]
 
 
@@ -31,10 +33,9 @@ class SegmentMemory:
     encoder_residual: torch.Tensor | None = None
     # Last computed encoder output: patterns 4/5 create the encoder stream inside the blocks.
     encoder_out: torch.Tensor | None = None
-    # TaylorSeer: Taylor coefficients [f, f', f''] of the hidden residual at ``taylor_step``.
-    taylor: list[torch.Tensor] = field(default_factory=list)
-    taylor_encoder: list[torch.Tensor] = field(default_factory=list)
-    taylor_step: float | None = None
+    # TaylorSeer: what the forecasts of the hidden and encoder residuals know of the computed steps.
+    forecast: Forecast = field(default_factory=Forecast)
+    forecast_encoder: Forecast = field(default_factory=Forecast)
 
 
 @dataclass
@@ -48,9 +49,8 @@ class BranchState:
     front_hidden_in: torch.Tensor | None = None
     front_entered_step: int = -1
     front_residual: torch.Tensor | None = None
-    # TaylorSeer coefficients of the front residual (for forecast decisions) and the step they were taken at.
-    front_taylor: list[torch.Tensor] = field(default_factory=list)
-    front_taylor_step: float | None = None
+    # The forecast of the front residual (for forecast decisions).
+    front_forecast: Forecast = field(default_factory=Forecast)
     continuous_cached: int = 0
     cached_steps: list[int] = field(default_factory=list)
     diffs: list[float | None] = field(default_factory=list)
