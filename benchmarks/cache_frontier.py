@@ -12,7 +12,8 @@ library and configuration, so each library can run in its own process):
     PYTHONPATH=<dir with cache_dit> python benchmarks/cache_frontier.py --libraries cache-dit
 
 MagCache's calibration is the packaged one of the reference transformer (one sample: digit 0, seed 0 — a
-calibration case), recorded again with ``--recalibrate``.
+calibration case), recorded again with ``--recalibrate``. ``cache_anchors.py`` measures the further anchors
+(diffusers' SeaCache, PAB and FasterCache, cache-dit's SCM) in this harness, the true-CFG call included.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
@@ -30,6 +30,7 @@ __all__ = [
     "Loading",
     "MagCache",
     "MagCalibration",
+    "MagCalibrations",
     "Offload",
     "Parallel",
     "Quantize",
@@ -86,8 +87,9 @@ def _one_of(*choices: Any) -> _Rule:
     return _Rule(lambda v: any(_same_kind(v, c) and v == c for c in choices), what)
 
 
-def _instance(cls: type) -> _Rule:
-    return _Rule(lambda v: isinstance(v, cls), f"a {cls.__name__}")
+def _instance(cls: type | tuple[type, ...]) -> _Rule:
+    names = " or ".join(c.__name__ for c in (cls if isinstance(cls, tuple) else (cls,)))
+    return _Rule(lambda v: isinstance(v, cls), f"a {names}")
 
 
 def _optional(rule: _Rule) -> _Rule:
@@ -378,6 +380,100 @@ class MagCalibration:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MagCalibrations:
+    """One :class:`MagCalibration` per denoiser, for pipelines with several (Wan 2.2's experts).
+
+    Each denoiser's calibration holds the ratios of the steps that denoiser served in the calibration run, counted
+    from its own first call (the high-noise expert's first steps, then the low-noise expert's from its step 0), and
+    a run gives each denoiser its own ratios. ``fastdit.calibration.calibrate`` records one on such a pipeline.
+    """
+
+    components: tuple[str, ...] = _doc("The denoisers' component names ('transformer', 'transformer_2', ...).", ())
+    calibrations: tuple[MagCalibration, ...] = _doc("Each denoiser's calibration, in the order of components.", ())
+    num_steps: int = _doc("Steps of the calibration run (every denoiser together); another length is refused.", 1)
+
+    def __post_init__(self) -> None:
+        for name in ("components", "calibrations"):
+            value = getattr(self, name)
+            if isinstance(value, list):  # JSON gives lists; the frozen config keeps tuples
+                object.__setattr__(self, name, tuple(value))
+        _check_fields(
+            self,
+            components=_Rule(
+                lambda v: (
+                    isinstance(v, tuple)
+                    and bool(v)
+                    and all(isinstance(c, str) and c for c in v)
+                    and len(set(v)) == len(v)
+                ),
+                "a non-empty tuple of distinct component names",
+            ),
+            calibrations=_Rule(
+                lambda v: isinstance(v, tuple) and bool(v) and all(isinstance(c, MagCalibration) for c in v),
+                "a non-empty tuple of MagCalibration",
+            ),
+            num_steps=_integer(1),
+        )
+        if len(self.calibrations) != len(self.components):
+            raise FieldsError(
+                "MagCalibrations",
+                {"components": self.components, "calibrations": len(self.calibrations)},
+                "needs one calibration per component",
+            )
+        layouts = {(c.fn, c.bn) for c in self.calibrations}
+        if len(layouts) != 1:
+            raise FieldError(
+                "MagCalibrations", "calibrations", sorted(layouts), "every denoiser must be calibrated on one layout"
+            )
+        longest = max(c.num_steps for c in self.calibrations)
+        if longest > self.num_steps:
+            raise FieldError(
+                "MagCalibrations", "num_steps", self.num_steps, f"a denoiser served {longest} steps of the run"
+            )
+
+    @property
+    def fn(self) -> int:
+        """Front blocks of the layout every denoiser's ratios measure."""
+        return self.calibrations[0].fn
+
+    @property
+    def bn(self) -> int:
+        """Back blocks of the layout every denoiser's ratios measure."""
+        return self.calibrations[0].bn
+
+    def for_component(self, component: str) -> MagCalibration:
+        """The calibration of denoiser ``component``.
+
+        Raises:
+            FieldError: Owner ``MagCalibrations``, field ``components``: that denoiser was not calibrated.
+        """
+        if component not in self.components:
+            raise FieldError(
+                "MagCalibrations",
+                "components",
+                self.components,
+                f"the denoiser {component!r} was not calibrated; calibrate this pipeline (one calibration run "
+                "records every denoiser)",
+            )
+        return self.calibrations[self.components.index(component)]
+
+    def check_components(self, denoisers: Sequence[str]) -> None:
+        """Refuse a pipeline whose denoisers are not exactly the calibrated ones.
+
+        Raises:
+            FieldError: Owner ``MagCalibrations``, field ``components``, naming both sets.
+        """
+        if set(denoisers) != set(self.components):
+            raise FieldError(
+                "MagCalibrations",
+                "components",
+                self.components,
+                f"the pipeline's denoisers are {tuple(denoisers)}; a calibration serves the pipeline it was "
+                "recorded on (one calibration run records every denoiser)",
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
 class MagCache:
     """Whole-step cache (MagCache): skip a step while the calibrated drift of the cached residual stays small.
 
@@ -395,8 +491,10 @@ class MagCache:
     final_steps: int = _doc("Last steps of the run that always compute (fine detail forms there).", 0)
     fn: int = _doc("Front blocks computed every step (0: the whole block stack is skipped).", 0)
     bn: int = _doc("Back blocks computed every step (they repair the reused residual).", 0)
-    calibration: MagCalibration | None = _doc(
-        "The model's magnitude ratios (MagCalibration, see fastdit.cache.magcache); needed when threshold > 0.", None
+    calibration: MagCalibration | MagCalibrations | None = _doc(
+        "The model's magnitude ratios (MagCalibration, see fastdit.cache.magcache; MagCalibrations for a pipeline "
+        "of several denoisers); needed when threshold > 0.",
+        None,
     )
     calibrate: bool = _doc("Record the ratios of each run instead of skipping (every step computes).", False)
     taylorseer: TaylorSeer | None = _doc("Forecast skipped residuals with TaylorSeer (None: reuse them).", None)
@@ -414,7 +512,7 @@ class MagCache:
             final_steps=_integer(0),
             fn=_integer(0),
             bn=_integer(0),
-            calibration=_optional(_instance(MagCalibration)),
+            calibration=_optional(_instance((MagCalibration, MagCalibrations))),
             calibrate=_BOOL,
             taylorseer=_optional(_instance(TaylorSeer)),
             separate_cfg=_optional(_BOOL),

@@ -312,6 +312,8 @@ class _Cache:
 
     def check(self, request: Request, components: Components) -> None:
         from fastdit.cache.hooks import plan_slots
+        from fastdit.cache.magcache import check_denoisers
+        from fastdit.config import MagCache
         from fastdit.models.validate import block_lists, check_adapter, resolve_interleaved
 
         cache = request.cache
@@ -321,15 +323,22 @@ class _Cache:
             groups = block_lists(item.module, item.adapter)
             where = (item.name, type(item.module).__name__)
             plan_slots(groups, cache.fn, cache.bn, owner=type(cache).__name__, where=where)
+        if isinstance(cache, MagCache):  # a calibration per denoiser, for exactly the pipeline's denoisers
+            check_denoisers(cache, [item.name for item in components.denoisers])
 
     def apply(self, context: Context) -> None:
         from fastdit.cache import apply_cache
+        from fastdit.cache.magcache import denoiser_config
         from fastdit.cache.runs import reset_on_new_schedule
+        from fastdit.config import MagCache
 
         trackers = []
         for item in context.components.denoisers:
             reducer = context.cache_reducer(item.name)
-            applied = apply_cache(item.module, item.adapter.cache_plan, context.request.cache, reducer=reducer)
+            config = context.request.cache
+            if isinstance(config, MagCache):  # each denoiser skips by its own calibration
+                config = denoiser_config(config, item.name)
+            applied = apply_cache(item.module, item.adapter.cache_plan, config, reducer=reducer)
             context.add(self.name, item.name, applied.undo, applied.state)
             trackers.append(applied.state.tracker)
             if item.adapter.patch is not None:  # the family's PatchFunctor, active while a cache is installed

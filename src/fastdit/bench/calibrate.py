@@ -21,7 +21,7 @@ from typing import Any
 
 from fastdit.bench.heldout import CALIBRATION, HELDOUT, SplitBench, fastdit_variant
 from fastdit.bench.sweep import BenchRow
-from fastdit.config import DBCache, MagCache, MagCalibration, TaylorSeer
+from fastdit.config import DBCache, MagCache, MagCalibration, MagCalibrations, TaylorSeer
 
 __all__ = [
     "POLICIES",
@@ -101,8 +101,10 @@ class Ladder:
     configs: tuple[tuple[str, Any], ...]
 
 
-def ladders(policies: Sequence[str], num_steps: int, calibration: MagCalibration | None) -> list[Ladder]:
-    """The search space for ``policies`` (MagCache needs ``calibration``).
+def ladders(
+    policies: Sequence[str], num_steps: int, calibration: MagCalibration | MagCalibrations | None
+) -> list[Ladder]:
+    """The search space for ``policies`` (MagCache needs ``calibration``: one per denoiser where there are several).
 
     Raises:
         ValueError: An unknown policy, or MagCache without a calibration.

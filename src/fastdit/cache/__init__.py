@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from fastdit.cache.policy import Reducer
-from fastdit.config import DBCache, DBPrune, MagCache
+from fastdit.config import DBCache, DBPrune, MagCache, MagCalibrations
 from fastdit.hooks.state import Applied
 from fastdit.models.base import CachePlan
 from fastdit.models.validate import resolve_block_groups, resolve_interleaved
@@ -71,6 +71,12 @@ def _install_blocks(
 
 def _install_magcache(transformer, groups, plan: CachePlan, config: MagCache, reducer) -> tuple[Any, Any]:
     from fastdit.cache.magcache import MagCacheEngine
+
+    if isinstance(config.calibration, MagCalibrations):  # accelerate() picks each denoiser's own one first
+        raise TypeError(
+            "apply_cache installs on one denoiser: give it that denoiser's calibration "
+            "(fastdit.cache.magcache.denoiser_config(config, component))"
+        )
 
     return _install_blocks(transformer, groups, plan, config, reducer, MagCacheEngine)
 

@@ -7,9 +7,9 @@
      "config": {"kind": "MagCache", "fields": {"threshold": 0.06, ..., "calibration": {"kind": "MagCalibration", ...}}},
      "provenance": {...what the calibration measured...}}
 
-Nested configurations (TaylorSeer, StepMask, MagCalibration) are written the same way as the top one. Only the
-classes in :data:`CONFIG_KINDS` are read back, and every value goes through the dataclass's own checks, so a file
-edited by hand fails with the field that is wrong.
+Nested configurations (TaylorSeer, StepMask, MagCalibration, MagCalibrations: one calibration per denoiser) are
+written the same way as the top one. Only the classes in :data:`CONFIG_KINDS` are read back, and every value goes
+through the dataclass's own checks, so a file edited by hand fails with the field that is wrong.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastdit.config import DBCache, DBPrune, MagCache, MagCalibration, StepMask, TaylorSeer
+from fastdit.config import DBCache, DBPrune, MagCache, MagCalibration, MagCalibrations, StepMask, TaylorSeer
 
 __all__ = [
     "CACHE_FILE_FORMAT",
@@ -41,7 +41,7 @@ CACHE_FILE_FORMAT = "fastdit-cache/1"
 """The ``format`` entry of every cache file this version writes and reads."""
 
 CONFIG_KINDS: Mapping[str, type] = {
-    cls.__name__: cls for cls in (DBCache, DBPrune, MagCache, MagCalibration, StepMask, TaylorSeer)
+    cls.__name__: cls for cls in (DBCache, DBPrune, MagCache, MagCalibration, MagCalibrations, StepMask, TaylorSeer)
 }
 """Configuration classes a cache file may hold, by the name written in its ``kind`` entries."""
 

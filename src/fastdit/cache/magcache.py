@@ -14,9 +14,10 @@ under parallelism records the same ratios as one process.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -27,14 +28,17 @@ import torch
 from fastdit.cache.hooks import BlockSlot, CacheEngine
 from fastdit.cache.policy import Reducer
 from fastdit.cache.state import BranchState
-from fastdit.config import MagCache, MagCalibration, TaylorSeer
+from fastdit.config import MagCache, MagCalibration, MagCalibrations, TaylorSeer
 from fastdit.errors import FieldError
 
 __all__ = [
     "CALIBRATION_FORMAT",
+    "DENOISERS_FORMAT",
     "MAGCACHE_PRESETS",
     "MagAccumulator",
     "MagCacheEngine",
+    "check_denoisers",
+    "denoiser_config",
     "load_calibration",
     "mag_decide",
     "magcache_preset",
@@ -46,7 +50,9 @@ __all__ = [
 ]
 
 CALIBRATION_FORMAT = "fastdit.magcache/1"
-"""The ``format`` entry of a calibration file."""
+"""The ``format`` entry of a calibration file (one denoiser)."""
+DENOISERS_FORMAT = "fastdit.magcache.denoisers/1"
+"""The ``format`` entry of a calibration file of several denoisers (one :class:`MagCalibration` per component)."""
 
 
 @dataclass
@@ -122,12 +128,16 @@ class MagCacheEngine(CacheEngine):
             self._refuse(calibration, f"this run has more than {calibration.num_steps} steps")
 
     @staticmethod
-    def _refuse(calibration: MagCalibration, what: str) -> None:
+    def _refuse(calibration: MagCalibration | MagCalibrations, what: str) -> None:
+        if isinstance(calibration, MagCalibrations):
+            owner, model = "MagCalibrations", f"the denoisers {', '.join(calibration.components)}"
+        else:
+            owner, model = "MagCalibration", calibration.model
         raise FieldError(
-            "MagCalibration",
+            owner,
             "num_steps",
             calibration.num_steps,
-            f"the calibration of {calibration.model} was recorded on a run of {calibration.num_steps} steps and "
+            f"the calibration of {model} was recorded on a run of {calibration.num_steps} steps and "
             f"{what}; calibrate a run of this length (the ratios follow the schedule step by step)",
         )
 
@@ -213,12 +223,42 @@ def model_name(transformer: torch.nn.Module) -> str:
     return type(transformer).__name__ + (f"({', '.join(layers)})" if layers else "")
 
 
-def save_calibration(calibration: MagCalibration, path: str | os.PathLike[str]) -> Path:
-    """Write ``calibration`` as a small JSON file (atomically); return its path."""
-    from fastdit.io import write_json
+def denoiser_config(config: MagCache, component: str) -> MagCache:
+    """The settings denoiser ``component`` runs with: its own calibration out of a :class:`MagCalibrations`.
 
-    data = {
-        "format": CALIBRATION_FORMAT,
+    Raises:
+        FieldError: Owner ``MagCalibrations``, field ``components``: ``component`` was not calibrated.
+    """
+    calibration = config.calibration
+    if not isinstance(calibration, MagCalibrations):
+        return config
+    return dataclasses.replace(config, calibration=calibration.for_component(component))
+
+
+def check_denoisers(config: MagCache, denoisers: Sequence[str]) -> None:
+    """Refuse a calibration that does not fit the pipeline's denoisers, before anything is installed.
+
+    A :class:`MagCalibrations` must name exactly the pipeline's denoisers; one :class:`MagCalibration` serves a
+    pipeline of one denoiser only, because with several each denoiser serves its own part of the schedule.
+
+    Raises:
+        FieldError: Owner ``MagCalibrations`` (field ``components``) or ``MagCache`` (field ``calibration``).
+    """
+    calibration = config.calibration
+    if isinstance(calibration, MagCalibrations):
+        calibration.check_components(denoisers)
+    elif calibration is not None and len(denoisers) > 1:
+        raise FieldError(
+            "MagCache",
+            "calibration",
+            f"<MagCalibration of {calibration.model}>",
+            f"the pipeline has the denoisers {tuple(denoisers)}, each serving its own steps: it needs one calibration "
+            "per denoiser (a MagCalibrations, which fastdit.calibration.calibrate records on this pipeline)",
+        )
+
+
+def _calibration_dict(calibration: MagCalibration) -> dict[str, Any]:
+    return {
         "model": calibration.model,
         "num_steps": calibration.num_steps,
         "fn": calibration.fn,
@@ -227,33 +267,71 @@ def save_calibration(calibration: MagCalibration, path: str | os.PathLike[str]) 
             b: [round(r, 6) for r in rs] for b, rs in zip(calibration.branches, calibration.ratios, strict=True)
         },
     }
+
+
+def _calibration_of(data: dict[str, Any]) -> MagCalibration:
+    branches = data["branches"]
+    return MagCalibration(
+        branches=tuple(branches),
+        ratios=tuple(tuple(r) for r in branches.values()),
+        num_steps=data["num_steps"],
+        fn=data["fn"],
+        bn=data["bn"],
+        model=data["model"],
+    )
+
+
+def save_calibration(calibration: MagCalibration | MagCalibrations, path: str | os.PathLike[str]) -> Path:
+    """Write ``calibration`` as a small JSON file (atomically); return its path.
+
+    A :class:`MagCalibrations` (several denoisers) is written with its ``components``, each as a one-denoiser
+    calibration, under the format :data:`DENOISERS_FORMAT`.
+    """
+    from fastdit.io import write_json
+
+    if isinstance(calibration, MagCalibrations):
+        data = {
+            "format": DENOISERS_FORMAT,
+            "num_steps": calibration.num_steps,
+            "components": {
+                name: _calibration_dict(c)
+                for name, c in zip(calibration.components, calibration.calibrations, strict=True)
+            },
+        }
+    else:
+        data = {"format": CALIBRATION_FORMAT, **_calibration_dict(calibration)}
     return write_json(path, data, indent=1)
 
 
-def load_calibration(path: str | os.PathLike[str], *, num_steps: int | None = None) -> MagCalibration:
+def load_calibration(path: str | os.PathLike[str], *, num_steps: int | None = None) -> MagCalibration | MagCalibrations:
     """Read a calibration file written by :func:`save_calibration`.
 
     Args:
         path: The file.
         num_steps: The steps of the runs it will serve; a calibration of another length is refused here.
 
+    Returns:
+        A :class:`MagCalibration`, or a :class:`MagCalibrations` for a file of several denoisers.
+
     Raises:
         ValueError: Not a calibration file (wrong ``format``, missing entries).
-        FieldError: Owner ``MagCalibration``, field ``num_steps``: it was recorded on a run of another length.
+        FieldError: Owner ``MagCalibration`` (``MagCalibrations`` for several denoisers), field ``num_steps``: it
+            was recorded on a run of another length.
     """
     data = json.loads(Path(path).read_text())
-    if not isinstance(data, dict) or data.get("format") != CALIBRATION_FORMAT:
+    kind = data.get("format") if isinstance(data, dict) else None
+    if kind not in (CALIBRATION_FORMAT, DENOISERS_FORMAT):
         raise ValueError(f"{path}: not a MagCache calibration (format {CALIBRATION_FORMAT!r} expected)")
     try:
-        branches = data["branches"]
-        calibration = MagCalibration(
-            branches=tuple(branches),
-            ratios=tuple(tuple(r) for r in branches.values()),
-            num_steps=data["num_steps"],
-            fn=data["fn"],
-            bn=data["bn"],
-            model=data["model"],
-        )
+        if kind == DENOISERS_FORMAT:
+            components = data["components"]
+            calibration: MagCalibration | MagCalibrations = MagCalibrations(
+                components=tuple(components),
+                calibrations=tuple(_calibration_of(c) for c in components.values()),
+                num_steps=data["num_steps"],
+            )
+        else:
+            calibration = _calibration_of(data)
     except (KeyError, AttributeError, TypeError) as exc:
         raise ValueError(f"{path}: incomplete MagCache calibration ({exc!r})") from None
     if num_steps is not None and num_steps != calibration.num_steps:

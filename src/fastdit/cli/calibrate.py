@@ -44,7 +44,7 @@ from fastdit.cli.options import (
     resolve_dtype,
     resolve_source,
 )
-from fastdit.config import MagCache, MagCalibration
+from fastdit.config import MagCache, MagCalibration, MagCalibrations
 from fastdit.errors import FieldError
 from fastdit.io import check_writable
 from fastdit.process import process_count
@@ -163,19 +163,20 @@ def _plan(args: argparse.Namespace) -> _Plan:
     return _Plan(source, kwargs, num_steps, split, target, policies, out, device, dtype)
 
 
-def _magcache_calibration(session: Session, plan: _Plan, bench: SplitBench) -> MagCalibration | None:
-    """The model's magnitude ratios, recorded on the first calibration case (``None``: MagCache cannot apply)."""
+def _magcache_calibration(session: Session, plan: _Plan) -> MagCalibration | MagCalibrations | None:
+    """The model's magnitude ratios, recorded on the first calibration case: one calibration per denoiser
+    (``None``: a denoiser recorded nothing, so MagCache cannot apply)."""
     from fastdit.bench.timing import run as run_cases
     from fastdit.calibration import calibration_of
-    from fastdit.components import walk
 
-    if len(walk(session.pipe).denoisers) != 1:
-        print("magcache skipped: the pipeline has more than one denoiser", file=sys.stderr)
-        return None
     session.accelerate(cache=MagCache(calibrate=True, threshold=0.0))
     try:
         run_cases(session, plan.split.cases("calibration")[:1], plan.kwargs)
-        return calibration_of(session.pipe)
+        try:
+            return calibration_of(session.pipe)
+        except ValueError as error:  # a denoiser the calibration case never called
+            print(f"magcache skipped: {error}", file=sys.stderr)
+            return None
     finally:
         session.disable()
 
@@ -244,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
     bench = SplitBench(session, plan.split, plan.kwargs, blocks=transformer_blocks(session), batch=args.batch)
     try:
         policies = list(plan.policies)
-        calibration = _magcache_calibration(session, plan, bench) if "magcache" in policies else None
+        calibration = _magcache_calibration(session, plan) if "magcache" in policies else None
         if calibration is None and "magcache" in policies:
             policies.remove("magcache")
         if not policies:
