@@ -100,6 +100,8 @@ def test_decision_accumulates_caps_and_keeps_retained_and_final_steps() -> None:
         threshold=10.0, max_skip_steps=2, retention_ratio=0.0, final_steps=0, calibration=IDENTITY
     )
     assert _schedule(capped, [0.1] * 8, 8) == [1, 2, 4, 5, 7]
+    # A scheduler that counts fewer steps than the run takes: without final steps the later ones decide as before.
+    assert _schedule(capped, [0.1] * 8, 3) == [1, 2, 4, 5, 7]
     # No run length known (no scheduler): neither retained nor final steps apply.
     assert _schedule(config, [0.1] * 4, None) == [1, 2]
 

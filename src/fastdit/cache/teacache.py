@@ -96,7 +96,9 @@ def tea_decide(config: TeaCache, acc: TeaAccumulator, step: int, distance: float
         or distance is None
         or not math.isfinite(distance)  # the previous input was all zeros: nothing to compare with
         or (num_steps is not None and step < retained_steps(config, num_steps))
-        or (num_steps is not None and step >= num_steps - config.final_steps)
+        # The scheduler's count may fall short of the steps taken (second-order samplers): without final steps to
+        # keep, the steps past it decide like any other.
+        or (num_steps is not None and config.final_steps > 0 and step >= num_steps - config.final_steps)
     )
     if not forced:
         acc.accumulated += config.calibration.rescale(distance)
