@@ -459,10 +459,10 @@ class TeaCache:
     ``fn=0`` skips every block (models of one block too); ``threshold=0`` never skips (bit-identical to no cache).
     """
 
-    threshold: float = _doc("Accumulated rescaled input change below which a step is skipped (0: never skip).", 0.3)
-    max_skip_steps: int = _doc("Cap on consecutive skipped steps.", 3)
-    retention_ratio: float = _doc("Fraction of the first steps that always compute (rounded to steps).", 0.1)
-    final_steps: int = _doc("Last steps of the run that always compute (fine detail forms there).", 1)
+    threshold: float = _doc("Accumulated rescaled input change below which a step is skipped (0: never skip).", 0.2)
+    max_skip_steps: int = _doc("Cap on consecutive skipped steps.", 2)
+    retention_ratio: float = _doc("Fraction of the first steps that always compute (rounded to steps).", 0.07)
+    final_steps: int = _doc("Last steps of the run that always compute (fine detail forms there).", 0)
     fn: int = _doc("Front blocks computed every step (0: the whole block stack is skipped).", 0)
     bn: int = _doc("Back blocks computed every step (they repair the reused residual).", 0)
     calibration: TeaCalibration | None = _doc(

@@ -40,6 +40,8 @@ __all__ = [
     "TeaCacheEngine",
     "fit_calibration",
     "load_calibration",
+    "reference_calibration",
+    "reference_calibration_path",
     "retained_steps",
     "save_calibration",
     "tea_decide",
@@ -281,3 +283,16 @@ def load_calibration(path: str | os.PathLike[str]) -> TeaCalibration:
         )
     except (KeyError, TypeError) as exc:
         raise ValueError(f"{path}: incomplete TeaCache calibration ({exc!r})") from None
+
+
+def reference_calibration_path() -> Path:
+    """Where the packaged TeaCache calibration of the reference transformer lives (``fn=0, bn=0``, one branch)."""
+    from fastdit.reference import reference_dir
+
+    return reference_dir() / "transformer" / "teacache_f0b0.json"
+
+
+def reference_calibration() -> TeaCalibration:
+    """The packaged TeaCache calibration of the reference pipeline: degree 4, fitted on the 27 pairs of one 28-step
+    run of digit 0 with seed 0 (a calibration case)."""
+    return load_calibration(reference_calibration_path())
