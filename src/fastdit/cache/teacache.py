@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fastdit.cache.hooks import BlockSlot, CacheEngine
+from fastdit.cache.hooks import CacheEngine
 from fastdit.cache.policy import Reducer, relative_l1
 from fastdit.cache.state import BranchState
 from fastdit.config import TeaCache, TeaCalibration
@@ -131,9 +131,6 @@ class TeaCacheEngine(CacheEngine):
     The decision is taken when the step's first block is called (:meth:`enter_stack`), before it runs: with
     ``fn=0`` that block is a middle block, which then computes or passes through with the rest.
     """
-
-    def __init__(self, config: TeaCache, slots: list[BlockSlot], reducer: Reducer | None = None) -> None:
-        super().__init__(config, slots, reducer)
 
     def begin_call(self, context: str, timestep: float | None, signature: tuple) -> None:
         """Start a transformer call; the step computes unless :meth:`enter_stack` decides otherwise."""

@@ -2,7 +2,8 @@
 
 The pipeline generates the calibration prompts with the calibration seeds, uncached, then searches cache
 configurations (MagCache with the model's magnitude ratios, recorded here on the first prompt, and DBCache F1B0 with
-TaylorSeer; each over its thresholds and caps) for the fewest block evaluations whose worst image stays above the
+TaylorSeer; TeaCache with the model's polynomial, fitted on the first prompt, on request; each over its thresholds
+and caps) for the fewest block evaluations whose worst image stays above the
 PSNR target plus a margin (``--target-psnr``), or for the best worst image within a work budget
 (``--target-speedup``), SSIM above ``--ssim-min`` in both cases. The chosen configuration is then run on the
 held-out seeds, which the search never saw, and both figures are printed side by side and stored with it.
