@@ -61,8 +61,7 @@ def dist2() -> WorkerPool:
     return get_pool(2)
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
+@pytest.mark.distributed  # about 7 s on two ranks: in the default run, so the rank-equal decision stays covered
 def test_changes_and_decisions_under_ulysses_match_one_process(dist2: WorkerPool) -> None:
     from fastdit.cache.teacache import fit_calibration
 
