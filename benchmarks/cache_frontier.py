@@ -11,9 +11,11 @@ library and configuration, so each library can run in its own process):
     python benchmarks/cache_frontier.py --groups forecast --out benchmarks/results/2026-12-02_cpu_forecast
     PYTHONPATH=<dir with cache_dit> python benchmarks/cache_frontier.py --libraries cache-dit
 
-MagCache's calibration is the packaged one of the reference transformer (one sample: digit 0, seed 0 — a
-calibration case), recorded again with ``--recalibrate``. ``cache_anchors.py`` measures the further anchors
-(diffusers' SeaCache, PAB and FasterCache, cache-dit's SCM) in this harness, the true-CFG call included.
+MagCache's and TeaCache's calibrations are the packaged ones of the reference transformer (one sample: digit 0,
+seed 0 — a calibration case), recorded again with ``--recalibrate``. ``cache_anchors.py`` measures the further
+anchors (diffusers' SeaCache, PAB and FasterCache, cache-dit's SCM) in this harness, the true-CFG call included:
+
+    python benchmarks/cache_frontier.py --groups teacache,magpresets --out benchmarks/results/2026-12-02_cpu_teacache
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ from fastdit.cache.magcache import (
     save_calibration,
 )
 from fastdit.cache.presets import CACHE_PRESETS, NO_CACHE, cache_config
+from fastdit.cache.teacache import reference_calibration as tea_reference_calibration
+from fastdit.cache.teacache import reference_calibration_path as tea_reference_calibration_path
+from fastdit.cache.teacache import save_calibration as save_tea_calibration
 from fastdit.calibration import calibrate
 from fastdit.io import write_json
 from fastdit.reference import digit_prompt
@@ -178,8 +183,34 @@ def forecast_candidates(calibration: fastdit.MagCalibration, scale: float) -> di
     return out
 
 
+def teacache_candidates(calibration: fastdit.TeaCalibration) -> dict[str, fastdit.TeaCache]:
+    """TeaCache settings: threshold τ (an accumulated residual change), cap K, retention r, final steps f, with and
+    without TaylorSeer 2 over the timestep (``TS2t``)."""
+    ts = fastdit.TaylorSeer(order=2, variable="timestep")
+    grid = [(t, 3, 0.07, 0, None) for t in (0.05, 0.1, 0.2, 0.3, 0.5)]
+    grid += [(t, 3, 0.1, 1, None) for t in (0.1, 0.2, 0.3)]  # the defaults' retention and final step
+    grid += [(t, k, 0.07, 0, ts) for k in (2, 3, 4) for t in (0.05, 0.1, 0.2, 0.3, 0.5, 0.8)]
+    grid += [(t, k, 0.1, 1, ts) for k in (3, 4) for t in (0.1, 0.2, 0.3)]
+    out = {}
+    for threshold, cap, retention, final, taylor in grid:
+        name = f"TeaCache F0B0 τ{threshold} K{cap} r{retention} f{final}" + (" TS2t" if taylor else "")
+        out[name] = fastdit.TeaCache(
+            threshold=threshold,
+            max_skip_steps=cap,
+            retention_ratio=retention,
+            final_steps=final,
+            calibration=calibration,
+            taylorseer=taylor,
+        )
+    return out
+
+
 def fastdit_groups(
-    session: Session, groups: set[str], calibration: fastdit.MagCalibration | None, scale: float = _SCALE
+    session: Session,
+    groups: set[str],
+    calibration: fastdit.MagCalibration | None,
+    tea_calibration: fastdit.TeaCalibration | None = None,
+    scale: float = _SCALE,
 ) -> list[Variant]:
     variants = preset_variants(session, len(transformer_blocks(session))) if "presets" in groups else []
     if "candidates" in groups:
@@ -195,6 +226,8 @@ def fastdit_groups(
         variants += [fastdit_variant(session, n, c) for n, c in timestep_candidates(calibration).items()]
     if "forecast" in groups and calibration is not None:
         variants += [fastdit_variant(session, n, c) for n, c in forecast_candidates(calibration, scale).items()]
+    if "teacache" in groups and tea_calibration is not None:
+        variants += [fastdit_variant(session, n, c) for n, c in teacache_candidates(tea_calibration).items()]
     return variants
 
 
@@ -326,13 +359,15 @@ def main() -> None:
     parser.add_argument(
         "--groups",
         default="presets,magcache",
-        help="fastdit groups: presets, candidates, magcache, magpresets, timestep, forecast",
+        help="fastdit groups: presets, candidates, magcache, magpresets, timestep, forecast, teacache",
     )
     parser.add_argument(
         "--hermite-scale", type=float, default=_SCALE, help="σ of the 'forecast' group's Hermite rows (default 1/√2)"
     )
     parser.add_argument("--only", default=None, help="regular expression: measure only the matching names")
-    parser.add_argument("--recalibrate", action="store_true", help="record MagCache's calibration again (and save it)")
+    parser.add_argument(
+        "--recalibrate", action="store_true", help="record MagCache's and TeaCache's calibrations again (and save them)"
+    )
     parser.add_argument("--batch", type=int, default=20, help="images per pipeline call (a cache decides per call)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=OUT)
@@ -352,14 +387,16 @@ def main() -> None:
     session = Session.load(source, device="cpu", dtype=torch.float32)
     kwargs = call_arguments(session.pipeline_class, source.defaults, {})
     libraries = {name.strip() for name in args.libraries.split(",") if name.strip()}
-    calibration = None
+    calibration = tea_calibration = None
     if "fastdit" in libraries:
         if args.recalibrate:
-            calibration = calibrate(session.pipe, _calibration_run(session))
-            save_calibration(calibration, reference_calibration_path())
-        calibration = reference_calibration()
+            save_calibration(calibrate(session.pipe, _calibration_run(session)), reference_calibration_path())
+            tea = calibrate(session.pipe, _calibration_run(session), policy="teacache")
+            save_tea_calibration(tea, tea_reference_calibration_path())
+        calibration, tea_calibration = reference_calibration(), tea_reference_calibration()
+    groups = set(args.groups.split(","))
     variants = (
-        fastdit_groups(session, set(args.groups.split(",")), calibration, args.hermite_scale)
+        fastdit_groups(session, groups, calibration, tea_calibration, args.hermite_scale)
         if "fastdit" in libraries
         else []
     )

@@ -36,6 +36,8 @@ _EXPORTS = {
     "Quantize": "fastdit.config",
     "StepMask": "fastdit.config",
     "TaylorSeer": "fastdit.config",
+    "TeaCache": "fastdit.config",
+    "TeaCalibration": "fastdit.config",
     "BlockGroup": "fastdit.models.base",
     "ForwardPattern": "fastdit.models.base",
     "ModelAdapter": "fastdit.models.base",
@@ -62,6 +64,8 @@ __all__ = [
     "StepMask",
     "Summary",
     "TaylorSeer",
+    "TeaCache",
+    "TeaCalibration",
     "__version__",
     "accelerate",
     "disable",
@@ -88,6 +92,8 @@ if TYPE_CHECKING:
         Quantize,
         StepMask,
         TaylorSeer,
+        TeaCache,
+        TeaCalibration,
     )
     from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter
     from fastdit.models.registry import register

@@ -21,7 +21,18 @@ from typing import Any
 import torch
 
 from fastdit.components import walk
-from fastdit.config import Attention, Compile, CudaGraph, DBCache, DBPrune, MagCache, Offload, Parallel, Quantize
+from fastdit.config import (
+    Attention,
+    Compile,
+    CudaGraph,
+    DBCache,
+    DBPrune,
+    MagCache,
+    Offload,
+    Parallel,
+    Quantize,
+    TeaCache,
+)
 from fastdit.context import Context, Request, attach, context_of, detach
 from fastdit.errors import ArgumentError, UnavailableError
 from fastdit.models.base import ModelAdapter
@@ -57,8 +68,8 @@ def _request(
     """Type-check the arguments and normalise them into one :class:`Request`."""
     if quantize is not None and not isinstance(quantize, Quantize):
         raise TypeError(f"quantize={quantize!r}: expected Quantize or None")
-    if cache is not None and not isinstance(cache, (DBCache, DBPrune, MagCache)):
-        raise TypeError(f"cache={cache!r}: expected DBCache, FBCache(...), MagCache, DBPrune or None")
+    if cache is not None and not isinstance(cache, (DBCache, DBPrune, MagCache, TeaCache)):
+        raise TypeError(f"cache={cache!r}: expected DBCache, FBCache(...), MagCache, TeaCache, DBPrune or None")
     if parallel is not None and not isinstance(parallel, Parallel):
         raise TypeError(f"parallel={parallel!r}: expected Parallel or None")
     if compile is not None and compile is not False and not isinstance(compile, (Compile, bool)):
@@ -117,7 +128,7 @@ def _runtime(request: Request, context: Context) -> Any:
 def accelerate(
     target: Any,
     *,
-    cache: DBCache | DBPrune | MagCache | None = None,
+    cache: DBCache | DBPrune | MagCache | TeaCache | None = None,
     parallel: Parallel | None = None,
     compile: Compile | bool | None = None,
     cuda_graph: CudaGraph | None = None,
@@ -130,7 +141,7 @@ def accelerate(
 
     Args:
         target: A diffusers pipeline or a transformer ``nn.Module``.
-        cache: Step caching (``DBCache``, ``FBCache(...)``, ``MagCache``, ``DBPrune``), or ``None``.
+        cache: Step caching (``DBCache``, ``FBCache(...)``, ``MagCache``, ``TeaCache``, ``DBPrune``), or ``None``.
         parallel: Parallel layout, or ``None`` for one device.
         compile: ``True`` or a :class:`Compile` to ``torch.compile`` the transformer blocks.
         cuda_graph: A :class:`CudaGraph` to replay transformer (or block) calls from CUDA graphs; works with or

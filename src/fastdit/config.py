@@ -36,6 +36,8 @@ __all__ = [
     "Quantize",
     "StepMask",
     "TaylorSeer",
+    "TeaCache",
+    "TeaCalibration",
     "config_fields",
 ]
 
@@ -517,34 +519,133 @@ class MagCache:
             taylorseer=_optional(_instance(TaylorSeer)),
             separate_cfg=_optional(_BOOL),
         )
-        self._check_combination()
+        _check_calibrated(self, "MagCalibration", "fastdit.calibration.calibrate")
 
-    def _check_combination(self) -> None:
-        if self.taylorseer is not None and self.taylorseer.forecast_decision:
-            raise FieldError(
-                "MagCache", "taylorseer", self.taylorseer, "forecast_decision applies to DBCache's residual test"
-            )
-        if self.calibrate and self.calibration is not None:
-            raise FieldsError(
-                "MagCache",
-                {"calibrate": self.calibrate, "calibration": "<MagCalibration>"},
-                "a calibration run records new ratios: leave calibration unset",
-            )
-        if self.threshold > 0 and self.calibration is None and not self.calibrate:
-            raise FieldError(
-                "MagCache",
-                "calibration",
-                None,
-                "threshold > 0 needs the model's calibration (fastdit.calibration.calibrate, or "
-                "load_calibration of a saved one); threshold=0 needs none",
-            )
-        cal = self.calibration
-        if cal is not None and (cal.fn, cal.bn) != (self.fn, self.bn):
-            raise FieldsError(
-                "MagCache",
-                {"fn": self.fn, "bn": self.bn},
-                f"the calibration measured the layout fn={cal.fn}, bn={cal.bn}; calibrate this layout",
-            )
+
+# --- TeaCache: whole-step skipping from the accumulated, rescaled change of the block stack's input -------------------
+
+_MAX_TEA_DEGREE = 4
+
+
+def _coefficients(value: Any) -> bool:
+    return isinstance(value, tuple) and 1 <= len(value) <= _MAX_TEA_DEGREE + 1 and all(_is_number(c) for c in value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TeaCalibration:
+    """A model's polynomial from the change of the block stack's input to the change of its residual.
+
+    ``x`` is the relative L1 change of the first block's input between consecutive steps, ``y`` that of the residual
+    the block stack adds (output − input); one calibration run records ``(x, y)`` at every step and
+    ``numpy.polyfit`` gives ``y ≈ p(x)``. A cached run accumulates ``max(p(x), 0)`` instead of ``x``, so the threshold
+    reads as a residual change whatever the model's input scale. Unlike MagCache's per-step ratios the polynomial
+    does not follow the schedule step by step, so it serves runs of any length.
+    """
+
+    coefficients: tuple[float, ...] = _doc(
+        "Polynomial coefficients, highest power first (numpy.polyval order); 1 to 5 of them (degree <= 4).", (1.0, 0.0)
+    )
+    num_steps: int = _doc("Steps of the calibration run (the run length assumed where no scheduler tells one).", 1)
+    fn: int = _doc("Front blocks of the layout the residual was measured on (TeaCache.fn must match).", 0)
+    bn: int = _doc("Back blocks of the layout the residual was measured on (TeaCache.bn must match).", 0)
+    model: str = _doc("What was calibrated (the transformer's class and configuration), for messages.", "unknown")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.coefficients, list):  # JSON gives lists; the frozen config keeps tuples
+            object.__setattr__(self, "coefficients", tuple(self.coefficients))
+        _check_fields(
+            self,
+            coefficients=_Rule(_coefficients, f"a tuple of 1 to {_MAX_TEA_DEGREE + 1} finite numbers"),
+            num_steps=_integer(1),
+            fn=_integer(0),
+            bn=_integer(0),
+            model=_TEXT,
+        )
+
+    def rescale(self, distance: float) -> float:
+        """The residual change the polynomial predicts for an input change ``distance`` (never below 0)."""
+        value = 0.0
+        for coefficient in self.coefficients:  # Horner's scheme, in float64 on the host
+            value = value * distance + coefficient
+        # A fit of degree up to 4 can dip below 0 near the ends of its data; a negative change would pay back
+        # accumulated drift, so it counts as none.
+        return max(value, 0.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TeaCache:
+    """Whole-step cache (TeaCache): skip a step while the accumulated change of the block stack's input is small.
+
+    Before a step's blocks run, the relative L1 change of the first block's input since the previous step is mapped
+    through the model's calibrated polynomial (:class:`TeaCalibration`) and added to an accumulator; the step reuses
+    the residual of the last computed step (or its TaylorSeer forecast) while the accumulator stays under
+    ``threshold`` and at most ``max_skip_steps`` steps in a row were skipped, else it computes and the accumulator
+    restarts. The change is a sum reduced over the ranks that share a sample, so every rank takes the same branch.
+    ``fn=0`` skips every block (models of one block too); ``threshold=0`` never skips (bit-identical to no cache).
+    """
+
+    threshold: float = _doc("Accumulated rescaled input change below which a step is skipped (0: never skip).", 0.2)
+    max_skip_steps: int = _doc("Cap on consecutive skipped steps.", 2)
+    retention_ratio: float = _doc("Fraction of the first steps that always compute (rounded to steps).", 0.07)
+    final_steps: int = _doc("Last steps of the run that always compute (fine detail forms there).", 0)
+    fn: int = _doc("Front blocks computed every step (0: the whole block stack is skipped).", 0)
+    bn: int = _doc("Back blocks computed every step (they repair the reused residual).", 0)
+    calibration: TeaCalibration | None = _doc(
+        "The model's rescaling polynomial (TeaCalibration, see fastdit.cache.teacache); needed when threshold > 0.",
+        None,
+    )
+    calibrate: bool = _doc(
+        "Record (input change, residual change) pairs instead of skipping (every step computes).", False
+    )
+    taylorseer: TaylorSeer | None = _doc("Forecast skipped residuals with TaylorSeer (None: reuse them).", None)
+    separate_cfg: bool | None = _doc(
+        "Keep separate cache state per CFG branch. None: automatic (per cache context / per call within a step).",
+        None,
+    )
+
+    def __post_init__(self) -> None:
+        _check_fields(
+            self,
+            threshold=_number(0),
+            max_skip_steps=_integer(1),
+            retention_ratio=_number(0, 1),
+            final_steps=_integer(0),
+            fn=_integer(0),
+            bn=_integer(0),
+            calibration=_optional(_instance(TeaCalibration)),
+            calibrate=_BOOL,
+            taylorseer=_optional(_instance(TaylorSeer)),
+            separate_cfg=_optional(_BOOL),
+        )
+        _check_calibrated(self, "TeaCalibration", "fastdit.calibration.calibrate(..., policy='teacache')")
+
+
+def _check_calibrated(config: MagCache | TeaCache, kind: str, how: str) -> None:
+    """The combination checks of a calibrated whole-step policy (``kind``: its calibration class)."""
+    owner = type(config).__name__
+    if config.taylorseer is not None and config.taylorseer.forecast_decision:
+        raise FieldError(owner, "taylorseer", config.taylorseer, "forecast_decision applies to DBCache's residual test")
+    if config.calibrate and config.calibration is not None:
+        raise FieldsError(
+            owner,
+            {"calibrate": config.calibrate, "calibration": f"<{kind}>"},
+            "a calibration run records new values: leave calibration unset",
+        )
+    if config.threshold > 0 and config.calibration is None and not config.calibrate:
+        raise FieldError(
+            owner,
+            "calibration",
+            None,
+            f"threshold > 0 needs the model's calibration ({how}, or load_calibration of a saved one); "
+            "threshold=0 needs none",
+        )
+    cal = config.calibration
+    if cal is not None and (cal.fn, cal.bn) != (config.fn, config.bn):
+        raise FieldsError(
+            owner,
+            {"fn": config.fn, "bn": config.bn},
+            f"the calibration measured the layout fn={cal.fn}, bn={cal.bn}; calibrate this layout",
+        )
 
 
 # Long enough for the legitimate waits of a healthy run — ranks joining after loading the weights at different

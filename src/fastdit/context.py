@@ -14,7 +14,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fastdit.config import Attention, Compile, CudaGraph, DBCache, DBPrune, Offload, Parallel, Quantize
+from fastdit.config import (
+    Attention,
+    Compile,
+    CudaGraph,
+    DBCache,
+    DBPrune,
+    MagCache,
+    Offload,
+    Parallel,
+    Quantize,
+    TeaCache,
+)
 
 if TYPE_CHECKING:
     from fastdit.components import Components
@@ -28,7 +39,7 @@ class Request:
     """What the user asked :func:`fastdit.accelerate` for, normalised (``compile=True`` → ``Compile()``,
     ``Compile(cuda_graph=True)`` → a :class:`CudaGraph`)."""
 
-    cache: DBCache | DBPrune | None = None
+    cache: DBCache | DBPrune | MagCache | TeaCache | None = None
     parallel: Parallel | None = None
     compile: Compile | None = None
     cuda_graph: CudaGraph | None = None

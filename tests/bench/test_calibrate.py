@@ -10,7 +10,7 @@ from fastdit.bench.calibrate import Ladder, Target, calibrate_cache, ladders
 from fastdit.bench.heldout import CALIBRATION, HELDOUT
 from fastdit.bench.sweep import BenchRow
 from fastdit.cache.magcache import reference_calibration
-from fastdit.config import DBCache, MagCache
+from fastdit.config import DBCache, MagCache, TeaCache, TeaCalibration
 
 
 class FakeBench:
@@ -101,5 +101,10 @@ def test_search_space() -> None:
         assert thresholds == sorted(thresholds) and len(set(thresholds)) == len(thresholds)
     with pytest.raises(ValueError, match="needs the model's MagCalibration"):
         ladders(["magcache"], 28, None)
-    with pytest.raises(ValueError, match="expected some of"):
+    with pytest.raises(ValueError, match="needs the model's TeaCalibration"):
         ladders(["teacache"], 28, None)
+    with pytest.raises(ValueError, match="expected some of"):
+        ladders(["fastercache"], 28, None)
+    tea = ladders(["teacache"], 28, None, TeaCalibration(coefficients=(1.0, 0.0)))
+    assert tea and all(isinstance(config, TeaCache) for ladder in tea for _, config in ladder.configs)
+    assert all(config.taylorseer is not None for ladder in tea for _, config in ladder.configs)

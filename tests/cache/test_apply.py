@@ -26,5 +26,5 @@ def test_an_unknown_config_class_is_refused() -> None:
     class MyCache(DBCache):
         pass
 
-    with pytest.raises(TypeError, match="expected one of DBCache, MagCache, DBPrune"):
+    with pytest.raises(TypeError, match="expected one of DBCache, MagCache, TeaCache, DBPrune"):
         apply_cache(ToyDiT(), TOY_ADAPTER.cache_plan, MyCache())

@@ -90,7 +90,7 @@ def test_nothing_half_written(tmp_path: Path) -> None:
     with pytest.raises(ValueError):  # a non-finite float is not JSON: refused before the file exists
         save_cache_file(path, CacheFile(DBCache(), "m", 28, {"psnr": float("inf")}))
     assert not path.exists() and list(tmp_path.iterdir()) == []
-    with pytest.raises(TypeError, match="expected DBCache, DBPrune or MagCache"):
+    with pytest.raises(TypeError, match="expected DBCache, DBPrune, MagCache or TeaCache"):
         save_cache_file(path, CacheFile(TaylorSeer(), "m", 28))
 
 

@@ -12,7 +12,7 @@ import pytest
 from fastdit.cache.files import CacheFile, load_cache_file, save_cache_file
 from fastdit.cli import CLIError, main
 from fastdit.cli.options import cache_from_spec
-from fastdit.config import DBCache, MagCache, TaylorSeer
+from fastdit.config import DBCache, MagCache, TaylorSeer, TeaCache
 from fastdit.session import Session
 
 pytestmark = pytest.mark.usefixtures("single_process")
@@ -74,6 +74,18 @@ def test_speedup_target(tmp_path: Path, capsys: Any) -> None:
 
 
 @pytest.mark.slow
+def test_teacache_policy_fits_its_polynomial_and_generates_from_the_file(tmp_path: Path, capsys: Any) -> None:
+    out = tmp_path / "tea.json"
+    assert main(["calibrate", "--target-speedup", "2", "--policies", "teacache", *SMALL, "--out", str(out)]) == 0
+    loaded = load_cache_file(out, num_steps=12)
+    assert isinstance(loaded.config, TeaCache) and len(loaded.config.calibration.coefficients) == 5
+    assert loaded.provenance["calibration"]["blocks_computed_fraction"] <= 0.5
+    image = tmp_path / "x.png"
+    assert main(["generate", "--steps", "12", "--cache", f"from:{out}", "--json", "--out", str(image)]) == 0
+    assert _last_json(capsys.readouterr().out)["acceleration"]["cache"]["type"] == "TeaCache"
+
+
+@pytest.mark.slow
 def test_unreachable_target_writes_nothing(tmp_path: Path, capsys: Any) -> None:
     out = tmp_path / "never.json"
     argv = ["calibrate", "--target-speedup", "50", "--policies", "dbcache", *SMALL, "--out", str(out)]
@@ -87,7 +99,7 @@ def test_unreachable_target_writes_nothing(tmp_path: Path, capsys: Any) -> None:
         (["--target-speedup", "0.5"], "argument --target-speedup: Target.speedup=0.5"),
         (["--target-psnr", "30", "--ssim-min", "1.5"], "argument --ssim-min"),
         (["--target-psnr", "30", "--margin", "-1"], "argument --margin"),
-        (["--target-psnr", "30", "--policies", "teacache"], "argument --policies teacache"),
+        (["--target-psnr", "30", "--policies", "fastercache"], "argument --policies fastercache"),
         (["--target-psnr", "30", "--policies", "dbcache,dbcache"], "argument --policies"),
         (["--target-psnr", "30", "--heldout-seeds", "0"], "seeds [0] are calibration seeds too"),
         (["--target-psnr", "30", "--seeds", "x"], "argument --seeds x"),

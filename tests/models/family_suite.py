@@ -72,16 +72,20 @@ class FamilySuite:
     def test_cache_threshold_zero_is_bit_identical(self, built: dict, variant: str) -> None:
         """DBCache at threshold 0, MagCache at threshold 0 (``fn=0``: every block skippable) and DBCache at
         threshold 0 over streamed blocks (offload beneath the cache) leave the output bit-identical, and disable
-        restores the original."""
+        restores the original. The family's first pipeline also runs a TeaCache calibration (every step computes
+        while the first block's input is measured; once per family, to keep the default run short)."""
         pipe, tiny = self._pipe(built, variant)
         baseline = run_tiny(pipe, tiny)
         own_forward = _instance_forwards(pipe)
         exact = fastdit.DBCache(fn=1, bn=1, threshold=0.0, warmup_steps=0)
-        for name, options in (
+        configurations = [
             ("DBCache", {"cache": exact}),
             ("MagCache", {"cache": fastdit.MagCache(threshold=0.0)}),
             ("DBCache+Offload", {"cache": exact, "offload": fastdit.Offload()}),
-        ):
+        ]
+        if variant == _variants(self.family)[0]:
+            configurations.append(("TeaCache calibration", {"cache": fastdit.TeaCache(calibrate=True)}))
+        for name, options in configurations:
             fastdit.accelerate(pipe, **options)
             try:
                 cached = run_tiny(pipe, tiny)
@@ -141,6 +145,29 @@ class FamilySuite:
             # Only the first step computed: at most a step's blocks in all (Wan-Animate-2's unconditional branch
             # skips block 9 itself, so it computes one fewer than the blocks counted per step).
             assert 0 < b["blocks_computed"] <= b["blocks_total"] // b["steps"], name
+
+    @pytest.mark.slow
+    def test_teacache_forced_schedule_skips_every_block(self, built: dict, variant: str) -> None:
+        """TeaCache with ``fn=0`` and a threshold no change reaches: the first block's input is measured before it
+        runs, every step after the first reuses the residual of the whole block stack, and the output stays
+        finite."""
+        pipe, tiny = self._pipe(built, variant)
+        identity = fastdit.TeaCalibration(coefficients=(1.0, 0.0))
+        config = fastdit.TeaCache(
+            threshold=1e6, max_skip_steps=100, retention_ratio=0.0, final_steps=0, calibration=identity
+        )
+        fastdit.accelerate(pipe, cache=config)
+        try:
+            out = run_tiny(pipe, tiny)
+            stats = fastdit.summary(pipe)
+        finally:
+            fastdit.disable(pipe)
+        assert np.isfinite(out).all()
+        branches = [b for info in stats.transformers.values() for b in info["cache"]["branches"].values()]
+        assert any(b["steps"] > 1 for b in branches), "no branch ran two steps: nothing was skipped"
+        for b in branches:
+            assert b["cached_steps"] == list(range(1, b["steps"])), b
+            assert 0 < b["blocks_computed"] <= b["blocks_total"] // b["steps"], b
 
     @pytest.mark.slow
     def test_verify_cache_rung(self, built: dict, variant: str) -> None:

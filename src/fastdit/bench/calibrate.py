@@ -21,9 +21,10 @@ from typing import Any
 
 from fastdit.bench.heldout import CALIBRATION, HELDOUT, SplitBench, fastdit_variant
 from fastdit.bench.sweep import BenchRow
-from fastdit.config import DBCache, MagCache, MagCalibration, MagCalibrations, TaylorSeer
+from fastdit.config import DBCache, MagCache, MagCalibration, MagCalibrations, TaylorSeer, TeaCache, TeaCalibration
 
 __all__ = [
+    "DEFAULT_POLICIES",
     "POLICIES",
     "Calibrated",
     "Ladder",
@@ -32,14 +33,24 @@ __all__ = [
     "ladders",
 ]
 
-POLICIES = ("magcache", "dbcache")
-"""Policies the search can try: MagCache (whole-step, calibrated ratios) and DBCache F1B0 with TaylorSeer."""
+POLICIES = ("magcache", "teacache", "dbcache")
+"""Policies the search can try: MagCache (whole-step, calibrated ratios), TeaCache (whole-step, calibrated input
+change) and DBCache F1B0 with TaylorSeer."""
+
+DEFAULT_POLICIES = ("magcache", "dbcache")
+"""Policies searched unless asked otherwise (TeaCache found nothing better on the reference pipeline, see
+``docs/cache.md``, and its ladders would double the search's cost)."""
 
 # Thresholds along each ladder, from nearly lossless to aggressive.
 _MAG_THRESHOLDS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.9)
 _MAG_CAPS = (2, 3, 4, 5)
 # The MagCache settings the held-out frontier favoured (docs/cache.md): few retained steps, a second-order forecast.
 _MAG_RETENTION = 0.07
+# TeaCache: the accumulated rescaled change is a residual change summed over the skipped steps; on the reference
+# pipeline a step adds 0.03 to 0.15, so from 0.3 on the cap binds and the rungs take MagCache's steps.
+_TEA_THRESHOLDS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.8)
+_TEA_CAPS = (2, 3, 4)
+_TEA_RETENTION = 0.07
 _DB_THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.65, 0.8, 1.0, 1.3)
 _DB_CAPS = (2, 3, 4, 6)
 
@@ -102,12 +113,16 @@ class Ladder:
 
 
 def ladders(
-    policies: Sequence[str], num_steps: int, calibration: MagCalibration | MagCalibrations | None
+    policies: Sequence[str],
+    num_steps: int,
+    calibration: MagCalibration | MagCalibrations | None,
+    tea_calibration: TeaCalibration | None = None,
 ) -> list[Ladder]:
-    """The search space for ``policies`` (MagCache needs ``calibration``: one per denoiser where there are several).
+    """The search space for ``policies`` (MagCache needs ``calibration``: one per denoiser where there are several;
+    TeaCache ``tea_calibration``).
 
     Raises:
-        ValueError: An unknown policy, or MagCache without a calibration.
+        ValueError: An unknown policy, or a calibrated policy without its calibration.
     """
     unknown = [p for p in policies if p not in POLICIES]
     if unknown or not policies:
@@ -127,6 +142,19 @@ def ladders(
                 for t in _MAG_THRESHOLDS
             )  # fmt: skip
             out.append(Ladder(f"magcache TaylorSeer cap {cap}", rungs))
+    if "teacache" in policies:
+        if tea_calibration is None:
+            raise ValueError("policy 'teacache' needs the model's TeaCalibration")
+        for cap in _TEA_CAPS:
+            rungs = tuple(
+                (
+                    f"teacache,threshold={t:g},max_skip_steps={cap}",
+                    TeaCache(threshold=t, max_skip_steps=cap, retention_ratio=_TEA_RETENTION, final_steps=0,
+                             taylorseer=forecast, calibration=tea_calibration),
+                )
+                for t in _TEA_THRESHOLDS
+            )  # fmt: skip
+            out.append(Ladder(f"teacache TaylorSeer cap {cap}", rungs))
     if "dbcache" in policies:
         for cap in _DB_CAPS:
             rungs = tuple(

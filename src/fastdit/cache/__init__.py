@@ -1,4 +1,5 @@
-"""Training-free step caching: DBCache/FBCache (+ TaylorSeer, step masks), MagCache and DBPrune, as layer hooks."""
+"""Training-free step caching: DBCache/FBCache (+ TaylorSeer, step masks), MagCache, TeaCache and DBPrune, as layer
+hooks."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 import torch
 
 from fastdit.cache.policy import Reducer
-from fastdit.config import DBCache, DBPrune, MagCache, MagCalibrations
+from fastdit.config import DBCache, DBPrune, MagCache, MagCalibrations, TeaCache
 from fastdit.hooks.state import Applied
 from fastdit.models.base import CachePlan
 from fastdit.models.validate import resolve_block_groups, resolve_interleaved
@@ -19,7 +20,7 @@ __all__ = ["apply_cache", "cache_summary"]
 def apply_cache(
     transformer: torch.nn.Module,
     plan: CachePlan,
-    config: DBCache | DBPrune | MagCache,
+    config: DBCache | DBPrune | MagCache | TeaCache,
     *,
     reducer: Reducer | None = None,
 ) -> Applied:
@@ -28,8 +29,8 @@ def apply_cache(
     Args:
         transformer: The denoiser module (diffusers or third-party).
         plan: Its block lists and timestep argument (:attr:`ModelAdapter.cache_plan`).
-        config: A :class:`~fastdit.config.DBCache`, :class:`~fastdit.config.MagCache` or
-            :class:`~fastdit.config.DBPrune`.
+        config: A :class:`~fastdit.config.DBCache`, :class:`~fastdit.config.MagCache`,
+            :class:`~fastdit.config.TeaCache` or :class:`~fastdit.config.DBPrune`.
         reducer: Sums small tensors across ranks that share a sample (context/tensor parallelism) so every rank
             makes the same decision.
 
@@ -51,7 +52,12 @@ def _install_prune(transformer, groups, plan: CachePlan, config: DBPrune, reduce
 
 
 def _install_blocks(
-    transformer, groups, plan: CachePlan, config: DBCache | MagCache, reducer, engine_class: type | None = None
+    transformer,
+    groups,
+    plan: CachePlan,
+    config: DBCache | MagCache | TeaCache,
+    reducer,
+    engine_class: type | None = None,
 ) -> tuple[Any, Any]:
     from fastdit.cache.hooks import install
 
@@ -81,11 +87,18 @@ def _install_magcache(transformer, groups, plan: CachePlan, config: MagCache, re
     return _install_blocks(transformer, groups, plan, config, reducer, MagCacheEngine)
 
 
+def _install_teacache(transformer, groups, plan: CachePlan, config: TeaCache, reducer) -> tuple[Any, Any]:
+    from fastdit.cache.teacache import TeaCacheEngine
+
+    return _install_blocks(transformer, groups, plan, config, reducer, TeaCacheEngine)
+
+
 # Each cache policy's installer, by its config class (exact): (transformer, groups, plan, config, reducer) ->
 # (engine, undo). Adding a policy is one entry here plus its engine module.
 _POLICIES: dict[type, Callable[..., tuple[Any, Any]]] = {
     DBCache: _install_blocks,
     MagCache: _install_magcache,
+    TeaCache: _install_teacache,
     DBPrune: _install_prune,
 }
 

@@ -7,9 +7,10 @@
      "config": {"kind": "MagCache", "fields": {"threshold": 0.06, ..., "calibration": {"kind": "MagCalibration", ...}}},
      "provenance": {...what the calibration measured...}}
 
-Nested configurations (TaylorSeer, StepMask, MagCalibration, MagCalibrations: one calibration per denoiser) are
-written the same way as the top one. Only the classes in :data:`CONFIG_KINDS` are read back, and every value goes
-through the dataclass's own checks, so a file edited by hand fails with the field that is wrong.
+Nested configurations (TaylorSeer, StepMask, MagCalibration, MagCalibrations: one calibration per denoiser,
+TeaCalibration) are written the same way as the top one. Only the classes in :data:`CONFIG_KINDS` are read back,
+and every value goes through the dataclass's own checks, so a file edited by hand fails with the field that is
+wrong.
 """
 
 from __future__ import annotations
@@ -23,7 +24,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastdit.config import DBCache, DBPrune, MagCache, MagCalibration, MagCalibrations, StepMask, TaylorSeer
+from fastdit.config import (
+    DBCache,
+    DBPrune,
+    MagCache,
+    MagCalibration,
+    MagCalibrations,
+    StepMask,
+    TaylorSeer,
+    TeaCache,
+    TeaCalibration,
+)
 
 __all__ = [
     "CACHE_FILE_FORMAT",
@@ -41,11 +52,22 @@ CACHE_FILE_FORMAT = "fastdit-cache/1"
 """The ``format`` entry of every cache file this version writes and reads."""
 
 CONFIG_KINDS: Mapping[str, type] = {
-    cls.__name__: cls for cls in (DBCache, DBPrune, MagCache, MagCalibration, MagCalibrations, StepMask, TaylorSeer)
+    cls.__name__: cls
+    for cls in (
+        DBCache,
+        DBPrune,
+        MagCache,
+        MagCalibration,
+        MagCalibrations,
+        StepMask,
+        TaylorSeer,
+        TeaCache,
+        TeaCalibration,
+    )
 }
 """Configuration classes a cache file may hold, by the name written in its ``kind`` entries."""
 
-_TOP_LEVEL = (DBCache, DBPrune, MagCache)
+_TOP_LEVEL = (DBCache, DBPrune, MagCache, TeaCache)
 
 
 def config_to_dict(config: Any) -> dict[str, Any]:
@@ -102,7 +124,7 @@ class CacheFile:
     """A cache configuration with the model and step count it was chosen for.
 
     Attributes:
-        config: The cache configuration (DBCache, DBPrune or MagCache).
+        config: The cache configuration (DBCache, DBPrune, MagCache or TeaCache).
         model: What it was chosen on (the model name given to ``fastdit calibrate``).
         num_steps: Steps of the runs it was chosen on (``None``: any); MagCache calibrations need exactly these.
         provenance: What the calibration measured (target, prompts, seeds, quality on both parts, candidates).
@@ -124,7 +146,7 @@ def save_cache_file(path: str | os.PathLike[str], cache_file: CacheFile) -> Path
     from fastdit.io import write_json
 
     if not isinstance(cache_file.config, _TOP_LEVEL):
-        raise TypeError(f"CacheFile.config={cache_file.config!r}: expected DBCache, DBPrune or MagCache")
+        raise TypeError(f"CacheFile.config={cache_file.config!r}: expected DBCache, DBPrune, MagCache or TeaCache")
     data = {
         "format": CACHE_FILE_FORMAT,
         "model": cache_file.model,

@@ -25,7 +25,7 @@ from fastdit.cache.forecast import forecast_predict, forecast_update
 from fastdit.cache.policy import Reducer, check_run_length, decide
 from fastdit.cache.state import BranchState, RunTracker, SegmentMemory
 from fastdit.cache.taylorseer import taylor_position
-from fastdit.config import DBCache, MagCache
+from fastdit.config import DBCache, MagCache, TeaCache
 from fastdit.errors import FastditWarning, FieldsError
 from fastdit.hooks import layers
 from fastdit.hooks.args import ForwardArgs, UnsteppedCalls
@@ -68,7 +68,9 @@ class BlockSlot:
 class CacheEngine:
     """The cache of one transformer: its plan, run tracker and decision settings."""
 
-    def __init__(self, config: DBCache | MagCache, slots: list[BlockSlot], reducer: Reducer | None = None) -> None:
+    def __init__(
+        self, config: DBCache | MagCache | TeaCache, slots: list[BlockSlot], reducer: Reducer | None = None
+    ) -> None:
         self.config = config
         self.slots = slots
         self.reducer = reducer
@@ -94,6 +96,12 @@ class CacheEngine:
         check_run_length(mask, state.step + 1, reached=True)
         state.blocks_total += self.num_blocks
         state.computing = True
+
+    def enter_stack(self, state: BranchState, hidden: torch.Tensor) -> None:
+        """The step's first block is called with ``hidden``; a policy that decides on the stack's input does it here.
+
+        DBCache decides after its front blocks (:meth:`decide`), so nothing happens here.
+        """
 
     def decide(self, state: BranchState, residual: torch.Tensor) -> None:
         decide(self.config, state, residual, self.reducer)
@@ -207,6 +215,9 @@ class BlockCacheHook(layers.LayerHook):
         slot = self.slot
         group = slot.group
         hidden = self._reader.get(group.hidden_arg, args, kwargs)
+        if state.stack_entered_step != state.step:  # the first block called in this step, front or middle
+            state.stack_entered_step = state.step
+            self.engine.enter_stack(state, hidden)
         if slot.role == "front":
             if state.front_entered_step != state.step:  # first front block called in this step
                 state.front_hidden_in, state.front_entered_step = hidden, state.step
@@ -408,7 +419,7 @@ Groups = list[tuple[BlockGroup, torch.nn.ModuleList]]
 def install(
     transformer: torch.nn.Module,
     groups: Groups,
-    config: DBCache | MagCache,
+    config: DBCache | MagCache | TeaCache,
     timestep_arg: str | None,
     reducer: Reducer | None = None,
     interleaved: Groups | None = None,

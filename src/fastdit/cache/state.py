@@ -46,6 +46,8 @@ class BranchState:
     # The current call's timestep (None when the model takes none): TaylorSeer's variable when it asks for it.
     timestep: float | None = None
     computing: bool = True
+    # Step at which the first block of the stack was last called (a whole-step policy may decide on its input).
+    stack_entered_step: int = -1
     front_hidden_in: torch.Tensor | None = None
     front_entered_step: int = -1
     front_residual: torch.Tensor | None = None
@@ -61,7 +63,8 @@ class BranchState:
     block_memory: dict[int, Any] = field(default_factory=dict)
     # DBPrune: blocks pruned in each step.
     pruned: list[int] = field(default_factory=list)
-    # What a whole-step policy accumulates across steps (MagCache: its ratio and error since the last computed step).
+    # What a whole-step policy accumulates across steps (MagCache: its ratio and error since the last computed step;
+    # TeaCache: its rescaled input change and the previous step's input).
     policy: Any = None
 
     @property

@@ -2,7 +2,8 @@
 
 The pipeline generates the calibration prompts with the calibration seeds, uncached, then searches cache
 configurations (MagCache with the model's magnitude ratios, recorded here on the first prompt, and DBCache F1B0 with
-TaylorSeer; each over its thresholds and caps) for the fewest block evaluations whose worst image stays above the
+TaylorSeer; TeaCache with the model's polynomial, fitted on the first prompt, on request; each over its thresholds
+and caps) for the fewest block evaluations whose worst image stays above the
 PSNR target plus a margin (``--target-psnr``), or for the best worst image within a work budget
 (``--target-speedup``), SSIM above ``--ssim-min`` in both cases. The chosen configuration is then run on the
 held-out seeds, which the search never saw, and both figures are printed side by side and stored with it.
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fastdit.bench.calibrate import POLICIES, Calibrated, Target, calibrate_cache, ladders
+from fastdit.bench.calibrate import DEFAULT_POLICIES, POLICIES, Calibrated, Target, calibrate_cache, ladders
 from fastdit.bench.heldout import CALIBRATION_SEEDS, HELDOUT_SEEDS, Split, SplitBench, transformer_blocks
 from fastdit.bench.plain import json_ready, plain
 from fastdit.bench.prompts import default_prompts
@@ -44,7 +45,7 @@ from fastdit.cli.options import (
     resolve_dtype,
     resolve_source,
 )
-from fastdit.config import MagCache, MagCalibration, MagCalibrations
+from fastdit.config import MagCache, MagCalibration, MagCalibrations, TeaCache, TeaCalibration
 from fastdit.errors import FieldError
 from fastdit.io import check_writable
 from fastdit.process import process_count
@@ -77,7 +78,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--margin", type=float, default=1.0, metavar="DB", help="with --target-psnr: dB kept above it (default 1)"
     )
     parser.add_argument(
-        "--policies", default=",".join(POLICIES), metavar="LIST", help=f"searched (default {','.join(POLICIES)})"
+        "--policies",
+        default=",".join(DEFAULT_POLICIES),
+        metavar="LIST",
+        help=f"searched, among {','.join(POLICIES)} (default {','.join(DEFAULT_POLICIES)})",
     )
     parser.add_argument("--prompts", type=int, default=10, metavar="N", help="built-in prompts (default 10)")
     parser.add_argument("--prompt", action="append", metavar="TEXT", help="use these prompts instead (repeatable)")
@@ -181,6 +185,26 @@ def _magcache_calibration(session: Session, plan: _Plan) -> MagCalibration | Mag
         session.disable()
 
 
+def _teacache_calibration(session: Session, plan: _Plan) -> TeaCalibration | None:
+    """The model's input-to-residual polynomial, fitted on the first calibration case (``None``: cannot apply)."""
+    from fastdit.bench.timing import run as run_cases
+    from fastdit.calibration import calibration_of
+    from fastdit.components import walk
+
+    if len(walk(session.pipe).denoisers) != 1:
+        print("teacache skipped: the pipeline has more than one denoiser", file=sys.stderr)
+        return None
+    session.accelerate(cache=TeaCache(calibrate=True, threshold=0.0))
+    try:
+        run_cases(session, plan.split.cases("calibration")[:1], plan.kwargs)
+        return calibration_of(session.pipe)
+    except ValueError as error:  # too few steps for the fit
+        print(f"teacache skipped: {error}", file=sys.stderr)
+        return None
+    finally:
+        session.disable()
+
+
 def _row_cells(row: BenchRow, target: Target) -> list[Any]:
     return [
         row.name,
@@ -248,9 +272,12 @@ def run(args: argparse.Namespace) -> int:
         calibration = _magcache_calibration(session, plan) if "magcache" in policies else None
         if calibration is None and "magcache" in policies:
             policies.remove("magcache")
+        tea_calibration = _teacache_calibration(session, plan) if "teacache" in policies else None
+        if tea_calibration is None and "teacache" in policies:
+            policies.remove("teacache")
         if not policies:
             raise CLIError("argument --policies: no policy can apply to this pipeline")
-        space = ladders(policies, plan.num_steps or 0, calibration)
+        space = ladders(policies, plan.num_steps or 0, calibration, tea_calibration)
 
         def progress(row: BenchRow) -> None:
             if not args.quiet:

@@ -1,0 +1,295 @@
+"""TeaCache: skip whole steps while the accumulated, rescaled change of the block stack's input stays small.
+
+A step's blocks are costly, their input is not: it exists before the first block runs. How much that input changed
+since the previous step (relative L1 over every element) predicts how much the residual the blocks add would
+change, through a polynomial fitted once per model (:class:`~fastdit.config.TeaCalibration`: a calibration run
+records ``(input change, residual change)`` at every step, :func:`fit_calibration` fits ``numpy.polyfit``). A run
+adds the rescaled change of each step to an accumulator (:func:`tea_decide`) and reuses the last computed residual
+(or its TaylorSeer forecast) while the accumulator stays under the threshold; a computed step restarts it.
+
+The input is the first block's ``hidden_states`` as the adapter names them — the same argument for every family,
+so no model needs code of its own. (TeaCache proper measures the timestep-modulated input of the first block, which
+sits inside each family's block code; the calibrated polynomial absorbs the difference in scale, not in shape, so
+the timestep's own contribution is missing — see ``docs/cache.md``.)
+
+Under context parallelism each rank holds a slice of the input: the two sums of the relative L1 are reduced over
+the ranks that share a sample (``context.cache_reducer``) before the host reads them, so every rank accumulates the
+same number and takes the same branch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fastdit.cache.hooks import CacheEngine
+from fastdit.cache.policy import Reducer, relative_l1
+from fastdit.cache.state import BranchState
+from fastdit.config import TeaCache, TeaCalibration
+
+__all__ = [
+    "CALIBRATION_FORMAT",
+    "DEFAULT_DEGREE",
+    "TeaAccumulator",
+    "TeaCacheEngine",
+    "fit_calibration",
+    "load_calibration",
+    "reference_calibration",
+    "reference_calibration_path",
+    "retained_steps",
+    "save_calibration",
+    "tea_decide",
+]
+
+CALIBRATION_FORMAT = "fastdit.teacache/1"
+"""The ``format`` entry of a TeaCache calibration file."""
+
+DEFAULT_DEGREE = 4
+"""Degree of the fitted polynomial unless asked otherwise (TeaCache's own choice)."""
+
+
+@dataclass
+class TeaAccumulator:
+    """What TeaCache keeps per branch: the accumulated change since the last computed step, and the last input."""
+
+    accumulated: float = 0.0
+    skipped: int = 0
+    # The run's length (from the scheduler at its first step; the calibration's where none tells).
+    num_steps: int | None = None
+    previous_input: torch.Tensor | None = None
+    # This step's relative L1 input change (None at the first step).
+    distance: float | None = None
+    # Calibration: the residual segments of the last computed step and the (x, y) pairs recorded so far.
+    residuals: list[torch.Tensor] = field(default_factory=list)
+    pairs: list[tuple[float, float]] = field(default_factory=list)
+
+    def restart(self) -> None:
+        """Start accumulating afresh (after a computed step)."""
+        self.accumulated, self.skipped = 0.0, 0
+
+
+def retained_steps(config: TeaCache, num_steps: int) -> int:
+    """The first steps that always compute: ``retention_ratio`` of the run, rounded to the nearest step."""
+    return int(config.retention_ratio * num_steps + 0.5)
+
+
+def tea_decide(config: TeaCache, acc: TeaAccumulator, step: int, distance: float | None, has_cache: bool) -> bool:
+    """Whether step ``step`` computes (``True``) or reuses the cached residual; updates ``acc``.
+
+    Args:
+        config: The settings (with a calibration whenever ``threshold > 0``).
+        acc: The branch's accumulator (``acc.num_steps``: the run's length, ``None`` if unknown).
+        step: 0-based step index.
+        distance: The relative L1 change of the stack's input since the previous step, reduced over the ranks
+            (``None`` at the first step).
+        has_cache: Whether a residual of an earlier computed step is there to reuse.
+    """
+    num_steps = acc.num_steps
+    forced = (
+        not has_cache
+        or config.threshold == 0  # the no-op setting: never skip
+        or config.calibration is None
+        or distance is None
+        or not math.isfinite(distance)  # the previous input was all zeros: nothing to compare with
+        or (num_steps is not None and step < retained_steps(config, num_steps))
+        # The scheduler's count may fall short of the steps taken (second-order samplers): without final steps to
+        # keep, the steps past it decide like any other.
+        or (num_steps is not None and config.final_steps > 0 and step >= num_steps - config.final_steps)
+    )
+    if not forced:
+        acc.accumulated += config.calibration.rescale(distance)
+        acc.skipped += 1
+        if acc.accumulated < config.threshold and acc.skipped <= config.max_skip_steps:
+            return False
+    acc.restart()
+    return True
+
+
+def _residual_change(current: list[torch.Tensor], previous: list[torch.Tensor], reduce: Reducer | None) -> float:
+    """Relative L1 change of the residual over every segment (and every rank, with ``reduce``)."""
+    sums = torch.stack(
+        [
+            torch.stack([(c.float() - p.float()).abs().sum() for c, p in zip(current, previous, strict=True)]).sum(),
+            torch.stack([p.float().abs().sum() for p in previous]).sum(),
+        ]
+    )
+    if reduce is not None:
+        sums = reduce(sums)
+    num, den = sums.tolist()
+    return num / den if den > 0 else float("inf")
+
+
+class TeaCacheEngine(CacheEngine):
+    """The step cache of one transformer with TeaCache's decision (the block hooks are DBCache's).
+
+    The decision is taken when the step's first block is called (:meth:`enter_stack`), before it runs: with
+    ``fn=0`` that block is a middle block, which then computes or passes through with the rest.
+    """
+
+    def begin_call(self, context: str, timestep: float | None, signature: tuple) -> None:
+        """Start a transformer call; the step computes unless :meth:`enter_stack` decides otherwise."""
+        state = self.tracker.begin_call(context, timestep, signature)
+        state.blocks_total += self.num_blocks
+        if state.step == 0 or state.policy is None:
+            state.policy = TeaAccumulator(num_steps=self._run_length())
+        state.policy.distance = None
+        state.computing = True
+
+    def _run_length(self) -> int | None:
+        scheduled = self.tracker.schedule() if self.tracker.schedule is not None else None
+        if scheduled is not None:
+            return scheduled
+        calibration = self.config.calibration
+        return calibration.num_steps if calibration is not None else None
+
+    def enter_stack(self, state: BranchState, hidden: torch.Tensor) -> None:
+        """Measure the input change since the previous step and decide whether this step computes."""
+        acc = state.policy
+        previous = acc.previous_input
+        distance = None
+        measure = self.config.calibrate or (self.config.threshold > 0 and self.config.calibration is not None)
+        if measure and previous is not None and previous.shape == hidden.shape:
+            distance = relative_l1(hidden, previous, self.reducer)  # reduced: the same float on every rank
+        # A copy: the step's input must survive whatever the model's loop does to the tensor in place.
+        acc.previous_input = hidden.detach().clone() if measure else None
+        acc.distance = distance
+        compute = True if self.config.calibrate else tea_decide(self.config, acc, state.step, distance, state.has_cache)
+        state.diffs.append(None if compute else acc.accumulated)
+        if not compute:
+            state.cached_steps.append(state.step)
+        state.computing = compute
+
+    def decide(self, state: BranchState, residual: torch.Tensor) -> None:
+        """Nothing to do: the step was decided at its first block (the front residual is not needed)."""
+
+    def end_call(self) -> None:
+        """End the call; a calibration run records the (input change, residual change) pair of this step."""
+        state = self.tracker.active
+        try:
+            if state is not None and self.config.calibrate and state.computing and state.has_cache:
+                self._record(state)
+        finally:
+            super().end_call()
+
+    def _record(self, state: BranchState) -> None:
+        acc = state.policy
+        residuals = [m.hidden_residual for _, m in sorted(state.segments.items())]
+        previous = acc.residuals
+        if acc.distance is not None and [r.shape for r in previous] == [r.shape for r in residuals]:
+            acc.pairs.append((acc.distance, _residual_change(residuals, previous, self.reducer)))
+        acc.residuals = residuals
+
+    def pairs(self) -> dict[str, list[tuple[float, float]]]:
+        """The ``(input change, residual change)`` pairs of the last calibration run, per branch."""
+        return {
+            name: list(s.policy.pairs)
+            for name, s in self.tracker.report().items()
+            if isinstance(s.policy, TeaAccumulator) and s.policy.pairs
+        }
+
+    def calibration(self, model: str, degree: int = DEFAULT_DEGREE) -> TeaCalibration:
+        """The polynomial fitted on the last calibration run (every branch's pairs together).
+
+        Raises:
+            ValueError: Nothing was recorded, or too few pairs for ``degree``.
+        """
+        branches = self.pairs()
+        if not branches:
+            raise ValueError("no input/residual changes recorded: run the pipeline once with TeaCache(calibrate=True)")
+        steps = max(s.step + 1 for s in self.tracker.report().values())
+        pairs = [pair for branch in branches.values() for pair in branch]
+        return fit_calibration(pairs, degree, num_steps=steps, fn=self.config.fn, bn=self.config.bn, model=model)
+
+
+def fit_calibration(
+    pairs: list[tuple[float, float]],
+    degree: int = DEFAULT_DEGREE,
+    *,
+    num_steps: int,
+    fn: int = 0,
+    bn: int = 0,
+    model: str = "unknown",
+) -> TeaCalibration:
+    """Fit ``residual change ≈ p(input change)`` by least squares (``numpy.polyfit``).
+
+    Args:
+        pairs: ``(input change, residual change)`` of consecutive computed steps.
+        degree: The polynomial's degree, 1 to 4.
+        num_steps: Steps of the calibration run.
+        fn: Front blocks of the calibrated layout.
+        bn: Back blocks of the calibrated layout.
+        model: What was calibrated, for messages.
+
+    Raises:
+        ValueError: ``degree`` out of range, fewer than ``degree + 1`` pairs, or a non-finite pair.
+    """
+    if isinstance(degree, bool) or not isinstance(degree, int) or not 1 <= degree <= 4:
+        raise ValueError(f"degree={degree!r}: expected an integer from 1 to 4")
+    data = np.asarray(pairs, dtype=np.float64).reshape(-1, 2)
+    if len(data) < degree + 1:
+        raise ValueError(
+            f"{len(data)} input/residual pairs recorded, a fit of degree {degree} needs at least {degree + 1}: "
+            "calibrate a run with more steps, or lower the degree"
+        )
+    if not np.isfinite(data).all():
+        raise ValueError("a recorded input/residual change is not finite (an all-zero input or residual?)")
+    coefficients = np.polyfit(data[:, 0], data[:, 1], degree)
+    return TeaCalibration(
+        coefficients=tuple(float(c) for c in coefficients), num_steps=num_steps, fn=fn, bn=bn, model=model
+    )
+
+
+def save_calibration(calibration: TeaCalibration, path: str | os.PathLike[str]) -> Path:
+    """Write ``calibration`` as a small JSON file (atomically); return its path."""
+    from fastdit.io import write_json
+
+    data = {
+        "format": CALIBRATION_FORMAT,
+        "model": calibration.model,
+        "num_steps": calibration.num_steps,
+        "fn": calibration.fn,
+        "bn": calibration.bn,
+        "coefficients": list(calibration.coefficients),  # full precision: high powers amplify rounding
+    }
+    return write_json(path, data, indent=1)
+
+
+def load_calibration(path: str | os.PathLike[str]) -> TeaCalibration:
+    """Read a calibration file written by :func:`save_calibration`.
+
+    Raises:
+        ValueError: Not a TeaCache calibration file (wrong ``format``, missing entries).
+        FieldError: An entry the calibration's own checks refuse (owner ``TeaCalibration``).
+    """
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict) or data.get("format") != CALIBRATION_FORMAT:
+        raise ValueError(f"{path}: not a TeaCache calibration (format {CALIBRATION_FORMAT!r} expected)")
+    try:
+        return TeaCalibration(
+            coefficients=tuple(data["coefficients"]),
+            num_steps=data["num_steps"],
+            fn=data["fn"],
+            bn=data["bn"],
+            model=data["model"],
+        )
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: incomplete TeaCache calibration ({exc!r})") from None
+
+
+def reference_calibration_path() -> Path:
+    """Where the packaged TeaCache calibration of the reference transformer lives (``fn=0, bn=0``, one branch)."""
+    from fastdit.reference import reference_dir
+
+    return reference_dir() / "transformer" / "teacache_f0b0.json"
+
+
+def reference_calibration() -> TeaCalibration:
+    """The packaged TeaCache calibration of the reference pipeline: degree 4, fitted on the 27 pairs of one 28-step
+    run of digit 0 with seed 0 (a calibration case)."""
+    return load_calibration(reference_calibration_path())
