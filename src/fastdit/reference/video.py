@@ -114,11 +114,11 @@ def load_video_reference_pipeline(
     Raises:
         FileNotFoundError: If the folder holds no pipeline.
     """
-    from diffusers import WanPipeline
-
     folder = video_reference_dir() if path is None else Path(path)
     if not (folder / "model_index.json").is_file():
         raise FileNotFoundError(f"no pipeline in {folder}: model_index.json is missing")
+    from diffusers import WanPipeline
+
     pipe = WanPipeline.from_pretrained(folder, dtype=dtype, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
