@@ -158,3 +158,60 @@ def test_training_script_quick_run_loads_and_generates(tmp_path):
     assert pipe.vae_scale_factor_spatial == 4 and pipe.vae_scale_factor_temporal == 4
     frames = generate_videos(pipe, [3, 5], ["left", "up"], [0, 1], num_inference_steps=2, **VIDEO_REFERENCE_CFG)
     assert frames.shape == (2, 9, 32, 32, 3) and frames.min() >= 0.0 and frames.max() <= 1.0
+
+
+# ------------------------------------------------------------------------------------------ the packaged weights ---
+
+# Clips of the quality checks: digits 0-9 with seeds 0-9, every digit meeting every direction across the set.
+QUALITY_DIGITS = list(range(10))
+QUALITY_DIRECTIONS = [d % 4 for d in range(10)]
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    try:
+        video_reference_dir()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+    return load_video_reference_pipeline()
+
+
+def test_packaged_pipeline_is_small_and_has_declared_shape(pipe):
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+
+    files = [f for f in video_reference_dir().rglob("*") if f.is_file()]
+    assert sum(f.stat().st_size for f in files) <= 15 * 10**6
+    assert isinstance(pipe, WanPipeline) and isinstance(pipe.scheduler, FlowMatchEulerDiscreteScheduler)
+    assert isinstance(pipe.transformer, WanTransformer3DModel) and pipe.transformer_2 is None
+    assert isinstance(pipe.vae, AutoencoderKLWan)
+    assert len(pipe.transformer.blocks) >= 8
+    # 9x32x32 pixels -> 3x8x8 latents -> (1, 2, 2) patches: 48 tokens.
+    assert (pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal) == (4, 4)
+    assert tuple(pipe.transformer.config.patch_size) == (1, 2, 2)
+    # Trained latent statistics, not the placeholders the untrained VAE starts with.
+    assert pipe.vae.config.latents_std != [1.0] * pipe.vae.config.z_dim
+    prompts = [video_prompt(d, r) for d in range(10) for r in DIRECTIONS] + [""]
+    assert pipe.tokenizer(prompts).input_ids == t5_tokenizer(extra_words=MOTION_WORDS)(prompts).input_ids
+
+
+def test_packaged_pipeline_draws_the_prompt_with_cfg(pipe, classifier):
+    frames = generate_videos(pipe, QUALITY_DIGITS, QUALITY_DIRECTIONS, list(range(10)), **VIDEO_REFERENCE_CFG)
+    assert frames.shape == (10, 9, 32, 32, 3)
+    acc = video_accuracy(frames, QUALITY_DIGITS, QUALITY_DIRECTIONS, classifier)
+    assert acc.direction == 1.0 and acc.digit >= 0.8, acc
+    # The check can fail: the same clips against shifted labels.
+    wrong = video_accuracy(
+        frames, [(d + 3) % 10 for d in QUALITY_DIGITS], [d ^ 1 for d in QUALITY_DIRECTIONS], classifier
+    )
+    assert wrong.digit <= 0.2 and wrong.direction == 0.0, wrong
+
+
+@pytest.mark.slow
+def test_packaged_pipeline_quality_on_40_clips(pipe, classifier):
+    n = 40
+    digits, directions = [i % 10 for i in range(n)], [(i // 10 + i) % 4 for i in range(n)]
+    cfg = video_accuracy(generate_videos(pipe, digits, directions, list(range(n)), **VIDEO_REFERENCE_CFG), digits,
+                         directions, classifier)  # fmt: skip
+    assert cfg.digit >= 0.9 and cfg.direction >= 0.95, cfg
+    plain = video_accuracy(generate_videos(pipe, digits, directions, list(range(n))), digits, directions, classifier)
+    assert plain.direction >= 0.9 and plain.digit >= 0.5, plain
