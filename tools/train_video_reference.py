@@ -289,7 +289,11 @@ def text_conditions(pipe: Any, device: torch.device) -> torch.Tensor:
 
 
 def replace_dir(staged: Path, final: Path) -> None:
-    """Put the complete directory ``staged`` at ``final``: a reader sees the old folder or the new one, whole."""
+    """Put the complete directory ``staged`` at ``final``: never a half-written folder there.
+
+    Two renames (old aside, new in): a kill between them leaves ``final`` missing and the previous folder beside it
+    as ``.<name>.old``, still whole.
+    """
     old = final.with_name(f".{final.name}.old")
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():
