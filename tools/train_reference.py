@@ -239,7 +239,7 @@ def run_loop(
             elapsed = time.perf_counter() - start
             mean = torch.stack(window).mean().item()  # one host sync per window, not per step
             curve.append({"step": done, "loss": round(mean, 6), "elapsed_s": round(elapsed, 2)})
-            print(f"  step {done:6d}  loss {mean:.5f}  {elapsed:7.1f}s", flush=True)
+            print(f"  {time.strftime('%H:%M:%S')}  step {done:6d}  loss {mean:.5f}  {elapsed:7.1f}s", flush=True)
             window.clear()
             if time_limit is not None and elapsed > time_limit:
                 print(f"  time limit {time_limit}s reached after {done} steps", flush=True)

@@ -88,13 +88,23 @@ def clip_tokenizer(model_max_length: int = 77):
 
 
 @cached_copy
-def t5_tokenizer(model_max_length: int = 64):
-    """A ``T5TokenizerFast`` (unigram) over :data:`WORDS` and single characters."""
+def t5_tokenizer(model_max_length: int = 64, extra_words: tuple[str, ...] = ()):
+    """A ``T5TokenizerFast`` (unigram) over :data:`WORDS` and single characters.
+
+    Args:
+        model_max_length: Longest input the tokenizer accepts.
+        extra_words: Whole-word pieces added after :data:`WORDS` (the video reference's motion words). The default
+            adds none, and only then are the ids those of every other pipeline's T5 tokenizer: extra words shift the
+            ids of the single characters.
+
+    Returns:
+        A new tokenizer.
+    """
     from transformers import T5TokenizerFast
 
     pieces = ["<pad>", "</s>", "<unk>"]
     scores = [0.0, 0.0, 0.0]
-    for word in WORDS:
+    for word in dict.fromkeys(WORDS + tuple(extra_words)):
         pieces.append("▁" + word)
         scores.append(-1.0)
     for ch in string.ascii_lowercase + string.digits + string.punctuation:
