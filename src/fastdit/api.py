@@ -22,16 +22,14 @@ import torch
 
 from fastdit.components import walk
 from fastdit.config import (
+    CACHE_CONFIGS,
     Attention,
+    CacheConfig,
     Compile,
     CudaGraph,
-    DBCache,
-    DBPrune,
-    MagCache,
     Offload,
     Parallel,
     Quantize,
-    TeaCache,
 )
 from fastdit.context import Context, Request, attach, context_of, detach
 from fastdit.errors import ArgumentError, UnavailableError
@@ -68,7 +66,7 @@ def _request(
     """Type-check the arguments and normalise them into one :class:`Request`."""
     if quantize is not None and not isinstance(quantize, Quantize):
         raise TypeError(f"quantize={quantize!r}: expected Quantize or None")
-    if cache is not None and not isinstance(cache, (DBCache, DBPrune, MagCache, TeaCache)):
+    if cache is not None and not isinstance(cache, CACHE_CONFIGS):
         raise TypeError(f"cache={cache!r}: expected DBCache, FBCache(...), MagCache, TeaCache, DBPrune or None")
     if parallel is not None and not isinstance(parallel, Parallel):
         raise TypeError(f"parallel={parallel!r}: expected Parallel or None")
@@ -128,7 +126,7 @@ def _runtime(request: Request, context: Context) -> Any:
 def accelerate(
     target: Any,
     *,
-    cache: DBCache | DBPrune | MagCache | TeaCache | None = None,
+    cache: CacheConfig | None = None,
     parallel: Parallel | None = None,
     compile: Compile | bool | None = None,
     cuda_graph: CudaGraph | None = None,

@@ -620,6 +620,13 @@ class TeaCache:
         _check_calibrated(self, "TeaCalibration", "fastdit.calibration.calibrate(..., policy='teacache')")
 
 
+CACHE_CONFIGS: tuple[type, ...] = (DBCache, DBPrune, MagCache, TeaCache)
+"""The step-cache policies, one config class each: what ``cache=`` takes (exact classes)."""
+
+CacheConfig = DBCache | DBPrune | MagCache | TeaCache
+"""Any step-cache configuration (a type alias of the classes in :data:`CACHE_CONFIGS`)."""
+
+
 def _check_calibrated(config: MagCache | TeaCache, kind: str, how: str) -> None:
     """The combination checks of a calibrated whole-step policy (``kind``: its calibration class)."""
     owner = type(config).__name__

@@ -16,15 +16,12 @@ import torch
 
 from fastdit.config import (
     Attention,
+    CacheConfig,
     Compile,
     CudaGraph,
-    DBCache,
-    DBPrune,
-    MagCache,
     Offload,
     Parallel,
     Quantize,
-    TeaCache,
 )
 
 if TYPE_CHECKING:
@@ -39,7 +36,7 @@ class Request:
     """What the user asked :func:`fastdit.accelerate` for, normalised (``compile=True`` → ``Compile()``,
     ``Compile(cuda_graph=True)`` → a :class:`CudaGraph`)."""
 
-    cache: DBCache | DBPrune | MagCache | TeaCache | None = None
+    cache: CacheConfig | None = None
     parallel: Parallel | None = None
     compile: Compile | None = None
     cuda_graph: CudaGraph | None = None

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from fastdit.cache.policy import Reducer
-from fastdit.config import DBCache, DBPrune, MagCache, MagCalibrations, TeaCache
+from fastdit.config import CacheConfig, DBCache, DBPrune, MagCache, MagCalibrations, TeaCache
 from fastdit.hooks.state import Applied
 from fastdit.models.base import CachePlan
 from fastdit.models.validate import resolve_block_groups, resolve_interleaved
@@ -20,7 +20,7 @@ __all__ = ["apply_cache", "cache_summary"]
 def apply_cache(
     transformer: torch.nn.Module,
     plan: CachePlan,
-    config: DBCache | DBPrune | MagCache | TeaCache,
+    config: CacheConfig,
     *,
     reducer: Reducer | None = None,
 ) -> Applied:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from fastdit.config import (
+    CACHE_CONFIGS,
     DBCache,
     DBPrune,
     MagCache,
@@ -67,7 +68,7 @@ CONFIG_KINDS: Mapping[str, type] = {
 }
 """Configuration classes a cache file may hold, by the name written in its ``kind`` entries."""
 
-_TOP_LEVEL = (DBCache, DBPrune, MagCache, TeaCache)
+_TOP_LEVEL = CACHE_CONFIGS
 
 
 def config_to_dict(config: Any) -> dict[str, Any]:

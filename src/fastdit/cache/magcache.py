@@ -25,9 +25,10 @@ from typing import Any
 
 import torch
 
-from fastdit.cache.hooks import BlockSlot, CacheEngine
+from fastdit.cache.hooks import BlockSlot
 from fastdit.cache.policy import Reducer
 from fastdit.cache.state import BranchState
+from fastdit.cache.whole_step import WholeStepEngine, segment_residuals
 from fastdit.config import MagCache, MagCalibration, MagCalibrations, TaylorSeer
 from fastdit.errors import FieldError
 
@@ -103,7 +104,7 @@ def mag_decide(config: MagCache, acc: MagAccumulator, step: int, ratios: tuple[f
     return True
 
 
-class MagCacheEngine(CacheEngine):
+class MagCacheEngine(WholeStepEngine):
     """The step cache of one transformer with MagCache's decision (the block hooks are DBCache's)."""
 
     def __init__(self, config: MagCache, slots: list[BlockSlot], reducer: Reducer | None = None) -> None:
@@ -159,25 +160,10 @@ class MagCacheEngine(CacheEngine):
         else:
             ratios = config.calibration.ratios_for(self._branch(state))
             compute = mag_decide(config, state.policy, state.step, ratios, state.has_cache)
-        state.diffs.append(None if compute else state.policy.error)
-        if not compute:
-            state.cached_steps.append(state.step)
-        state.computing = compute
-
-    def decide(self, state: BranchState, residual: torch.Tensor) -> None:
-        """Nothing to do: the step was decided when the call began (the front residual is not needed)."""
-
-    def end_call(self) -> None:
-        """End the call; a calibration run records the magnitude ratio of the residual this step computed."""
-        state = self.tracker.active
-        try:
-            if state is not None and self.config.calibrate and state.computing and state.has_cache:
-                self._record(state)
-        finally:
-            super().end_call()
+        self.settle(state, compute, state.policy.error)
 
     def _record(self, state: BranchState) -> None:
-        residuals = [m.hidden_residual for _, m in sorted(state.segments.items())]
+        residuals = segment_residuals(state)
         sums = torch.stack([r.float().abs().sum() for r in residuals]).sum().reshape(1)
         count = torch.tensor([float(sum(r.numel() for r in residuals))], device=sums.device)
         both = torch.cat([sums, count])

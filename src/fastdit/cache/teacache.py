@@ -28,9 +28,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fastdit.cache.hooks import CacheEngine
 from fastdit.cache.policy import Reducer, relative_l1
 from fastdit.cache.state import BranchState
+from fastdit.cache.whole_step import WholeStepEngine, segment_residuals
 from fastdit.config import TeaCache, TeaCalibration
 
 __all__ = [
@@ -125,7 +125,7 @@ def _residual_change(current: list[torch.Tensor], previous: list[torch.Tensor], 
     return num / den if den > 0 else float("inf")
 
 
-class TeaCacheEngine(CacheEngine):
+class TeaCacheEngine(WholeStepEngine):
     """The step cache of one transformer with TeaCache's decision (the block hooks are DBCache's).
 
     The decision is taken when the step's first block is called (:meth:`enter_stack`), before it runs: with
@@ -160,26 +160,11 @@ class TeaCacheEngine(CacheEngine):
         acc.previous_input = hidden.detach().clone() if measure else None
         acc.distance = distance
         compute = True if self.config.calibrate else tea_decide(self.config, acc, state.step, distance, state.has_cache)
-        state.diffs.append(None if compute else acc.accumulated)
-        if not compute:
-            state.cached_steps.append(state.step)
-        state.computing = compute
-
-    def decide(self, state: BranchState, residual: torch.Tensor) -> None:
-        """Nothing to do: the step was decided at its first block (the front residual is not needed)."""
-
-    def end_call(self) -> None:
-        """End the call; a calibration run records the (input change, residual change) pair of this step."""
-        state = self.tracker.active
-        try:
-            if state is not None and self.config.calibrate and state.computing and state.has_cache:
-                self._record(state)
-        finally:
-            super().end_call()
+        self.settle(state, compute, acc.accumulated)
 
     def _record(self, state: BranchState) -> None:
         acc = state.policy
-        residuals = [m.hidden_residual for _, m in sorted(state.segments.items())]
+        residuals = segment_residuals(state)
         previous = acc.residuals
         if acc.distance is not None and [r.shape for r in previous] == [r.shape for r in residuals]:
             acc.pairs.append((acc.distance, _residual_change(residuals, previous, self.reducer)))
