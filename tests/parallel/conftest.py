@@ -1,5 +1,4 @@
-"""Session-scoped gloo worker pools: starting processes costs seconds, so every distributed test shares them (but the
-calls that kill, stop or time out a rank, which run on a module's own pool)."""
+"""Session-scoped gloo worker pools: starting processes costs seconds, so every distributed test shares them."""
 
 from __future__ import annotations
 
