@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from fastdit.testing.distributed import WorkerPool, get_pool
@@ -23,3 +25,12 @@ def dist3() -> WorkerPool:
 def dist4() -> WorkerPool:
     """A pool of 4 ranks (for 2-D meshes)."""
     return get_pool(4)
+
+
+@pytest.fixture(scope="module")
+def dist2_private() -> Iterator[WorkerPool]:
+    """A pool of 2 ranks of one module's own, for calls that kill, stop or time out a rank. Such a call restarts its
+    pool, and a restart of the shared ``dist2`` would cost the later tests its workers' imports, built pipelines and
+    compiled kernels."""
+    with WorkerPool(2) as pool:
+        yield pool

@@ -213,15 +213,15 @@ def test_2d_mesh_sub_group_all_to_all(dist4: WorkerPool) -> None:
             torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
-def test_exception_reports_rank_and_type_and_pool_recovers(dist2: WorkerPool) -> None:
-    generation = dist2.generation
+def test_exception_reports_rank_and_type_and_pool_recovers(dist2_private: WorkerPool) -> None:
+    generation = dist2_private.generation
     with pytest.raises(DistributedTestError) as info:
-        dist2.run(_fail_on_rank_one, timeout=30)
+        dist2_private.run(_fail_on_rank_one, timeout=30)
     assert info.value.exc_types == {1: "ValueError"}
     assert info.value.unfinished == [0]  # blocked in the barrier, killed after the grace period
     assert "rank one refuses" in info.value.failures[1].traceback
-    assert dist2.generation == generation + 1
-    assert dist2.run(_pid) == dist2.pids
+    assert dist2_private.generation == generation + 1
+    assert dist2_private.run(_pid) == dist2_private.pids
 
 
 def _refuse_everywhere(rank: int, world_size: int) -> None:
@@ -238,26 +238,26 @@ def test_a_failure_every_rank_raises_alike_keeps_the_workers(dist2: WorkerPool) 
     assert dist2.run(_pid) == pids
 
 
-def test_dead_worker_is_reported(dist2: WorkerPool) -> None:
+def test_dead_worker_is_reported(dist2_private: WorkerPool) -> None:
     with pytest.raises(DistributedTestError) as info:
-        dist2.run(_exit_on_rank_one)
+        dist2_private.run(_exit_on_rank_one)
     assert info.value.exc_types == {1: "WorkerExited"}
     assert "code 3" in info.value.failures[1].message
 
 
-def test_base_exception_is_reported_not_lost(dist2: WorkerPool) -> None:
+def test_base_exception_is_reported_not_lost(dist2_private: WorkerPool) -> None:
     with pytest.raises(DistributedTestError) as info:
-        dist2.run(_exit_cleanly_on_rank_zero)
+        dist2_private.run(_exit_cleanly_on_rank_zero)
     assert info.value.exc_types == {0: "SystemExit"}
     assert info.value.unfinished == []
 
 
-def test_timeout_restarts_pool_and_next_call_succeeds(dist2: WorkerPool) -> None:
-    old_pids = dist2.pids
+def test_timeout_restarts_pool_and_next_call_succeeds(dist2_private: WorkerPool) -> None:
+    old_pids = dist2_private.pids
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="rank\\(s\\) \\[0\\]"):
-        dist2.run(_sleep_on_rank_zero, 60.0, timeout=0.5)
+        dist2_private.run(_sleep_on_rank_zero, 60.0, timeout=0.5)
     assert time.monotonic() - start < 10  # killed, not waited for
-    new_pids = dist2.run(_pid)
-    assert new_pids == dist2.pids
+    new_pids = dist2_private.run(_pid)
+    assert new_pids == dist2_private.pids
     assert not set(new_pids) & set(old_pids)

@@ -116,18 +116,18 @@ def test_a_step_mask_shorter_than_the_run_is_refused_alike_on_every_rank(dist2: 
     assert message.startswith("StepMask.num_steps=2: the mask was laid out for a run of 2 steps, this run has 3")
 
 
-def test_sub_groups_wait_parallel_timeout_s_not_torch_default(dist2: WorkerPool) -> None:
+def test_sub_groups_wait_parallel_timeout_s_not_torch_default(dist2_private: WorkerPool) -> None:
     """torch gives sub-groups its own 30-minute gloo default; the mesh's groups get the configured timeout."""
     with pytest.raises(DistributedTestError) as info:
-        dist2.run(_stall_in_a_sub_group, 2.0, timeout=60)
+        dist2_private.run(_stall_in_a_sub_group, 2.0, timeout=60)
     seconds, kind, message = _timed(info.value.failures[0].message)
     assert kind == "RuntimeError" and "Timed out" in message
     assert 1.5 < seconds < 5
 
 
-def test_a_stalled_rank_fails_its_peer_after_the_timeout_naming_it(dist2: WorkerPool) -> None:
+def test_a_stalled_rank_fails_its_peer_after_the_timeout_naming_it(dist2_private: WorkerPool) -> None:
     with pytest.raises(DistributedTestError) as info:
-        dist2.run(_stalled_peer, 3.0, timeout=90)
+        dist2_private.run(_stalled_peer, 3.0, timeout=90)
     seconds, kind, message = _timed(info.value.failures[0].message)
     assert kind == "CollectiveError"
     assert message.startswith("rank 0 of 2: a collective timed out after 3 s: rank 1 stopped answering")
@@ -136,9 +136,9 @@ def test_a_stalled_rank_fails_its_peer_after_the_timeout_naming_it(dist2: Worker
     assert info.value.unfinished == [1]
 
 
-def test_a_rank_that_left_ends_its_peer_at_once(dist2: WorkerPool) -> None:
+def test_a_rank_that_left_ends_its_peer_at_once(dist2_private: WorkerPool) -> None:
     with pytest.raises(DistributedTestError) as info:
-        dist2.run(_peer_left, timeout=90)
+        dist2_private.run(_peer_left, timeout=90)
     seconds, kind, message = _timed(info.value.failures[0].message)
     assert kind == "CollectiveError"
     assert message.startswith("rank 0 of 2: rank 1 left the run during a collective")

@@ -41,11 +41,14 @@ def _run(rank: int, world_size: int, parallel: dict | None, bn: int | None) -> t
         fastdit.disable(transformer)
 
 
+# The default run takes the 3-rank cases: the tiny pipeline's reference pass is too short for 3 ranks, so this is the
+# family's only uneven Ulysses-3 coverage. On 2 ranks the pipeline itself meets Ulysses 2 and ring 2, uncached and
+# under the forced cache with both back-block counts (test_family_plans.py): these runs repeat that in the slow set.
 CASES = [
-    pytest.param("ulysses2", None, id="ulysses2"),
-    pytest.param("ring2", None, id="ring2"),
+    pytest.param("ulysses2", None, id="ulysses2", marks=pytest.mark.slow),
+    pytest.param("ring2", None, id="ring2", marks=pytest.mark.slow),
     pytest.param("ulysses3", None, id="ulysses3-uneven"),
-    pytest.param("ring2", 0, id="ring2-cache-bn0"),
+    pytest.param("ring2", 0, id="ring2-cache-bn0", marks=pytest.mark.slow),
     pytest.param("ulysses3", 1, id="ulysses3-cache-bn1"),
     pytest.param("ulysses2", 1, id="ulysses2-cache-bn1", marks=pytest.mark.slow),
     pytest.param("ulysses3", 0, id="ulysses3-cache-bn0", marks=pytest.mark.slow),

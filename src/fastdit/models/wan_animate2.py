@@ -18,9 +18,9 @@ front, back or segment-last block is block 9 would lose that role on the uncondi
 diffusers 0.42.1 serves this model through ``WanAnimate2ModularPipeline`` only (a ModularPipeline), which fastdit
 drives through :mod:`fastdit.modular`. The tiny pipeline (:func:`tiny_pipeline`) is that pipeline with every component
 built from a small config: one segment of 5 frames at 16 x 16 pixels (one token a latent frame), a CLIP vision tower
-1280 wide (``img_emb``'s fixed input width) over 224-pixel inputs in 4 patches. Its loop decodes each segment
-inside the denoise step and keeps no latents, so its "latent" output is the decoded video. The tests of the bare
-transformer run :func:`tiny_animate`, the modular loop's calls.
+1280 wide (``img_emb``'s fixed input width) over 224-pixel inputs in 49 patches of 32 pixels. Its loop decodes each
+segment inside the denoise step and keeps no latents, so its "latent" output is the decoded video. The tests of the
+bare transformer run :func:`tiny_animate`, the modular loop's calls.
 """
 
 from __future__ import annotations
@@ -86,7 +86,10 @@ def tiny_pipeline() -> Any:
         num_hidden_layers=1,
         num_attention_heads=2,
         image_size=224,  # the encode step resizes every frame to 224 x 224
-        patch_size=112,
+        # 49 patches of 32 pixels: the encode step reads the embeddings (hidden_states[-2]), whose width img_emb
+        # fixes at 1280; a 112-pixel patch kernel made its one-thread convolution most of the pipeline's run time
+        # and its 48M weights most of the build.
+        patch_size=32,
     )
     pipe = WanAnimate2ModularPipeline()
     pipe.update_components(
