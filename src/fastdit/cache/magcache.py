@@ -48,6 +48,8 @@ __all__ = [
     "reference_calibration_path",
     "retained_steps",
     "save_calibration",
+    "video_reference_calibration",
+    "video_reference_calibration_path",
 ]
 
 CALIBRATION_FORMAT = "fastdit.magcache/1"
@@ -339,6 +341,26 @@ def reference_calibration(num_steps: int = 28) -> MagCalibration:
         FieldError: ``num_steps`` is not the calibrated 28.
     """
     return load_calibration(reference_calibration_path(), num_steps=num_steps)
+
+
+def video_reference_calibration_path(*, cfg: bool = False) -> Path:
+    """Where the packaged calibration of the video reference transformer lives (30 steps, ``fn=0, bn=0``).
+
+    Args:
+        cfg: The calibration of the CFG path (``VIDEO_REFERENCE_CFG``: the ``cond`` and ``uncond`` branches) instead
+            of the one-forward path's (``cond`` only).
+    """
+    from fastdit.reference.video import VIDEO_REFERENCE_DEFAULTS, video_reference_dir
+
+    steps = VIDEO_REFERENCE_DEFAULTS["num_inference_steps"]
+    suffix = "_cfg" if cfg else ""
+    return video_reference_dir() / "transformer" / f"magcache_{steps}steps_f0b0{suffix}.json"
+
+
+def video_reference_calibration(*, cfg: bool = False) -> MagCalibration:
+    """The packaged MagCache calibration of the video reference (recorded on one calibration case: digit 0 moving
+    left, seed 0), of the one-forward path or (``cfg``) of the CFG path with both branches."""
+    return load_calibration(video_reference_calibration_path(cfg=cfg))
 
 
 def _settings(method: str = "taylor", **values: Any) -> MappingProxyType[str, Any]:

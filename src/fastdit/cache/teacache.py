@@ -45,6 +45,8 @@ __all__ = [
     "retained_steps",
     "save_calibration",
     "tea_decide",
+    "video_reference_calibration",
+    "video_reference_calibration_path",
 ]
 
 CALIBRATION_FORMAT = "fastdit.teacache/1"
@@ -278,3 +280,21 @@ def reference_calibration() -> TeaCalibration:
     """The packaged TeaCache calibration of the reference pipeline: degree 4, fitted on the 27 pairs of one 28-step
     run of digit 0 with seed 0 (a calibration case)."""
     return load_calibration(reference_calibration_path())
+
+
+def video_reference_calibration_path(*, cfg: bool = False) -> Path:
+    """Where the packaged TeaCache calibration of the video reference transformer lives (``fn=0, bn=0``).
+
+    Args:
+        cfg: The calibration recorded on the CFG path (``VIDEO_REFERENCE_CFG``, both branches) instead of the
+            one-forward path's.
+    """
+    from fastdit.reference.video import video_reference_dir
+
+    return video_reference_dir() / "transformer" / ("teacache_f0b0_cfg.json" if cfg else "teacache_f0b0.json")
+
+
+def video_reference_calibration(*, cfg: bool = False) -> TeaCalibration:
+    """The packaged TeaCache calibration of the video reference: degree 4, fitted on one 30-step run of digit 0
+    moving left with seed 0 (a calibration case), on the one-forward path or (``cfg``) the CFG path."""
+    return load_calibration(video_reference_calibration_path(cfg=cfg))
