@@ -67,3 +67,17 @@ def test_vae_compile_refused_without_vae() -> None:
 def test_vae_compile_field_checked() -> None:
     with pytest.raises(FieldError, match="vae"):
         fastdit.Compile(vae="yes")
+
+
+def test_vae_compile_refused_with_a_parallel_decode() -> None:
+    """A parallel decode's halo exchanges run between the decoder's layers: the combination is refused by name."""
+    from fastdit.components import walk
+    from fastdit.context import Request
+    from fastdit.techniques import _check_vae_compile
+
+    pipe, _ = build_tiny("flux")
+    request = Request(
+        compile=fastdit.Compile(backend="eager", vae=True), parallel=fastdit.Parallel(ulysses=2, vae=True)
+    )
+    with pytest.raises(ArgumentError, match=r"Compile\(vae=True\) with Parallel\(vae=True\)"):
+        _check_vae_compile(request, walk(pipe))
