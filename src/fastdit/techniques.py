@@ -444,8 +444,9 @@ def _check_vae_compile(request: Request, components: Components) -> None:
         )
     vaes = components.of(VAE)
     if not vaes:
-        what = "a bare transformer" if components.pipeline is None else type(components.pipeline).__name__
-        raise ArgumentError("accelerate", "compile", config, f"Compile(vae=True): {what} has no VAE fastdit knows")
+        raise ArgumentError(
+            "accelerate", "compile", config, f"Compile(vae=True): {components.owner} has no VAE fastdit knows"
+        )
     for item in vaes:
         if vae_decoder(item.module) is None:
             cls = type(item.module)

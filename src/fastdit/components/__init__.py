@@ -63,6 +63,11 @@ class Components:
         """The components fastdit accelerates with its denoiser techniques."""
         return self.of(DENOISER)
 
+    @property
+    def owner(self) -> str:
+        """What the components belong to, for messages: the pipeline's class, or "a bare transformer"."""
+        return "a bare transformer" if self.pipeline is None else type(self.pipeline).__name__
+
     def __iter__(self) -> Iterator[Component]:
         return iter(self.items)
 

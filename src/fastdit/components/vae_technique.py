@@ -46,8 +46,9 @@ class VaeParallel:
             )
         vaes = components.of(VAE)
         if not vaes:
-            what = "a bare transformer" if components.pipeline is None else type(components.pipeline).__name__
-            raise ArgumentError("accelerate", "parallel", parallel, f"vae=True: {what} has no VAE fastdit knows")
+            raise ArgumentError(
+                "accelerate", "parallel", parallel, f"vae=True: {components.owner} has no VAE fastdit knows"
+            )
         for item in vaes:
             plan = plan_for(item.module)
             cls = type(item.module)
