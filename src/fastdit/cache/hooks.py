@@ -24,6 +24,7 @@ import torch
 from fastdit.cache.forecast import forecast_predict, forecast_update
 from fastdit.cache.policy import Reducer, check_run_length, decide
 from fastdit.cache.state import BranchState, RunTracker, SegmentMemory
+from fastdit.cache.steptime import TimestepReader
 from fastdit.cache.taylorseer import taylor_position
 from fastdit.config import DBCache, MagCache, TeaCache
 from fastdit.errors import FastditWarning, FieldsError
@@ -80,14 +81,14 @@ class CacheEngine:
     def num_blocks(self) -> int:
         return len(self.slots)
 
-    def begin_call(self, context: str, timestep: float | None, signature: tuple) -> None:
+    def begin_call(self, context: str, timestep: float | None, signature: tuple, key: int | None = None) -> None:
         """Start a transformer call: find its branch and step; refuse a step the step mask does not cover.
 
         Raises:
             FieldError: ``StepMask.num_steps`` is shorter than the run (the whole scheduled run, checked at its
                 first step, or the step counter, which is equal on every rank).
         """
-        state = self.tracker.begin_call(context, timestep, signature)
+        state = self.tracker.begin_call(context, timestep, signature, key)
         mask = self.config.step_mask
         if state.step == 0 and self.tracker.schedule is not None:
             scheduled = self.tracker.schedule()
@@ -128,32 +129,36 @@ class TransformerCacheHook(layers.LayerHook):
     ) -> None:
         self.engine = engine
         self.timestep_arg = timestep_arg
-        self._reduce = torch.amin if timestep_reduce == "min" else torch.amax
+        self._times = TimestepReader(torch.amin if timestep_reduce == "min" else torch.amax, type(module).__name__)
         self._reader = ForwardArgs(module, (timestep_arg,) if timestep_arg else ())
         self._unstepped = UnsteppedCalls(module, unstepped)
         self._owner = type(module).__name__
-        self._last: float | None = None
+        self._last: Any = None
         self._repeats = 0
         self._warned = False
 
-    def _timestep(self, args: tuple, kwargs: dict) -> float | None:
-        value = self._reader.get(self.timestep_arg, args, kwargs) if self.timestep_arg else None
+    def _timestep(self, value: Any, context: str) -> tuple[float | None, int | None]:
+        """The call's timestep and, when the scheduler clock gave it, its step index (see :class:`TimestepReader`)."""
+        key = None
         if isinstance(value, torch.Tensor):
             # Some pipelines pass one timestep per token or frame, with conditioning tokens pinned at 0: the
             # largest entry is the one that follows the schedule (the smallest where the family says so: MiniMax-H3's
             # keyframe rows stay pinned near clean on a rising schedule, :attr:`ModelAdapter.timestep_reduce`).
-            timestep = float(self._reduce(value))
+            tracker = self.engine.tracker
+            timestep, key = self._times.read(value, tracker.clock, context)
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             timestep = float(value)
         else:
             timestep = None
             if self.timestep_arg is not None:
                 self._warn(f"received {type(value).__name__} for it, not a number or tensor")
-        self._repeats = self._repeats + 1 if timestep is not None and timestep == self._last else 0
-        self._last = timestep
+        marker = timestep if key is None else ("step", key)
+        self._repeats = self._repeats + 1 if marker is not None and marker == self._last else 0
+        self._last = marker
         if self._repeats == _MAX_BRANCHES:
-            self._warn(f"read the same value {timestep:g} in {_MAX_BRANCHES + 1} consecutive calls")
-        return timestep
+            where = f"the same value {timestep:g}" if key is None else f"scheduler step index {key}"
+            self._warn(f"read {where} in {_MAX_BRANCHES + 1} consecutive calls")
+        return timestep, key
 
     def _warn(self, what: str) -> None:
         # The run tracker tells steps, CFG branches and new runs apart by the timestep: without a usable one,
@@ -178,13 +183,16 @@ class TransformerCacheHook(layers.LayerHook):
         signature = tuple(
             tuple(a.shape) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a is not timestep
         )
+        context = layers.announced_context(module)
         try:  # a refused call ends too: no block hook may think it runs inside it
-            self.engine.begin_call(layers.announced_context(module), self._timestep(args, kwargs), signature)
+            step_time, key = self._timestep(timestep, context)
+            self.engine.begin_call(context, step_time, signature, key)
             return inner(*args, **kwargs)
         finally:
             self.engine.end_call()
 
     def reset(self) -> None:
+        self._times.check()  # the run is over: its device timesteps are read without holding anything up
         self.engine.tracker.reset()
         self._last, self._repeats = None, 0  # a new run may start at the last one's timestep (one-step samplers)
 

@@ -144,14 +144,14 @@ class MagCacheEngine(WholeStepEngine):
             f"{what}; calibrate a run of this length (the ratios follow the schedule step by step)",
         )
 
-    def begin_call(self, context: str, timestep: float | None, signature: tuple) -> None:
+    def begin_call(self, context: str, timestep: float | None, signature: tuple, key: int | None = None) -> None:
         """Start a transformer call and decide, before any block runs, whether this step computes.
 
         Raises:
             FieldError: The run's length differs from the calibration's (owner ``MagCalibration``), or its branch
                 was not calibrated.
         """
-        state = self.tracker.begin_call(context, timestep, signature)
+        state = self.tracker.begin_call(context, timestep, signature, key)
         self._check_length(state)
         state.blocks_total += self.num_blocks
         if state.step == 0 or state.policy is None:

@@ -51,8 +51,8 @@ class PruneEngine:
         self.tracker = RunTracker(separate_branches=True)
         self.num_middle = sum(slot.role == "middle" for slot in slots)
 
-    def begin_call(self, context: str, timestep: float | None, signature: tuple) -> None:
-        state = self.tracker.begin_call(context, timestep, signature)
+    def begin_call(self, context: str, timestep: float | None, signature: tuple, key: int | None = None) -> None:
+        state = self.tracker.begin_call(context, timestep, signature, key)
         state.blocks_total += len(self.slots)
         state.pruned.append(0)
 

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from fastdit.cache.state import RunTracker
 
-__all__ = ["Resettable", "reset_on_new_schedule", "scheduled_steps"]
+__all__ = ["Resettable", "SchedulerClock", "reset_on_new_schedule", "scheduled_steps"]
 
 
 def scheduled_steps(scheduler: Any) -> int | None:
@@ -43,6 +43,46 @@ def scheduled_steps(scheduler: Any) -> int | None:
     if isinstance(begin, int) and begin > 0 and isinstance(order, int) and order > 0:
         count -= begin // order  # the begin index counts timesteps, ``order`` of them per step
     return max(count, 0)
+
+
+class SchedulerClock:
+    """Where the pipeline is in its schedule, read on the host from its scheduler: no device synchronisation.
+
+    A transformer's timestep is usually a device tensor; turning it into a Python float waits for every kernel queued
+    before it, so a cached step — whose own work is small — would cost the host's whole time to issue it. The
+    scheduler knows the same thing on the host: its ``step_index`` (advanced by every ``step()``) names the step,
+    and its ``timesteps``, copied to the host once per run, give the step's position for forecasts. A pipeline that
+    calls the transformer at another timestep than the scheduler's, or several times between two scheduler steps at
+    different timesteps, is caught when the run's real timesteps are checked against the clock at its end
+    (:class:`fastdit.cache.hooks.TransformerCacheHook`).
+    """
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+        self._timesteps: list[float] | None = None
+
+    @staticmethod
+    def supports(scheduler: Any) -> bool:
+        """Whether ``scheduler`` keeps a host step index (most diffusers schedulers; DDIM-like ones do not)."""
+        return isinstance(getattr(type(scheduler), "step_index", None), property)
+
+    def index(self) -> int | None:
+        """The schedule index of the current step (``None`` when the scheduler does not tell)."""
+        index = getattr(self.scheduler, "step_index", None)
+        if index is None:  # before the run's first step(): the schedule starts at the begin index
+            begin = getattr(self.scheduler, "begin_index", None)
+            index = begin if begin is not None else 0
+        return index if isinstance(index, int) and not isinstance(index, bool) else None
+
+    def timestep(self, index: int) -> float | None:
+        """The scheduler's timestep at ``index`` (``None`` outside the schedule); the first call copies them."""
+        if self._timesteps is None:
+            timesteps = getattr(self.scheduler, "timesteps", None)
+            try:
+                self._timesteps = [float(t) for t in timesteps.tolist()]
+            except (AttributeError, TypeError):
+                self._timesteps = []
+        return self._timesteps[index] if 0 <= index < len(self._timesteps) else None
 
 
 class Resettable(Protocol):
@@ -70,13 +110,16 @@ class _ResetOnNewSchedule:
         # With several denoisers (Wan 2.2's two experts) each one runs only part of the schedule: its length says
         # nothing about one denoiser's steps, and only their own step counters check the mask.
         self.schedule = functools.partial(scheduled_steps, scheduler) if len(runs) == 1 else None
+        self.clock = SchedulerClock.supports(scheduler)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         for tracker in self.trackers:
             tracker.reset()
         result = self.original(*args, **kwargs)
+        clock = SchedulerClock(self.scheduler) if self.clock else None  # one per run: its own timesteps
         for tracker in self.runs:
             tracker.schedule = self.schedule
+            tracker.clock = clock
         return result
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:

@@ -97,6 +97,8 @@ class _ContextTrack:
     # +1 if the run's timesteps rise (Lumina2 counts 0 → 1), -1 if they fall (most samplers), 0 until known.
     direction: int = 0
     signature: tuple | None = None
+    # The scheduler clock's index at the last call (``None`` when the run's calls are told apart by timestep).
+    last_key: int | None = None
     branch: int = 0
     branches: dict[int, BranchState] = field(default_factory=dict)
 
@@ -113,6 +115,8 @@ class RunTracker:
     Attributes:
         schedule: Counts the steps the current run will take, when a pipeline's scheduler tells
             (:func:`fastdit.cache.runs.reset_on_new_schedule` sets it for the run; ``None`` otherwise).
+        clock: The run's :class:`~fastdit.cache.runs.SchedulerClock`, set with :attr:`schedule` when the scheduler
+            keeps a host step index (``None`` otherwise).
     """
 
     def __init__(self, separate_branches: bool = True) -> None:
@@ -122,6 +126,7 @@ class RunTracker:
         self.runs = 0
         self._finished: dict[str, BranchState] = {}
         self.schedule: Callable[[], int | None] | None = None
+        self.clock: Any = None
 
     def reset(self) -> None:
         """End the current run (the next call starts a new one); its statistics stay readable via :meth:`report`.
@@ -134,24 +139,30 @@ class RunTracker:
         self._contexts.clear()
         self.active = None
         self.schedule = None  # the next run's scheduler sets its own
+        self.clock = None
 
     def report(self) -> dict[str, BranchState]:
         """The branches of the current run, or of the last finished one if none is in progress."""
         return self.branches() or dict(self._finished)
 
-    def begin_call(self, context: str, timestep: float | None, signature: tuple) -> BranchState:
+    def begin_call(self, context: str, timestep: float | None, signature: tuple, key: int | None = None) -> BranchState:
         """Return the state for a transformer call and advance its step counter.
 
         Args:
             context: Cache-context name announced by the pipeline (``"default"`` if none).
-            timestep: The call's timestep as a float, if the model takes one.
+            timestep: The call's timestep as a float, if the model takes one (with ``key``: the scheduler's).
             signature: Shapes of the call's tensors; a change starts a new run.
+            key: The scheduler clock's step index (:attr:`clock`): calls at one index are the branches of one step,
+                and the run's start is the scheduler's, so the timestep's value is not needed.
         """
         track = self._contexts.setdefault(context, _ContextTrack())
-        delta = None if timestep is None or track.last_timestep is None else timestep - track.last_timestep
-        # A timestep that moves against the run's direction starts a new run (the sampler started over).
-        backwards = delta is not None and track.direction != 0 and delta * track.direction < -_EPS
-        same_step = delta is not None and abs(delta) <= _EPS
+        if key is not None:
+            backwards, same_step, delta = False, track.last_key == key, None
+        else:
+            delta = None if timestep is None or track.last_timestep is None else timestep - track.last_timestep
+            # A timestep that moves against the run's direction starts a new run (the sampler started over).
+            backwards = delta is not None and track.direction != 0 and delta * track.direction < -_EPS
+            same_step = delta is not None and abs(delta) <= _EPS
         # Only a step's first call is checked against the run's shapes: later branches of a step may legitimately
         # differ (SD3.5 skip-layer guidance adds a batch-1 forward after the batched CFG one).
         reshaped = not same_step and track.signature != signature
@@ -170,6 +181,7 @@ class RunTracker:
                 track.direction = 1 if delta > 0 else -1
         track.started = True
         track.last_timestep = timestep
+        track.last_key = key
         if track.branch == 0:
             track.signature = signature
         key = track.branch if self.separate_branches else 0

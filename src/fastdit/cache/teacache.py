@@ -134,9 +134,9 @@ class TeaCacheEngine(WholeStepEngine):
     ``fn=0`` that block is a middle block, which then computes or passes through with the rest.
     """
 
-    def begin_call(self, context: str, timestep: float | None, signature: tuple) -> None:
+    def begin_call(self, context: str, timestep: float | None, signature: tuple, key: int | None = None) -> None:
         """Start a transformer call; the step computes unless :meth:`enter_stack` decides otherwise."""
-        state = self.tracker.begin_call(context, timestep, signature)
+        state = self.tracker.begin_call(context, timestep, signature, key)
         state.blocks_total += self.num_blocks
         if state.step == 0 or state.policy is None:
             state.policy = TeaAccumulator(num_steps=self._run_length())

@@ -1,0 +1,207 @@
+"""What one denoising step costs on the GPU's timeline: computed steps vs cached ones, against one block.
+
+The FLUX.1-dev-sized pipeline of ``cp_flux.py`` (random bf16 weights, 1024², 28 steps, no text encoder) runs each
+mode twice (the first call warms up and compiles); during the second call a CUDA event is recorded on the stream at
+the start of every transformer call and once after the last, so the time between two events is what one step adds
+to the stream's timeline — including the stretches the GPU waits for the host (a host decision, Python between
+kernels), which a kernel profile does not show. Steps are split into computed and cached by the cache's own summary.
+The front block is timed the same way (events before and after its call in cached steps), and one block replayed
+alone gives the reference the cached-step goal is stated in ("a cached step costs at most its Fn + Bn blocks + 10 %").
+
+    python benchmarks/step_costs.py --out benchmarks/results/<date>_h200_single/step_costs.json
+    python benchmarks/step_costs.py --tiny          # CPU smoke test (host clock instead of CUDA events)
+
+Modes are ``cp_flux.py`` modes (``single+compile+graph+cache4`` ...); the first is usually the uncached one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import cp_flux
+import torch
+
+import fastdit
+from fastdit.bench import device_name, json_ready, markdown_table
+from fastdit.io import write_json
+from fastdit.process import choose_device
+
+DEFAULT_MODES = (
+    "single+compile+graph",
+    "single+compile+graph+cache",
+    "single+compile+graph+cache4",
+    "single+compile+graph+magfast",
+)
+
+
+class StreamClock:
+    """Marks on the device's timeline (CUDA events; the host clock on a CPU) and the elapsed time between them."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def intervals_ms(self) -> list[float]:
+        """Milliseconds between consecutive marks (synchronises once)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) for a, b in itertools.pairwise(self.marks)]
+        return [1e3 * (b - a) for a, b in itertools.pairwise(self.marks)]
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny model, 64x64 (CPU smoke test)")
+    parser.add_argument("--steps", type=int, default=28)
+    parser.add_argument("--size", type=int, default=None, help="height and width (default 1024; 64 with --tiny)")
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help="comma-separated cp_flux.py modes")
+    parser.add_argument("--block-repeats", type=int, default=50, help="replays of one block for its reference time")
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default $OUT/step_costs.json if OUT is set)")
+    return parser.parse_args()
+
+
+def measure_mode(pipe: Any, mode: str, kwargs: dict[str, Any], device: torch.device, steps: int) -> dict[str, Any]:
+    """One mode: per-step timeline costs of its second call, split by whether the step computed."""
+    undo = cp_flux.accelerate_mode(pipe, mode, 1, steps)
+    try:
+        call = lambda: pipe(**kwargs, generator=torch.Generator(device).manual_seed(0), output_type="latent")  # noqa: E731
+        start = time.perf_counter()
+        call()
+        first_s = time.perf_counter() - start
+        steps_clock, front_clock = StreamClock(device), StreamClock(device)
+        handles = [
+            pipe.transformer.register_forward_pre_hook(lambda *_: steps_clock.mark()),
+            pipe.transformer.transformer_blocks[0].register_forward_pre_hook(lambda *_: front_clock.mark()),
+            pipe.transformer.transformer_blocks[0].register_forward_hook(lambda *_: front_clock.mark()),
+        ]
+        try:
+            start = time.perf_counter()
+            call()
+            steps_clock.mark()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            wall_s = time.perf_counter() - start
+        finally:
+            for handle in handles:
+                handle.remove()
+        cached = cached_steps(pipe)
+    finally:
+        undo()
+    step_ms = steps_clock.intervals_ms()
+    front_ms = front_clock.intervals_ms()[::2]  # pre -> post of each call
+    return {
+        "mode": mode,
+        "first_call_s": round(first_s, 3),
+        "wall_s": round(wall_s, 4),
+        "cached_steps": sorted(cached),
+        "step_ms": [round(x, 3) for x in step_ms],
+        "computed_step_ms": median([x for i, x in enumerate(step_ms) if i not in cached]),
+        "cached_step_ms": median([x for i, x in enumerate(step_ms) if i in cached]),
+        "front_block_ms_cached_steps": median([x for i, x in enumerate(front_ms) if i in cached]),
+    }
+
+
+def cached_steps(pipe: Any) -> set[int]:
+    try:
+        cache = fastdit.summary(pipe).transformers.get("transformer", {}).get("cache")
+    except ValueError:  # nothing applied
+        return set()
+    if not cache:
+        return set()
+    return {s for branch in cache["branches"].values() for s in branch["cached_steps"]}
+
+
+def median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 3) if values else None
+
+
+def one_block_ms(pipe: Any, kwargs: dict[str, Any], device: torch.device, repeats: int) -> dict[str, float]:
+    """One double-stream and one single-stream block alone (eager and compiled), at the run's shapes."""
+    captured: dict[str, tuple[tuple, dict]] = {}
+
+    def capture(name: str) -> Callable[..., None]:
+        def hook(_module: Any, args: tuple, call_kwargs: dict) -> None:
+            captured.setdefault(name, (args, call_kwargs))
+
+        return hook
+
+    blocks = {"double": pipe.transformer.transformer_blocks[0], "single": pipe.transformer.single_transformer_blocks[0]}
+    handles = [b.register_forward_pre_hook(capture(n), with_kwargs=True) for n, b in blocks.items()]
+    try:
+        one_step = {**kwargs, "num_inference_steps": 1}
+        pipe(**one_step, generator=torch.Generator(device).manual_seed(0), output_type="latent")
+    finally:
+        for handle in handles:
+            handle.remove()
+    out = {}
+    for name, block in blocks.items():
+        args, call_kwargs = captured[name]
+        for label, fn in (("eager", block.forward), ("compiled", torch.compile(block.forward))):
+            with torch.no_grad():
+                for _ in range(3):
+                    fn(*args, **call_kwargs)
+                clock = StreamClock(device)
+                clock.mark()
+                for _ in range(repeats):
+                    fn(*args, **call_kwargs)
+                clock.mark()
+            out[f"{name}_{label}_ms"] = round(clock.intervals_ms()[0] / repeats, 3)
+    torch._dynamo.reset()
+    return out
+
+
+def main() -> None:
+    args = parse_args()
+    device = choose_device()
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    size = args.size or (64 if args.tiny else 1024)
+    pipe = cp_flux.build_pipeline(args.tiny, device, dtype, 0)
+    kwargs = {**cp_flux.embeddings(args.tiny, device, dtype, 0), "height": size, "width": size,
+              "num_inference_steps": args.steps, "guidance_scale": 3.5}  # fmt: skip
+    blocks = one_block_ms(pipe, kwargs, device, args.block_repeats)
+    rows = [measure_mode(pipe, mode, kwargs, device, args.steps) for mode in args.modes.split(",")]
+    print(f"\nFLUX.1-dev-sized ({'tiny' if args.tiny else 'full'}), {size}x{size}, {args.steps} steps, "
+          f"{device_name(device)}; one block alone: {blocks}\n")  # fmt: skip
+    header = ("mode", "wall s", "cached steps", "computed step ms", "cached step ms", "front block ms (cached steps)")
+    cells = [
+        (
+            r["mode"],
+            r["wall_s"],
+            len(r["cached_steps"]),
+            r["computed_step_ms"],
+            r["cached_step_ms"],
+            r["front_block_ms_cached_steps"],
+        )
+        for r in rows
+    ]
+    print(markdown_table(header, cells), end="")
+    out = args.out or (Path(os.environ["OUT"]) / "step_costs.json" if "OUT" in os.environ else None)
+    if out is not None:
+        payload = {"benchmark": "step_costs", "date": date.today().isoformat(), "device": device_name(device),
+                   "torch": torch.__version__, "config": {"tiny": args.tiny, "steps": args.steps, "size": size},
+                   "one_block": blocks, "results": rows}  # fmt: skip
+        write_json(out, json_ready(payload))
+        print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
