@@ -16,6 +16,7 @@ seed 0 — a calibration case), recorded again with ``--recalibrate``. ``cache_a
 anchors (diffusers' SeaCache, PAB and FasterCache, cache-dit's SCM) in this harness, the true-CFG call included:
 
     python benchmarks/cache_frontier.py --groups teacache,magpresets --out benchmarks/results/2026-12-02_cpu_teacache
+    python benchmarks/cache_frontier.py --groups presets,ahead --out benchmarks/results/2026-12-02_cpu_decide_ahead
 """
 
 from __future__ import annotations
@@ -77,6 +78,22 @@ def preset_variants(session: Session, num_blocks: int) -> list[Variant]:
         if config is None or config.fn + config.bn >= num_blocks:
             continue
         out.append(fastdit_variant(session, f"preset:{name}", config))
+    return out
+
+
+def ahead_variants(session: Session, num_blocks: int) -> list[Variant]:
+    """Every DBCache preset with ``decide_ahead=True`` (each step decided from the previous step's drift), at its own
+    threshold and at lower ones (a prediction one step ahead may call for a tighter bar)."""
+    out = []
+    for name in CACHE_PRESETS:
+        config = cache_config(name) if name != NO_CACHE else None
+        if not isinstance(config, fastdit.DBCache) or config.fn + config.bn >= num_blocks:
+            continue
+        for factor in (1.0, 0.7, 0.5):
+            threshold = round(config.threshold * factor, 4)
+            ahead = dataclasses.replace(config, decide_ahead=True, threshold=threshold)
+            label = f"preset:{name} ahead" + ("" if factor == 1.0 else f" τ{threshold}")
+            out.append(fastdit_variant(session, label, ahead))
     return out
 
 
@@ -213,6 +230,8 @@ def fastdit_groups(
     scale: float = _SCALE,
 ) -> list[Variant]:
     variants = preset_variants(session, len(transformer_blocks(session))) if "presets" in groups else []
+    if "ahead" in groups:
+        variants += ahead_variants(session, len(transformer_blocks(session)))
     if "candidates" in groups:
         variants += [fastdit_variant(session, n, c) for n, c in dbcache_candidates().items()]
     if "magcache" in groups and calibration is not None:
@@ -359,7 +378,7 @@ def main() -> None:
     parser.add_argument(
         "--groups",
         default="presets,magcache",
-        help="fastdit groups: presets, candidates, magcache, magpresets, timestep, forecast, teacache",
+        help="fastdit groups: presets, ahead, candidates, magcache, magpresets, timestep, forecast, teacache",
     )
     parser.add_argument(
         "--hermite-scale", type=float, default=_SCALE, help="σ of the 'forecast' group's Hermite rows (default 1/√2)"

@@ -69,7 +69,8 @@ LAYOUTS = ("single", "ulysses", "ring", "usp", "tp", "tp_ulysses", "cfg", "cfg_u
 # q8: FP8 rowwise quantization of the blocks' linears (fastdit.Quantize); cacheK: the fixed schedule computes every
 # K-th step (cache = cache2); magP: MagCache preset P (balanced, fast, ultra) with the reference pipeline's packaged
 # calibration, so its steps compute on the schedule they compute on there (28 steps only; whole steps skipped);
-# vae: with compile, the VAE decoder is compiled too (Compile(vae=True)).
+# vae: with compile, the VAE decoder is compiled too (Compile(vae=True)); ahead: the fixed-schedule DBCache decides
+# ahead (DBCache.decide_ahead: its drift statistic is read a step later, so no step waits for the device).
 OPTIONS = (
     "compile",
     "graph",
@@ -86,6 +87,7 @@ OPTIONS = (
     "magfast",
     "magultra",
     "vae",
+    "ahead",
 )
 ANCHOR_MODES = ("diffusers_ulysses", "cachedit_ulysses", "diffusers_tp", "diffusers_compile")
 # diffusers_compile: one GPU, diffusers' own compile_repeated_blocks(fullgraph=True) of the transformer.
@@ -212,7 +214,7 @@ def cache_for(options: list[str], steps: int) -> fastdit.DBCache | fastdit.MagCa
     if every is None:
         return None
     mask = fastdit.StepMask(compute_steps=tuple(range(0, steps, every)), policy="static")
-    return fastdit.DBCache(fn=1, bn=0, warmup_steps=0, step_mask=mask)
+    return fastdit.DBCache(fn=1, bn=0, warmup_steps=0, step_mask=mask, decide_ahead="ahead" in options)
 
 
 def accelerate_mode(pipe: Any, mode: str, world_size: int, steps: int) -> Callable[[], None]:

@@ -267,10 +267,17 @@ class DBCache:
         "Keep separate cache state per CFG branch. None: automatic (per cache context / per call within a step).",
         None,
     )
+    decide_ahead: bool = _doc(
+        "Decide each step from the front residual's drift measured one step earlier (its rate since the last "
+        "computed step, carried one step on), so the host never waits for the device: a cached step then costs "
+        "about its Fn + Bn blocks. False: decide on the step's own front residual (a device read every step).",
+        False,
+    )
 
     def __post_init__(self) -> None:
         _check_fields(
             self,
+            decide_ahead=_BOOL,
             fn=_integer(1),
             bn=_integer(0),
             threshold=_number(0),
@@ -282,6 +289,14 @@ class DBCache:
             step_mask=_optional(_instance(StepMask)),
             separate_cfg=_optional(_BOOL),
         )
+        if self.decide_ahead and self.taylorseer is not None and self.taylorseer.forecast_decision:
+            raise FieldError(
+                "DBCache",
+                "decide_ahead",
+                True,
+                "a verified forecast (TaylorSeer.forecast_decision) checks each step's own front residual against "
+                "its forecast, which a decision taken ahead does not read; use one or the other",
+            )
 
 
 def FBCache(threshold: float = 0.12, **kwargs: Any) -> DBCache:  # noqa: N802 - reads as a config class

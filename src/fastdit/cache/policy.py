@@ -16,21 +16,63 @@ from fastdit.cache.taylorseer import taylor_position
 from fastdit.config import DBCache, StepMask
 from fastdit.errors import FieldError
 
-__all__ = ["Reducer", "check_run_length", "decide", "forced_decision", "relative_l1"]
+__all__ = ["PendingDrift", "Reducer", "check_run_length", "decide", "forced_decision", "relative_l1"]
 
 # Sums a small tensor across the ranks that share one sample (identity on one process).
 Reducer = Callable[[torch.Tensor], torch.Tensor]
 
 
-def relative_l1(current: torch.Tensor, previous: torch.Tensor, reduce: Reducer | None = None) -> float:
-    """``mean|current − previous| / mean|previous|`` over every element (and every rank, with ``reduce``)."""
+def _l1_sums(current: torch.Tensor, previous: torch.Tensor, reduce: Reducer | None) -> torch.Tensor:
+    """``[sum|current − previous|, sum|previous|]`` over every element (and every rank, with ``reduce``)."""
     a = current.float()
     b = previous.float()
     sums = torch.stack([(a - b).abs().sum(), b.abs().sum()])
-    if reduce is not None:
-        sums = reduce(sums)
-    num, den = sums.tolist()
+    return reduce(sums) if reduce is not None else sums
+
+
+def _ratio(num: float, den: float) -> float:
     return num / den if den > 0 else float("inf")
+
+
+def relative_l1(current: torch.Tensor, previous: torch.Tensor, reduce: Reducer | None = None) -> float:
+    """``mean|current − previous| / mean|previous|`` over every element (and every rank, with ``reduce``)."""
+    return _ratio(*_l1_sums(current, previous, reduce).tolist())
+
+
+class PendingDrift:
+    """A front residual's relative-L1 drift on its way to the host, read one step after it was measured.
+
+    On a CUDA device the two sums are copied into pinned host memory behind the kernels that make them; by the next
+    step's decision those kernels are long done, so the read waits for nothing. Elsewhere the value is read at once
+    (a host tensor costs nothing to read).
+
+    Args:
+        sums: ``[sum|r − ref|, sum|ref|]`` (reduced across the ranks that share a sample).
+        step: The step it was measured at.
+        reference_step: The step of the residual it was measured against.
+        buffer: A pinned two-element float32 host tensor to copy into (CUDA only; reused step after step).
+    """
+
+    def __init__(self, sums: torch.Tensor, step: int, reference_step: int, buffer: torch.Tensor | None) -> None:
+        self.step = step
+        self.reference_step = reference_step
+        self.buffer: torch.Tensor | None = None
+        self._event = None
+        if sums.device.type == "cuda" and buffer is not None:
+            buffer.copy_(sums, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            self.buffer = buffer
+        else:
+            self._values = sums.tolist()
+
+    def drift(self) -> float:
+        """The relative-L1 drift (waits for the copy only if its kernels have not run yet)."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._values = self.buffer.tolist()
+            self._event = None
+        return _ratio(*self._values)
 
 
 def check_run_length(mask: StepMask | None, steps: int, *, reached: bool = False) -> None:
@@ -93,13 +135,19 @@ def decide(config: DBCache, state: BranchState, residual: torch.Tensor, reduce: 
     """Return whether this step computes the middle blocks, and record the step in ``state``.
 
     The residual of the front blocks is compared with the one of the last *computed* step, so slow drift over several
-    cached steps accumulates until it crosses the threshold.
+    cached steps accumulates until it crosses the threshold. With :attr:`DBCache.decide_ahead` the comparison is the
+    previous step's, carried to this one (:func:`_drift_ahead`).
     """
     has_cache = state.front_residual is not None and state.has_cache
     forced = forced_decision(config, state, has_cache)
     diff: float | None = None
     if has_cache and state.front_residual.shape == residual.shape:
-        diff = relative_l1(residual, _reference(config, state), reduce)
+        if config.decide_ahead:
+            diff = _drift_ahead(config, state, residual, reduce)
+            if diff is None and forced is None:
+                forced = True  # no drift measured yet since the reference: nothing to carry forward
+        else:
+            diff = relative_l1(residual, _reference(config, state), reduce)
     elif has_cache:
         forced = True  # shape changed inside a run (should not happen): never reuse a mismatched residual
     compute = forced if forced is not None else not (diff is not None and diff < config.threshold)
@@ -107,6 +155,7 @@ def decide(config: DBCache, state: BranchState, residual: torch.Tensor, reduce: 
     if compute:
         state.continuous_cached = 0
         state.front_residual = residual
+        state.reference_step = state.step
         taylor = config.taylorseer
         if taylor is not None and taylor.forecast_decision:
             position = taylor_position(taylor, state.step, state.timestep)
@@ -116,3 +165,25 @@ def decide(config: DBCache, state: BranchState, residual: torch.Tensor, reduce: 
         state.cached_steps.append(state.step)
     state.computing = compute
     return compute
+
+
+def _drift_ahead(config: DBCache, state: BranchState, residual: torch.Tensor, reduce: Reducer | None) -> float | None:
+    """This step's drift from the reference, predicted from the last one measured; then measure this step's.
+
+    The last measurement (step ``j``, against the reference of step ``c``) gives a drift rate per step,
+    ``drift / (j − c)``; the prediction is that rate times this step's distance from the current reference. A
+    measurement taken before the reference moved still gives a rate (the drift that made the step compute). This
+    step's own drift is launched now and read at the next decision, so no decision waits for the device; every rank
+    launches the same reduction at the same step, and reads the same reduced value.
+    """
+    pending = state.pending_drift
+    predicted = None
+    if pending is not None and pending.step > pending.reference_step:
+        rate = pending.drift() / (pending.step - pending.reference_step)
+        predicted = rate * (state.step - state.reference_step)
+    sums = _l1_sums(residual, _reference(config, state), reduce)
+    buffer = pending.buffer if pending is not None else None
+    if buffer is None and sums.device.type == "cuda":
+        buffer = torch.empty(2, dtype=torch.float32, pin_memory=True)
+    state.pending_drift = PendingDrift(sums, state.step, state.reference_step, buffer)
+    return predicted

@@ -51,6 +51,10 @@ class BranchState:
     front_hidden_in: torch.Tensor | None = None
     front_entered_step: int = -1
     front_residual: torch.Tensor | None = None
+    # Step whose front residual :attr:`front_residual` is (DBCache.decide_ahead measures drift rates from it).
+    reference_step: int = -1
+    # DBCache.decide_ahead: the last front-residual drift on its way to the host (a ``PendingDrift``).
+    pending_drift: Any = None
     # The forecast of the front residual (for forecast decisions).
     front_forecast: Forecast = field(default_factory=Forecast)
     continuous_cached: int = 0
