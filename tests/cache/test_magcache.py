@@ -172,6 +172,40 @@ def test_calibrated_run_skips_per_branch_and_refuses_another_length(flux) -> Non
     assert all(b["blocks_computed"] == 2 * blocks for b in branches.values())
 
 
+def _branch_steps(target, config: fastdit.MagCache, run, **accelerate) -> dict[str, list[int]]:
+    fastdit.accelerate(target, cache=config, **accelerate)
+    try:
+        run()
+        branches = fastdit.summary(target).transformers["transformer"]["cache"]["branches"]
+    finally:
+        fastdit.disable(target)
+    return {name: b["cached_steps"] for name, b in branches.items()}
+
+
+def test_a_calibration_serves_the_branches_under_the_names_the_other_layout_gives_them(flux) -> None:
+    """A pipeline that announces no branch has its two calls of a step named ``default`` and ``default/1`` on one
+    process, and announced as ``cond`` and ``uncond`` by CFG parallelism to the cache beneath it: a calibration
+    recorded under either names serves both, each branch by its own ratios."""
+    steady, drifting = (1.0,) * 6, (3.0,) * 6  # ratio 1 skips up to the cap; ratio 3 adds 2 to the error each step
+
+    def config(branches: tuple[str, str]) -> fastdit.MagCache:
+        calibration = fastdit.MagCalibration(branches=branches, ratios=(steady, drifting), num_steps=6)
+        return fastdit.MagCache(threshold=1.0, max_skip_steps=2, retention_ratio=0.0, calibration=calibration)
+
+    # Flux's true CFG announces "cond" and "uncond"; a calibration of an unannounced pipeline names them by order.
+    pipe, tiny = flux
+    kwargs = {"num_inference_steps": 6, "negative_prompt": "", "true_cfg_scale": 2.0}
+    served = _branch_steps(pipe, config(("default", "default/1")), lambda: run_tiny(pipe, tiny, **kwargs))
+    assert served == {"cond": [1, 2, 4, 5], "uncond": []}
+    # The toy model's two calls per step announce nothing; a calibration recorded under CFG parallelism names them.
+    torch.manual_seed(0)
+    model = ToyDiT(depth=2)
+    served = _branch_steps(model, config(("cond", "uncond")), lambda: sample(model, 6, cfg=True), adapter=TOY_ADAPTER)
+    assert served == {"default": [1, 2, 4, 5], "default/1": []}
+    with pytest.raises(FieldError, match=r"this run has a branch 'default/1' that was not calibrated"):
+        _branch_steps(model, config(("cond", "other")), lambda: sample(model, 6, cfg=True), adapter=TOY_ADAPTER)
+
+
 def test_calibration_of_an_unaccelerated_pipeline_is_refused(flux) -> None:
     with pytest.raises(ValueError, match="not accelerated with a MagCache"):
         calibration_of(flux[0])

@@ -27,7 +27,7 @@ import torch
 
 from fastdit.cache.hooks import BlockSlot
 from fastdit.cache.policy import Reducer
-from fastdit.cache.state import BranchState
+from fastdit.cache.state import BranchState, branch_alias
 from fastdit.cache.whole_step import WholeStepEngine, segment_residuals
 from fastdit.config import MagCache, MagCalibration, MagCalibrations, TaylorSeer
 from fastdit.errors import FieldError
@@ -120,6 +120,16 @@ class MagCacheEngine(WholeStepEngine):
             self._names[id(state)] = name
         return name
 
+    def _calibrated_branch(self, state: BranchState, calibration: MagCalibration) -> str:
+        """The branch's name in ``calibration``: its own, or the one the other layout gives it. A pipeline that
+        announces no branch gets ``default`` and ``default/1`` on one process, while CFG parallelism announces the
+        same calls as ``cond`` and ``uncond``; a calibration recorded under either serves both."""
+        name = self._branch(state)
+        alias = branch_alias(name)
+        if name not in calibration.branches and alias is not None and alias in calibration.branches:
+            return alias
+        return name
+
     def _check_length(self, state: BranchState) -> None:
         calibration = self.config.calibration
         if calibration is None:
@@ -160,7 +170,7 @@ class MagCacheEngine(WholeStepEngine):
         if config.calibration is None:  # threshold 0 or a calibration run: every step computes
             compute = True
         else:
-            ratios = config.calibration.ratios_for(self._branch(state))
+            ratios = config.calibration.ratios_for(self._calibrated_branch(state, config.calibration))
             compute = mag_decide(config, state.policy, state.step, ratios, state.has_cache)
         self.settle(state, compute, state.policy.error)
 

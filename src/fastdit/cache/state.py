@@ -17,7 +17,22 @@ import torch
 
 from fastdit.cache.forecast import Forecast
 
-__all__ = ["BranchState", "RunTracker", "SegmentMemory"]
+__all__ = ["PAIRED_BRANCHES", "BranchState", "RunTracker", "SegmentMemory", "branch_alias"]
+
+PAIRED_BRANCHES: dict[str, str] = {"default": "cond", "default/1": "uncond"}
+"""The two calls of a step that a pipeline does not announce, by the names one process gives them (paired by their
+timestep, :meth:`RunTracker.branches`) → the names CFG parallelism announces the same calls by to the cache beneath
+it (the step's first call is rank 0's ``cond``, see :mod:`fastdit.parallel.cfg_parallel`)."""
+
+
+def branch_alias(name: str) -> str | None:
+    """The name the same branch has under the other layout (one process ↔ CFG parallelism), or ``None``.
+
+    A per-branch table recorded under one layout (a MagCache calibration) is read under the other by it.
+    """
+    if name in PAIRED_BRANCHES:
+        return PAIRED_BRANCHES[name]
+    return next((single for single, split in PAIRED_BRANCHES.items() if split == name), None)
 
 
 @dataclass
