@@ -317,6 +317,17 @@ class _Cache:
         from fastdit.models.validate import block_lists, check_adapter, resolve_interleaved
 
         cache = request.cache
+        if getattr(cache, "calibrate", False) and request.parallel is not None and request.parallel.cfg > 1:
+            # Each CFG rank runs one guidance branch's calls: MagCache would record one branch's ratios per rank and
+            # TeaCache fit a different polynomial on each rank, from one branch's pairs.
+            raise ArgumentError(
+                "accelerate",
+                "cache",
+                cache,
+                f"calibrate=True with parallel={request.parallel}: a CFG rank computes one guidance branch, so it "
+                "cannot record the other's; calibrate without cfg (context and tensor parallelism record what one "
+                "process does), then use the calibration under cfg",
+            )
         for item in components.denoisers:
             check_adapter(item.module, item.adapter)
             resolve_interleaved(item.module, item.adapter.block_groups, item.adapter.family)

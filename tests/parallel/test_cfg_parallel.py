@@ -113,6 +113,19 @@ def test_a_target_without_guidance_or_a_family_without_cfg_parallel_is_refused_b
         fastdit.accelerate(pipe, parallel=fastdit.Parallel(cfg=2), adapter=opted_out)
 
 
+@pytest.mark.parametrize("cache", [fastdit.MagCache(calibrate=True), fastdit.TeaCache(calibrate=True)])
+def test_a_calibration_run_under_cfg2_is_refused_before_anything_moves(cache: fastdit.MagCache) -> None:
+    # A CFG rank records one branch only: MagCache's branches would disagree in length, and TeaCache would fit a
+    # different polynomial on each rank.
+    pipe, _ = build_tiny("qwenimage", "qwen-image")
+    with pytest.raises(
+        ArgumentError, match=r"calibrate=True with parallel=Parallel\(.*cfg=2.*one guidance branch"
+    ) as info:
+        fastdit.accelerate(pipe, cache=cache, parallel=fastdit.Parallel(cfg=2))
+    assert (info.value.field, info.value.value) == ("cache", cache)
+    assert fastdit.api.context_of(pipe) is None
+
+
 @pytest.mark.parametrize(("family", "variant"), [("qwenimage", "qwen-image"), ("sd3", "sd3")])
 def test_cfg2_with_compiled_blocks_and_cache(dist2: WorkerPool, family: str, variant: str) -> None:
     _check(dist2, family, variant, [RungSpec("cfg2-cache-compiled", {"cfg": 2}, cache_bn=0, compile=True)])
