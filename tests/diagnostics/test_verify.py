@@ -195,6 +195,29 @@ def test_a_rung_with_a_reference_is_judged_against_it_steps_served_included() ->
         fixed_rung("x", {}, reference={"parallel": fastdit.Parallel(ulysses=2)})
 
 
+def _served(**branches: tuple[int, list[int]]) -> Any:
+    """A run whose transformer's cache branches ran ``steps`` and served ``cached_steps``."""
+    from fastdit.bench.timing import RunResult
+
+    stats = {name.replace("_", "/"): {"steps": n, "cached_steps": c} for name, (n, c) in branches.items()}
+    return RunResult(summary=fastdit.Summary(transformers={"transformer": {"cache": {"branches": stats}}}))
+
+
+def test_a_cfg_rank_is_judged_branch_by_branch_against_one_process() -> None:
+    from fastdit.diagnostics.verify import _branch_mismatch
+
+    one = _served(cond=(5, [1, 2, 4]), uncond=(5, [1, 4]))
+    # Rank 1 runs "uncond" at every step and "cond" only in the warm-up pair of step 0.
+    assert _branch_mismatch(_served(cond=(1, []), uncond=(5, [1, 4])), one) == ""
+    # An unannounced pipeline: one process names the step's calls by order, CFG parallelism announces them.
+    assert _branch_mismatch(_served(cond=(5, [1, 2, 4])), _served(default=(5, [1, 2, 4]), default_1=(5, [2]))) == ""
+    assert _branch_mismatch(_served(uncond=(5, [2])), _served(default=(5, [1, 2, 4]), default_1=(5, [2]))) == ""
+    assert "branch 'uncond' served steps [1, 2, 4] from the cache, the same branch on one process [1, 4]" in (
+        _branch_mismatch(_served(cond=(1, []), uncond=(5, [1, 2, 4])), one)
+    )
+    assert "branch 'other' the one-process reference does not have" in _branch_mismatch(_served(other=(5, [])), one)
+
+
 def test_check_disable_fails_a_rung_that_leaves_the_pipeline_changed(monkeypatch: pytest.MonkeyPatch) -> None:
     from fastdit.diagnostics.family_ladder import forced_cache
     from fastdit.diagnostics.verify import fixed_rung

@@ -187,8 +187,8 @@ class Rung:
         doc: One line for the docs and ``--help``.
         reference: ``fastdit.accelerate`` keyword arguments of the one-process run the rung is judged against
             (``None``: the baseline). A rung that adds parallelism to a technique that approximates (a step cache)
-            is exact against that technique alone: same outputs, same cached steps (not compared under CFG
-            parallelism, where a rank runs only its branch's calls).
+            is exact against that technique alone: same outputs, same cached steps (under CFG parallelism, where
+            a rank runs only its branch's calls, the steps each branch it ran served).
         check_disable: After this rung's ``disable``, the output must equal the baseline bit for bit (as
             :attr:`VerifyRuntime.check_disable` asks of every rung).
     """
@@ -639,14 +639,55 @@ def _measured(row: VerifyRow, result: RunResult, ladder: _Ladder, reference: Run
     row.max_abs = _max_abs(reference.outputs, result.outputs)
     row.status, row.reason = ladder.runtime.thresholds.judge(row.kind, row.psnr_min, row.ssim_min, row.max_abs)
     parallel = row.options.get("parallel") or {}
-    # With CFG parallelism a rank of a two-call pipeline runs (and caches) only its branch's calls: its count is a
-    # share of the reference's, and the outputs carry the check.
-    if reference is not ladder.baseline and reference.cache is not None and parallel.get("cfg", 1) == 1:
-        expected = reference.cache.cached_steps
-        if row.cached_steps != expected:
-            reason = f"served {row.cached_steps} steps from the cache, its one-process reference {expected}"
+    if reference is not ladder.baseline and reference.cache is not None:
+        if parallel.get("cfg", 1) == 1:
+            expected = reference.cache.cached_steps
+            reason = (
+                f"served {row.cached_steps} steps from the cache, its one-process reference {expected}"
+                if row.cached_steps != expected
+                else ""
+            )
+        else:
+            # With CFG parallelism a rank of a two-call pipeline runs (and caches) only its branch's calls: its count
+            # is a share of the reference's, so each branch it ran is compared with that branch on one process.
+            reason = _branch_mismatch(result, reference)
+        if reason:
             row.status, row.reason = Status.FAIL, "; ".join(filter(None, (row.reason, reason)))
     return row
+
+
+def _branches(result: RunResult) -> dict[tuple[str, str], dict[str, Any]]:
+    """Each cache branch of the last call, by (denoiser, branch name)."""
+    if result.summary is None:
+        return {}
+    return {
+        (name, branch): stats
+        for name, info in result.summary.transformers.items()
+        for branch, stats in info.get("cache", {}).get("branches", {}).items()
+    }
+
+
+def _branch_mismatch(result: RunResult, reference: RunResult) -> str:
+    """Why a CFG-parallel rank's cache branches differ from those of the one-process run (``""``: they agree).
+
+    Each branch the rank ran must have served the steps the same branch served on one process, up to the steps the
+    rank ran it (a CFG rank runs the other rank's branch only in the warm-up pair). A pipeline that announces no
+    branch names the calls by their order on one process and by the CFG rank under cfg (``branch_alias``).
+    """
+    from fastdit.cache.state import branch_alias
+
+    expected = _branches(reference)
+    for (name, branch), stats in _branches(result).items():
+        one = expected.get((name, branch)) or expected.get((name, branch_alias(branch) or branch))
+        if one is None:
+            return f"{name}: ran a cache branch {branch!r} the one-process reference does not have"
+        served = [step for step in one["cached_steps"] if step < stats["steps"]]
+        if stats["cached_steps"] != served:
+            return (
+                f"{name}: branch {branch!r} served steps {stats['cached_steps']} from the cache, the same branch on "
+                f"one process {served}"
+            )
+    return ""
 
 
 def _psnr_only(
