@@ -4,8 +4,9 @@ Plans are discovered from the registry, so a family file that gains ``tp_plan`` 
 this file. The matrix runs through the verify ladder (:mod:`fastdit.diagnostics.family_ladder`) at float32's exact
 threshold. Each pipeline runs split over 2 ranks (per-rank parameter bytes as planned, ``disable`` bit-identical);
 every family's first pipeline (the others in the slow run) also under a step cache that serves steps from the cache
-with and without a back block (against the same cache on one process); and each plan is checked on the ``meta``
-device for a degree that divides and one that does not.
+with and without a back block (against the same cache on one process); FLUX and Wan (every family in the slow run)
+also under TeaCache and under DBCache and MagCache forecasting with FoCa and Hermite; and each plan is checked on the
+``meta`` device for a degree that divides and one that does not.
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ import pytest
 import torch
 
 from fastdit.components import walk
-from fastdit.diagnostics.family_ladder import RungSpec, assert_rows, cached_call_overrides, run_family_ladder
+from fastdit.diagnostics.family_ladder import (
+    RungSpec,
+    assert_rows,
+    cached_call_overrides,
+    run_cache_combinations,
+    run_family_ladder,
+)
 from fastdit.models.registry import all_adapters, get_family
 from fastdit.parallel.plan import match_modules
 from fastdit.parallel.tp_plan import Colwise, parent_of, plan_layers, resolve_tp_plan, segment_sizes
@@ -104,6 +111,39 @@ def test_tp2_cache_on_every_other_tiny_pipeline(dist2: WorkerPool, family: str, 
     assert all(report["restored"] for report in reports) and all(row["cached_steps"] > 0 for row in rows[1:])
 
 
+# --- under the other step caches: TeaCache, and DBCache and MagCache forecasting ---
+
+# The default run's share of the sweep: an image family with two block lists and a video family.
+REPRESENTATIVE = ("flux", "wan")
+POLICIES = ("dbcache", "magcache")
+
+
+def _first(family: str) -> str:
+    return get_family(family).tiny_pipelines[0].name
+
+
+def _assert_cached(reports: list[dict]) -> list[dict]:
+    """Every row passes against the same cache on one process (steps served included) and served steps."""
+    rows = assert_rows(reports)
+    for row in rows[1:]:
+        assert row["cached_steps"] > 0, f"{row['name']}: no step was served from the cache"
+    return rows
+
+
+@pytest.mark.parametrize("family", REPRESENTATIVE)
+def test_tp2_under_teacache_and_forecasts_matches_one_process(dist2: WorkerPool, family: str) -> None:
+    # Their schedules are spaced evenly enough to forecast over the timestep too, as the fast presets do.
+    reports = dist2.run(run_cache_combinations, family, _first(family), "tp2", {"tp": 2}, False, True, timeout=300)
+    names = [row["name"].removeprefix("tp2-") for row in _assert_cached(reports)[1:]]
+    assert names == ["teacache", *(f"{p}-{m}" for m in ("foca", "hermite", "foca-timestep") for p in POLICIES)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in REPRESENTATIVE])
+def test_tp2_under_teacache_and_forecasts_on_every_family(dist2: WorkerPool, family: str) -> None:
+    _assert_cached(dist2.run(run_cache_combinations, family, _first(family), "tp2", {"tp": 2}, timeout=300))
+
+
 # --- the plan against the module tree, on the meta device ---
 
 
@@ -181,3 +221,18 @@ def test_tp_with_compiled_blocks_and_cache(dist2: WorkerPool, family: str) -> No
     specs = [RungSpec("tp2-cache-bn1-compiled", {"tp": 2}, cache_bn=1, compile=True)]
     overrides = cached_call_overrides(family, variant)
     assert_rows(dist2.run(run_family_ladder, family, variant, specs, overrides, timeout=300))
+
+
+@pytest.mark.parametrize("family", REPRESENTATIVE)
+def test_tp_with_compiled_blocks_under_teacache_and_forecasts(dist2: WorkerPool, family: str) -> None:
+    reports = dist2.run(run_cache_combinations, family, _first(family), "tp2-compiled", {"tp": 2}, True, timeout=300)
+    _assert_cached(reports)
+
+
+# FLUX in the default run (about 2 s on warm ranks), the other mesh families in the slow one.
+@pytest.mark.parametrize(
+    "family", [f if f == "flux" else pytest.param(f, marks=pytest.mark.slow) for f in MESH_FAMILIES]
+)
+def test_tp_with_context_parallel_under_teacache_and_forecasts(dist4: WorkerPool, family: str) -> None:
+    layout = {"tp": 2, "ulysses": 2}
+    _assert_cached(dist4.run(run_cache_combinations, family, _first(family), "tp2-ulysses2", layout, timeout=300))
