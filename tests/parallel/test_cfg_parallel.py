@@ -4,7 +4,9 @@ Sequential-CFG pipelines (a ``cond`` and an ``uncond`` call per step) must split
 (calls skipped on each rank), batched-CFG ones must split the batch; a pipeline whose tiny call has no unconditional
 branch must raise :class:`CfgParallelError` (or be refused up front) on every rank — never return a wrong image.
 The matrix runs through the verify ladder (:mod:`fastdit.diagnostics.family_ladder`) at float32's exact threshold; under
-a cache each row is judged against the same cache on one process.
+a cache each row is judged against the same cache on one process, and each cache branch a rank ran against that
+branch on one process (DBCache's forced schedule, TeaCache's, and DBCache and MagCache forecasting with FoCa and
+Hermite).
 """
 
 from __future__ import annotations
@@ -14,7 +16,13 @@ import dataclasses
 import pytest
 
 import fastdit
-from fastdit.diagnostics.family_ladder import RungSpec, assert_rows, cached_call_overrides, run_family_ladder
+from fastdit.diagnostics.family_ladder import (
+    RungSpec,
+    assert_rows,
+    cached_call_overrides,
+    run_cache_combinations,
+    run_family_ladder,
+)
 from fastdit.diagnostics.verify import Status
 from fastdit.errors import ArgumentError
 from fastdit.models.registry import all_adapters, get_family
@@ -129,3 +137,55 @@ def test_a_calibration_run_under_cfg2_is_refused_before_anything_moves(cache: fa
 @pytest.mark.parametrize(("family", "variant"), [("qwenimage", "qwen-image"), ("sd3", "sd3")])
 def test_cfg2_with_compiled_blocks_and_cache(dist2: WorkerPool, family: str, variant: str) -> None:
     _check(dist2, family, variant, [RungSpec("cfg2-cache-compiled", {"cfg": 2}, cache_bn=0, compile=True)])
+
+
+# --- under the other step caches: TeaCache, and DBCache and MagCache forecasting ---
+
+# Sequential announced, sequential unannounced (paired by timestep: its branches are named differently on one
+# process), batched, and a video family.
+OTHER_CACHES = [("qwenimage", "qwen-image"), ("chroma", "chroma"), ("sd3", "sd3"), ("wan", "t2v")]
+OTHER_CACHE_ROWS = ["teacache"] + [
+    f"{p}-{m}" for m in ("foca", "hermite", "foca-timestep") for p in ("dbcache", "magcache")
+]
+
+
+def _other_caches(
+    pool: WorkerPool, family: str, variant: str, compile: bool = False, timestep: bool = False
+) -> list[dict]:
+    prefix = "cfg2-compiled" if compile else "cfg2"
+    return pool.run(run_cache_combinations, family, variant, prefix, {"cfg": 2}, compile, timestep, timeout=300)
+
+
+def _assert_split_and_cached(reports: list[dict]) -> list[dict]:
+    rows = _passed_and_split(reports)
+    # Each rank served steps of its own branch (the ladder compared them with that branch on one process).
+    for report in reports:
+        for row in report["rows"][1:]:
+            assert row["cached_steps"] > 0, f"{row['name']}: no step was served from the cache"
+    return rows
+
+
+@pytest.mark.parametrize(("family", "variant"), OTHER_CACHES)
+def test_cfg2_under_teacache_and_forecasts_matches_one_process(dist2: WorkerPool, family: str, variant: str) -> None:
+    # Their schedules are spaced evenly enough to forecast over the timestep too, as the fast presets do.
+    rows = _assert_split_and_cached(_other_caches(dist2, family, variant, timestep=True))
+    assert [row["name"] for row in rows[1:]] == [f"cfg2-{name}" for name in OTHER_CACHE_ROWS]
+
+
+OTHER_CASES = [(f, v) for f, v in CASES if (f, v) not in OTHER_CACHES and get_family(f).tiny_pipelines[0].name == v]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "variant"), OTHER_CASES, ids=[f"{f}-{v}" for f, v in OTHER_CASES])
+def test_cfg2_under_teacache_and_forecasts_on_every_family(dist2: WorkerPool, family: str, variant: str) -> None:
+    reports = _other_caches(dist2, family, variant)
+    if all(row["status"] == Status.NOT_AVAILABLE for report in reports for row in report["rows"][1:]):
+        # No unconditional branch in this call: refused on every rank, as without a cache.
+        assert all("cfg=2" in row["reason"] for row in reports[0]["rows"][1:]), reports[0]["rows"]
+        return
+    _assert_split_and_cached(reports)
+
+
+@pytest.mark.parametrize(("family", "variant"), [("qwenimage", "qwen-image"), ("sd3", "sd3")])
+def test_cfg2_with_compiled_blocks_under_teacache_and_forecasts(dist2: WorkerPool, family: str, variant: str) -> None:
+    _assert_split_and_cached(_other_caches(dist2, family, variant, compile=True))
