@@ -1,8 +1,15 @@
-"""TeaCache under context parallelism: the recorded changes and the skipped steps are those of one process."""
+"""TeaCache under parallelism: the recorded changes and the skipped steps are those of one process.
+
+Context parallelism splits the first block's input over the ranks (the sums of its change are reduced), tensor
+parallelism keeps it whole on every rank, CFG parallelism runs each guidance branch on its own rank, which keeps
+that branch's state. The thresholds fall between the accumulated changes, so the decisions depend on the measured
+values: a rank that measured differently would skip other steps.
+"""
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import numpy as np
@@ -61,6 +68,47 @@ def dist2() -> WorkerPool:
     return get_pool(2)
 
 
+@pytest.fixture(scope="module")
+def dist4() -> WorkerPool:
+    return get_pool(4)
+
+
+# Flux's true CFG: a cond and an uncond call per step, announced as such.
+TRUE_CFG = {"negative_prompt": "a dog", "true_cfg_scale": 2.0}
+
+
+def _branches(
+    rank: int, world_size: int, layout: dict[str, int], config: fastdit.TeaCache, extra: dict[str, Any]
+) -> tuple[np.ndarray, dict[str, dict[str, Any]]]:
+    """The images and each cache branch's statistics under ``layout`` (empty: one process)."""
+    pipe = _pipeline()
+    fastdit.accelerate(pipe, cache=config, parallel=fastdit.Parallel(**layout) if layout else None)
+    try:
+        images = pipe(**CALL, **extra, generator=torch.Generator().manual_seed(0), output_type="np").images
+        return images, fastdit.summary(pipe).transformers["transformer"]["cache"]["branches"]
+    finally:
+        fastdit.disable(pipe)
+
+
+@functools.lru_cache(maxsize=2)
+def _between(extra: tuple[tuple[str, Any], ...] = ()) -> fastdit.TeaCache:
+    """A TeaCache calibrated on one process whose threshold lies between the accumulated changes of the call."""
+    from fastdit.calibration import calibrate
+
+    pipe = _pipeline()
+    call = {**CALL, **dict(extra), "output_type": "np"}
+    calibration = calibrate(pipe, lambda: pipe(**call, generator=torch.Generator().manual_seed(0)), policy="teacache")
+    return fastdit.TeaCache(threshold=0.3, max_skip_steps=2, retention_ratio=0.0, calibration=calibration)
+
+
+def _assert_same_decisions(one: dict[str, Any], other: dict[str, Any], name: str) -> None:
+    assert other["cached_steps"] == one["cached_steps"], name
+    # The accumulated change of every step: the reduced measurement itself, not only the decisions it led to.
+    expected = [d for d in one["residual_diffs"] if d is not None]
+    measured = [d for d in other["residual_diffs"] if d is not None]
+    np.testing.assert_allclose(measured, expected, rtol=1e-4, atol=1e-6, err_msg=name)
+
+
 @pytest.mark.distributed  # about 7 s on two ranks: in the default run, so the rank-equal decision stays covered
 def test_changes_and_decisions_under_ulysses_match_one_process(dist2: WorkerPool) -> None:
     from fastdit.cache.teacache import fit_calibration
@@ -79,4 +127,34 @@ def test_changes_and_decisions_under_ulysses_match_one_process(dist2: WorkerPool
         np.testing.assert_allclose(
             [d for d in rank_diffs if d is not None], [d for d in diffs if d is not None], rtol=1e-4
         )
+        np.testing.assert_allclose(rank_images, images, atol=1e-4)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"tp": 2, "ulysses": 2}], ids=["tp2", "tp2-ulysses2"])
+def test_decisions_under_tensor_parallelism_match_one_process(
+    request: pytest.FixtureRequest, layout: dict[str, int]
+) -> None:
+    config = _between()
+    images, branches = _branches(0, 1, {}, config, {})
+    (one,) = branches.values()
+    assert one["cached_steps"] and len(one["cached_steps"]) < 4, f"some steps must skip and others compute: {one}"
+    pool = request.getfixturevalue(f"dist{math.prod(layout.values())}")  # the 2-D mesh takes 4 ranks
+    for rank, (rank_images, rank_branches) in enumerate(pool.run(_branches, layout, config, {}, timeout=120)):
+        (branch,) = rank_branches.values()
+        _assert_same_decisions(one, branch, f"rank {rank}")
+        np.testing.assert_allclose(rank_images, images, atol=1e-4)
+
+
+@pytest.mark.distributed
+def test_each_cfg_rank_keeps_its_branch_state_as_one_process(dist2: WorkerPool) -> None:
+    config = _between(tuple(TRUE_CFG.items()))
+    images, one = _branches(0, 1, {}, config, TRUE_CFG)
+    assert set(one) == {"cond", "uncond"} and all(b["steps"] == 6 for b in one.values())
+    assert all(b["cached_steps"] and len(b["cached_steps"]) < 4 for b in one.values()), one
+    for rank, (rank_images, branches) in enumerate(dist2.run(_branches, {"cfg": 2}, config, TRUE_CFG, timeout=120)):
+        mine, other = ("cond", "uncond") if rank == 0 else ("uncond", "cond")
+        # A rank runs its own branch at every step, the other one only in the warm-up pair of step 0.
+        assert {name: b["steps"] for name, b in branches.items()} == {mine: 6, other: 1}
+        _assert_same_decisions(one[mine], branches[mine], f"rank {rank}")
         np.testing.assert_allclose(rank_images, images, atol=1e-4)
