@@ -18,6 +18,7 @@ import torch
 import fastdit
 from fastdit.context import context_of
 from fastdit.cuda_graph import apply_cuda_graph
+from fastdit.diagnostics.family_ladder import forced_teacache
 from fastdit.errors import FieldError
 from fastdit.hooks import layers
 from fastdit.testing.graphs import RecordingGraph
@@ -170,6 +171,31 @@ def test_block_graphs_run_inside_the_cache_hooks() -> None:
     assert stats["graphs"] == 3
 
 
+def test_block_graphs_run_inside_teacache() -> None:
+    """TeaCache (``fn=0``) + per-block graphs: the decision reads the first block's input before that block's graph
+    runs; same output and steps as TeaCache alone, graphs replayed only for the blocks of the computed steps."""
+    pipe, tiny = build_tiny("flux")
+    steps = 5
+    fastdit.accelerate(pipe, cache=forced_teacache())
+    expected = run_tiny(pipe, tiny, num_inference_steps=steps)
+    expected_info = fastdit.summary(pipe).transformers["transformer"]["cache"]
+    config = fastdit.CudaGraph(warmup=1)
+    undo = apply_cuda_graph(pipe.transformer, config, blocks=_blocks(pipe), cached=True, new_graph=RecordingGraph)
+    try:
+        graphed = run_tiny(pipe, tiny, num_inference_steps=steps)
+        stats = undo.state.stats()
+        info = fastdit.summary(pipe).transformers["transformer"]["cache"]
+    finally:
+        undo()
+        fastdit.disable(pipe)
+    np.testing.assert_array_equal(graphed, expected)
+    (branch,) = info["branches"].values()
+    assert branch["cached_steps"] == [1, 2, 4] and info["branches"] == expected_info["branches"]
+    # Steps 0 and 3 computed the 3 blocks: each block warms up once, then replays.
+    assert info["blocks_computed"] == 6
+    assert stats == {"graphs": 3, "replays": 3, "eager_calls": 3}
+
+
 def test_data_dependent_attention_lengths_refuse_graphs_before_anything() -> None:
     pipe, _ = build_tiny("mochi")
     with pytest.raises(ValueError, match=r"cuda_graph=CudaGraph.*mochi.*depend on the data"):
@@ -243,6 +269,21 @@ def test_block_graphs_with_a_cache_match_the_cache_alone_on_gpu() -> None:
     fastdit.accelerate(pipe, cache=cache, cuda_graph=fastdit.CudaGraph(warmup=1))
     graphed = run_tiny(pipe, tiny, num_inference_steps=6)
     info = fastdit.summary(pipe).transformers["transformer"]
+    assert info["cuda_graph"]["replays"] == info["cache"]["blocks_computed"] - 3
+    np.testing.assert_allclose(graphed, expected, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_block_graphs_with_teacache_match_teacache_alone_on_gpu() -> None:
+    pipe, tiny = build_tiny("flux")
+    pipe.to("cuda")
+    fastdit.accelerate(pipe, cache=forced_teacache())
+    expected = run_tiny(pipe, tiny, num_inference_steps=5)
+    fastdit.disable(pipe)
+    fastdit.accelerate(pipe, cache=forced_teacache(), cuda_graph=fastdit.CudaGraph(warmup=1))
+    graphed = run_tiny(pipe, tiny, num_inference_steps=5)
+    info = fastdit.summary(pipe).transformers["transformer"]
+    assert info["cache"]["num_cached_steps"] == 3
     assert info["cuda_graph"]["replays"] == info["cache"]["blocks_computed"] - 3
     np.testing.assert_allclose(graphed, expected, atol=1e-5)
 

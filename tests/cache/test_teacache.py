@@ -256,6 +256,43 @@ def test_cfg_branches_keep_separate_state(flux) -> None:
     assert {name: b["cached_steps"] for name, b in branches.items()} == {"cond": [1, 2, 4, 5], "uncond": [1, 2, 4, 5]}
 
 
+# Dynamo hands each graph of a compiled block to this backend, which runs it as traced.
+_TRACED: list[str] = []
+
+
+@torch._dynamo.register_backend(name="fastdit_test_teacache")
+def _recording_backend(graph: torch.fx.GraphModule, inputs: list) -> object:
+    _TRACED.append(graph.code)
+    return graph.forward
+
+
+def test_compiled_blocks_skip_the_same_steps_with_no_graph_break(flux) -> None:
+    """Compiled blocks (``fullgraph``: a graph break inside a block fails) beneath TeaCache: the decision reads the
+    first block's input in the eager hook around it, so the same steps skip, forecast included, with the eager
+    cache's output."""
+    pipe, tiny = flux
+    kwargs = {"num_inference_steps": 5}
+    config = _forced(max_skip_steps=2, taylorseer=fastdit.TaylorSeer(order=2, method="foca"))
+    compiled = fastdit.Compile(backend="fastdit_test_teacache", fullgraph=True)
+    outputs, served = [], []
+    torch._dynamo.reset()
+    _TRACED.clear()
+    try:
+        for options in ({}, {"compile": compiled}):
+            fastdit.accelerate(pipe, cache=config, **options)
+            try:
+                outputs.append(run_tiny(pipe, tiny, **kwargs))
+                (branch,) = fastdit.summary(pipe).transformers["transformer"]["cache"]["branches"].values()
+                served.append(branch["cached_steps"])
+            finally:
+                fastdit.disable(pipe)
+    finally:
+        torch._dynamo.reset()
+    assert _TRACED, "no block was compiled"
+    assert served == [[1, 2, 4], [1, 2, 4]]  # computes 0 and 3: step 4 forecasts from two residuals
+    np.testing.assert_allclose(outputs[1], outputs[0], atol=1e-6)
+
+
 def test_calibration_of_an_unaccelerated_pipeline_is_refused(flux) -> None:
     with pytest.raises(ValueError, match="not accelerated with a MagCache or TeaCache"):
         calibration_of(flux[0])
