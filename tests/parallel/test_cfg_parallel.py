@@ -144,9 +144,11 @@ def test_cfg2_with_compiled_blocks_and_cache(dist2: WorkerPool, family: str, var
 # Sequential announced, sequential unannounced (paired by timestep: its branches are named differently on one
 # process), batched, and a video family.
 OTHER_CACHES = [("qwenimage", "qwen-image"), ("chroma", "chroma"), ("sd3", "sd3"), ("wan", "t2v")]
-OTHER_CACHE_ROWS = ["teacache"] + [
-    f"{p}-{m}" for m in ("foca", "hermite", "foca-timestep") for p in ("dbcache", "magcache")
-]
+OTHER_CACHE_ROWS = (
+    ["teacache"]
+    + [f"{p}-{m}" for m in ("foca", "hermite", "foca-timestep") for p in ("dbcache", "magcache")]
+    + ["dbcache-ahead"]
+)
 
 
 def _other_caches(

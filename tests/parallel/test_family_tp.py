@@ -135,7 +135,11 @@ def test_tp2_under_teacache_and_forecasts_matches_one_process(dist2: WorkerPool,
     # Their schedules are spaced evenly enough to forecast over the timestep too, as the fast presets do.
     reports = dist2.run(run_cache_combinations, family, _first(family), "tp2", {"tp": 2}, False, True, timeout=300)
     names = [row["name"].removeprefix("tp2-") for row in _assert_cached(reports)[1:]]
-    assert names == ["teacache", *(f"{p}-{m}" for m in ("foca", "hermite", "foca-timestep") for p in POLICIES)]
+    assert names == [
+        "teacache",
+        *(f"{p}-{m}" for m in ("foca", "hermite", "foca-timestep") for p in POLICIES),
+        "dbcache-ahead",
+    ]
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ before a cached one for every TaylorSeer method to extrapolate.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -155,7 +156,7 @@ def cache_combination_specs(
     timestep: bool = False,
 ) -> list[RungSpec]:
     """The rungs of the step caches besides DBCache's forced schedule, under one layout: TeaCache's forced
-    schedule, then DBCache and MagCache forecasting with each of :data:`FORECASTS`.
+    schedule, DBCache and MagCache forecasting with each of :data:`FORECASTS`, and DBCache deciding ahead.
 
     Args:
         prefix: Each row's name starts with it (``"tp2"`` gives ``tp2-teacache``, ``tp2-dbcache-foca`` ...).
@@ -170,6 +171,10 @@ def cache_combination_specs(
         specs.append(RungSpec(f"{prefix}-dbcache-{name}", parallel, cache=forecast_cache(forecast), compile=compile))
         magcache = forecast_magcache(calibration, forecast)
         specs.append(RungSpec(f"{prefix}-magcache-{name}", parallel, cache=magcache, compile=compile))
+    # Deciding ahead: the forced schedule still launches each step's drift reduction (a collective under
+    # parallelism) and reads the previous one, which every rank must do alike.
+    ahead = dataclasses.replace(forecast_cache(FORECASTS["foca"]), decide_ahead=True)
+    specs.append(RungSpec(f"{prefix}-dbcache-ahead", parallel, cache=ahead, compile=compile))
     return specs
 
 
