@@ -17,6 +17,7 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from fastdit.cache.spectral import scheduled_sigma
 from fastdit.cache.state import RunTracker
 
 __all__ = ["Resettable", "reset_on_new_schedule", "scheduled_steps"]
@@ -70,6 +71,8 @@ class _ResetOnNewSchedule:
         # With several denoisers (Wan 2.2's two experts) each one runs only part of the schedule: its length says
         # nothing about one denoiser's steps, and only their own step counters check the mask.
         self.schedule = functools.partial(scheduled_steps, scheduler) if len(runs) == 1 else None
+        # The noise level holds for every denoiser, each reading it at the steps it serves.
+        self.sigma = functools.partial(scheduled_sigma, scheduler)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         for tracker in self.trackers:
@@ -77,6 +80,7 @@ class _ResetOnNewSchedule:
         result = self.original(*args, **kwargs)
         for tracker in self.runs:
             tracker.schedule = self.schedule
+            tracker.sigma = self.sigma
         return result
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
@@ -89,7 +93,8 @@ class _ResetOnNewSchedule:
 def reset_on_new_schedule(pipeline: Any, trackers: Sequence[Resettable]) -> Callable[[], None] | None:
     """End the trackers' runs whenever ``pipeline``'s scheduler sets new timesteps; return the undo.
 
-    :class:`RunTracker` s also learn how many steps the new run has (:attr:`RunTracker.schedule`).
+    :class:`RunTracker` s also learn how many steps the new run has (:attr:`RunTracker.schedule`) and where to read
+    each step's noise level (:attr:`RunTracker.sigma`).
 
     Returns ``None`` (nothing installed) for a bare module or a pipeline without a scheduler; the trackers' own
     run detection (timestep direction, input shapes) then remains the only boundary.

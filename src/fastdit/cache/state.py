@@ -113,6 +113,8 @@ class RunTracker:
     Attributes:
         schedule: Counts the steps the current run will take, when a pipeline's scheduler tells
             (:func:`fastdit.cache.runs.reset_on_new_schedule` sets it for the run; ``None`` otherwise).
+        sigma: The noise level of the scheduler's current step and whether it is a flow-matching one
+            (:func:`fastdit.cache.spectral.scheduled_sigma`), set like :attr:`schedule`.
     """
 
     def __init__(self, separate_branches: bool = True) -> None:
@@ -122,6 +124,7 @@ class RunTracker:
         self.runs = 0
         self._finished: dict[str, BranchState] = {}
         self.schedule: Callable[[], int | None] | None = None
+        self.sigma: Callable[[], tuple[float, bool] | None] | None = None
 
     def reset(self) -> None:
         """End the current run (the next call starts a new one); its statistics stay readable via :meth:`report`.
@@ -134,6 +137,7 @@ class RunTracker:
         self._contexts.clear()
         self.active = None
         self.schedule = None  # the next run's scheduler sets its own
+        self.sigma = None
 
     def report(self) -> dict[str, BranchState]:
         """The branches of the current run, or of the last finished one if none is in progress."""
