@@ -17,6 +17,7 @@ into ``frontier_<path>.json`` (keyed by library and configuration, so each libra
 
     python benchmarks/video_cache_frontier.py --path default --libraries fastdit,diffusers,cache-dit
     python benchmarks/video_cache_frontier.py --path cfg --groups presets,magcache
+    python benchmarks/video_cache_frontier.py --path default --groups spectral   # TeaCache's spectral signal
     python benchmarks/video_cache_frontier.py --path cfg --report
 """
 
@@ -202,6 +203,35 @@ def teacache_variants(session: Session, calibration: fastdit.TeaCalibration) -> 
     return out
 
 
+# (threshold, cap K, retention ratio, final steps, TaylorSeer order, its variable). Chosen on the calibration seeds
+# of both paths (docs/benchmarks.md): the first is the pick (the best worst calibration clip over both paths at
+# <= 40 % of the blocks), the others its neighbours. r0.04 retains 1 step of 30, r0.07 2.
+SPECTRAL_SETTINGS = (
+    (0.35, 4, 0.07, 1, 2, "timestep"),
+    (0.35, 4, 0.04, 1, 2, "timestep"),
+    (0.35, 4, 0.04, 0, 2, "timestep"),
+    (0.3, 4, 0.04, 1, 1, "step"),
+    (0.4, 3, 0.04, 1, 1, "step"),
+)
+
+
+def spectral_variants(session: Session) -> list[Variant]:
+    """TeaCache with the spectral signal (no calibration: the raw change accumulates), its final step computed."""
+    out = []
+    for threshold, cap, retention, final, order, variable in SPECTRAL_SETTINGS:
+        config = fastdit.TeaCache(
+            signal="spectral",
+            threshold=threshold,
+            max_skip_steps=cap,
+            retention_ratio=retention,
+            final_steps=final,
+            taylorseer=fastdit.TaylorSeer(order=order, variable=variable),
+        )
+        name = f"TeaCache spectral τ{threshold} K{cap} r{retention} f{final} TS{order}{variable[0]}"
+        out.append(fastdit_variant(session, name, config))
+    return out
+
+
 def diffusers_variants(session: Session, kwargs: dict[str, Any]) -> list[Variant]:
     """diffusers' FirstBlockCache, MagCache (its own calibration, same sample), SeaCache (its Wan adapter) and
     TaylorSeerCache."""
@@ -333,7 +363,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--path", choices=tuple(PATHS), default="default", help="cfg: guidance 3, two branches")
     parser.add_argument("--libraries", default="fastdit", help="comma list: fastdit, diffusers, cache-dit")
-    parser.add_argument("--groups", default="presets,magcache,teacache", help="fastdit: presets, magcache, teacache")
+    parser.add_argument(
+        "--groups", default="presets,magcache,teacache,spectral", help="fastdit: presets, magcache, teacache, spectral"
+    )
     parser.add_argument("--only", default=None, help="regular expression: measure only the matching names")
     parser.add_argument("--recalibrate", action="store_true", help="record and save the calibrations again")
     parser.add_argument("--batch", type=int, default=40, help="clips per pipeline call (a cache decides per call)")
@@ -356,6 +388,7 @@ def main() -> None:
         variants += dbcache_variants(session) if "presets" in groups else []
         variants += magcache_variants(session, mag) if "magcache" in groups else []
         variants += teacache_variants(session, tea) if "teacache" in groups else []
+        variants += spectral_variants(session) if "spectral" in groups else []
     if "diffusers" in libraries:
         variants += diffusers_variants(session, kwargs)
     if "cache-dit" in libraries:
