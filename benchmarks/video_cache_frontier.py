@@ -18,6 +18,7 @@ into ``frontier_<path>.json`` (keyed by library and configuration, so each libra
     python benchmarks/video_cache_frontier.py --path default --libraries fastdit,diffusers,cache-dit
     python benchmarks/video_cache_frontier.py --path cfg --groups presets,magcache
     python benchmarks/video_cache_frontier.py --path default --groups spectral   # TeaCache's spectral signal
+    python benchmarks/video_cache_frontier.py --path cfg --groups spectral --heldout-seeds 303,404   # confirmation
     python benchmarks/video_cache_frontier.py --path cfg --report
 """
 
@@ -83,9 +84,12 @@ BARS = {"30dB@40%": GOAL, "30dB@30%": QualityBar(0.30, 30.0, 0.90), "35dB@40%": 
 LABELS = {video_prompt(d, r): (d, r) for d in range(10) for r in DIRECTIONS}
 
 
-def video_split() -> Split:
-    """Every digit moving in every direction; calibration seeds 0, 1 and held-out seeds 101, 202 (the defaults)."""
-    return Split(prompts=tuple(LABELS))
+def video_split(heldout_seeds: tuple[int, ...] | None = None) -> Split:
+    """Every digit moving in every direction; calibration seeds 0, 1 and held-out seeds 101, 202 (the defaults), or
+    ``heldout_seeds`` (a confirmation set)."""
+    if heldout_seeds is None:
+        return Split(prompts=tuple(LABELS))
+    return Split(prompts=tuple(LABELS), heldout_seeds=heldout_seeds)
 
 
 def video_session() -> Session:
@@ -343,7 +347,7 @@ def write_row(path: Path, row: dict[str, Any], args: argparse.Namespace) -> None
     """Merge ``row`` into ``path`` (keyed by library and configuration), atomically."""
     payload = json.loads(path.read_text()) if path.exists() else {"results": []}
     kept = [r for r in payload["results"] if (r["library"], r["name"]) != (row["library"], row["name"])]
-    split = video_split()
+    split = video_split(args.heldout_seeds)
     payload.update(
         {
             "date": date.today().isoformat(),
@@ -376,8 +380,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--report", action="store_true", help="print the table of the JSON file and measure nothing")
+    parser.add_argument(
+        "--heldout-seeds",
+        type=lambda text: tuple(int(seed) for seed in text.split(",")),
+        default=None,
+        help="a confirmation set instead of 101,202 (e.g. 303,404), into frontier_<path>_heldout<seeds>.json",
+    )
     args = parser.parse_args()
-    path = args.out / f"frontier_{args.path}.json"
+    suffix = "" if args.heldout_seeds is None else "_heldout" + "-".join(map(str, args.heldout_seeds))
+    path = args.out / f"frontier_{args.path}{suffix}.json"
     if args.report:
         print(table(json.loads(path.read_text())["results"]), end="")
         return
@@ -399,7 +410,7 @@ def main() -> None:
         variants += cache_dit_variants(session)
     if args.only:
         variants = [v for v in variants if re.search(args.only, v.name)]
-    bench = VideoBench(session, video_split(), kwargs, transformer_blocks(session), batch=args.batch)
+    bench = VideoBench(session, video_split(args.heldout_seeds), kwargs, transformer_blocks(session), batch=args.batch)
     args.out.mkdir(parents=True, exist_ok=True)
     rows = [bench.measure_video(None)] if "fastdit" in libraries else []
     if rows:
