@@ -21,6 +21,7 @@ __all__ = [
     "FP8_DYNAMIC_MODES",
     "LOAD_MODES",
     "QUANTIZE_MODES",
+    "TEA_SIGNALS",
     "Attention",
     "Compile",
     "CudaGraph",
@@ -540,6 +541,8 @@ class MagCache:
 # --- TeaCache: whole-step skipping from the accumulated, rescaled change of the block stack's input -------------------
 
 _MAX_TEA_DEGREE = 4
+TEA_SIGNALS = ("input", "spectral")
+"""What TeaCache may measure: the first block's input, or the spectral estimate of the clean latent."""
 
 
 def _coefficients(value: Any) -> bool:
@@ -563,6 +566,7 @@ class TeaCalibration:
     num_steps: int = _doc("Steps of the calibration run (the run length assumed where no scheduler tells one).", 1)
     fn: int = _doc("Front blocks of the layout the residual was measured on (TeaCache.fn must match).", 0)
     bn: int = _doc("Back blocks of the layout the residual was measured on (TeaCache.bn must match).", 0)
+    signal: str = _doc("The input change the polynomial maps (TeaCache.signal must match).", "input")
     model: str = _doc("What was calibrated (the transformer's class and configuration), for messages.", "unknown")
 
     def __post_init__(self) -> None:
@@ -574,6 +578,7 @@ class TeaCalibration:
             num_steps=_integer(1),
             fn=_integer(0),
             bn=_integer(0),
+            signal=_one_of(*TEA_SIGNALS),
             model=_TEXT,
         )
 
@@ -597,6 +602,11 @@ class TeaCache:
     ``threshold`` and at most ``max_skip_steps`` steps in a row were skipped, else it computes and the accumulator
     restarts. The change is a sum reduced over the ranks that share a sample, so every rank takes the same branch.
     ``fn=0`` skips every block (models of one block too); ``threshold=0`` never skips (bit-identical to no cache).
+
+    ``signal="spectral"`` measures instead the change of a Wiener estimate of the clean latent — the transformer's
+    noisy latent filtered over its grid with a gain that follows the step's noise level
+    (:mod:`fastdit.cache.spectral`) — and accumulates it as it is unless a calibration of that signal is given. It
+    needs a model whose adapter declares its latent (``ModelAdapter.latent``).
     """
 
     threshold: float = _doc("Accumulated rescaled input change below which a step is skipped (0: never skip).", 0.2)
@@ -605,8 +615,15 @@ class TeaCache:
     final_steps: int = _doc("Last steps of the run that always compute (fine detail forms there).", 0)
     fn: int = _doc("Front blocks computed every step (0: the whole block stack is skipped).", 0)
     bn: int = _doc("Back blocks computed every step (they repair the reused residual).", 0)
+    signal: Literal["input", "spectral"] = _doc(
+        "What changes are measured on: the first block's input, or a noise-level-aware spectral estimate of the "
+        "clean latent.",
+        "input",
+    )
+    spectral_exponent: float = _doc("Exponent p of the clean-latent spectrum 1/|f|^p the spectral filter assumes.", 3.0)
     calibration: TeaCalibration | None = _doc(
-        "The model's rescaling polynomial (TeaCalibration, see fastdit.cache.teacache); needed when threshold > 0.",
+        "The model's rescaling polynomial (TeaCalibration, see fastdit.cache.teacache); needed when threshold > 0 "
+        "with signal='input'.",
         None,
     )
     calibrate: bool = _doc(
@@ -627,12 +644,21 @@ class TeaCache:
             final_steps=_integer(0),
             fn=_integer(0),
             bn=_integer(0),
+            signal=_one_of(*TEA_SIGNALS),
+            spectral_exponent=_Rule(lambda v: _is_number(v) and v > 0, "a finite number > 0"),
             calibration=_optional(_instance(TeaCalibration)),
             calibrate=_BOOL,
             taylorseer=_optional(_instance(TaylorSeer)),
             separate_cfg=_optional(_BOOL),
         )
         _check_calibrated(self, "TeaCalibration", "fastdit.calibration.calibrate(..., policy='teacache')")
+        cal = self.calibration
+        if cal is not None and cal.signal != self.signal:
+            raise FieldsError(
+                "TeaCache",
+                {"signal": self.signal, "calibration": f"<TeaCalibration of signal {cal.signal!r}>"},
+                "the calibration's polynomial maps changes of another signal; calibrate this signal",
+            )
 
 
 CACHE_CONFIGS: tuple[type, ...] = (DBCache, DBPrune, MagCache, TeaCache)
@@ -653,7 +679,9 @@ def _check_calibrated(config: MagCache | TeaCache, kind: str, how: str) -> None:
             {"calibrate": config.calibrate, "calibration": f"<{kind}>"},
             "a calibration run records new values: leave calibration unset",
         )
-    if config.threshold > 0 and config.calibration is None and not config.calibrate:
+    # The spectral signal is a relative change of a content estimate already: it may accumulate as it is.
+    raw_ok = isinstance(config, TeaCache) and config.signal == "spectral"
+    if config.threshold > 0 and config.calibration is None and not config.calibrate and not raw_ok:
         raise FieldError(
             owner,
             "calibration",

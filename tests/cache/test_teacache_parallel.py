@@ -158,3 +158,49 @@ def test_each_cfg_rank_keeps_its_branch_state_as_one_process(dist2: WorkerPool) 
         assert {name: b["steps"] for name, b in branches.items()} == {mine: 6, other: 1}
         _assert_same_decisions(one[mine], branches[mine], f"rank {rank}")
         np.testing.assert_allclose(rank_images, images, atol=1e-4)
+
+
+# --- the spectral signal on a tiny Wan (the latent read whole on every rank, its sums reduced) ---
+
+WAN_STEPS = 6
+
+
+@functools.lru_cache(maxsize=1)
+def _wan() -> Any:
+    from fastdit.models.wan import tiny_wan_t2v
+
+    pipe = tiny_wan_t2v(0)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _wan_run(rank: int, world_size: int, ulysses: int, config: fastdit.TeaCache) -> tuple[np.ndarray, dict, list]:
+    from fastdit.models.wan import ADAPTER
+
+    pipe = _wan()
+    fastdit.accelerate(pipe, cache=config, parallel=_parallel(ulysses))
+    try:
+        kwargs = {**ADAPTER.tiny("t2v").call_kwargs, "num_inference_steps": WAN_STEPS}
+        frames = pipe(**kwargs, generator=torch.Generator().manual_seed(0), output_type="np").frames
+        branches = fastdit.summary(pipe).transformers["transformer"]["cache"]["branches"]
+        pairs = fastdit.api.context_of(pipe).state("cache", "transformer").pairs()
+        steps = {name: (b["cached_steps"], b["residual_diffs"]) for name, b in branches.items()}
+        return np.asarray(frames), steps, pairs.get("cond", [])
+    finally:
+        fastdit.disable(pipe)
+
+
+@pytest.mark.distributed  # about 6 s on two ranks
+def test_spectral_signal_under_ulysses_matches_one_process(dist2: WorkerPool) -> None:
+    _, _, pairs = _wan_run(0, 1, 1, fastdit.TeaCache(calibrate=True, signal="spectral"))
+    # Just over the largest change: some steps skip, the cap of 2 makes others compute.
+    threshold = 1.01 * max(x for x, _ in pairs)
+    config = fastdit.TeaCache(threshold=threshold, max_skip_steps=2, retention_ratio=0.0, signal="spectral")
+    frames, steps, _ = _wan_run(0, 1, 1, config)
+    assert 0 < len(steps["cond"][0]) < WAN_STEPS - 1, steps
+    for rank_frames, rank_steps, _ in dist2.run(_wan_run, 2, config, timeout=180):
+        assert {name: s for name, (s, _) in rank_steps.items()} == {name: s for name, (s, _) in steps.items()}
+        for name, (_, diffs) in steps.items():
+            measured = [d for d in rank_steps[name][1] if d is not None]
+            np.testing.assert_allclose(measured, [d for d in diffs if d is not None], rtol=1e-5)
+        np.testing.assert_allclose(rank_frames, frames, atol=1e-4)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import fastdit
+from fastdit.errors import FieldError
 from fastdit.models.registry import get_family
 from fastdit.models.validate import check_adapter, probe_patterns
 from fastdit.session import is_audio_pipeline
@@ -85,6 +86,9 @@ class FamilySuite:
         ]
         if variant == _variants(self.family)[0]:
             configurations.append(("TeaCache calibration", {"cache": fastdit.TeaCache(calibrate=True)}))
+            if get_family(self.family).latent is not None:  # the spectral signal reads the declared latent
+                spectral = fastdit.TeaCache(calibrate=True, signal="spectral")
+                configurations.append(("TeaCache spectral calibration", {"cache": spectral}))
         for name, options in configurations:
             fastdit.accelerate(pipe, **options)
             try:
@@ -147,15 +151,23 @@ class FamilySuite:
             assert 0 < b["blocks_computed"] <= b["blocks_total"] // b["steps"], name
 
     @pytest.mark.slow
-    def test_teacache_forced_schedule_skips_every_block(self, built: dict, variant: str) -> None:
-        """TeaCache with ``fn=0`` and a threshold no change reaches: the first block's input is measured before it
-        runs, every step after the first reuses the residual of the whole block stack, and the output stays
-        finite."""
+    @pytest.mark.parametrize("signal", ["input", "spectral"])
+    def test_teacache_forced_schedule_skips_every_block(self, built: dict, variant: str, signal: str) -> None:
+        """TeaCache with ``fn=0`` and a threshold no change reaches: the first block's input (or, with the spectral
+        signal, the latent the family declares) is measured before it runs, every step after the first reuses the
+        residual of the whole block stack, and the output stays finite. A family that declares no latent refuses
+        the spectral signal before anything is installed."""
         pipe, tiny = self._pipe(built, variant)
-        identity = fastdit.TeaCalibration(coefficients=(1.0, 0.0))
-        config = fastdit.TeaCache(
-            threshold=1e6, max_skip_steps=100, retention_ratio=0.0, final_steps=0, calibration=identity
-        )
+        settings = {"threshold": 1e6, "max_skip_steps": 100, "retention_ratio": 0.0, "final_steps": 0}
+        if signal == "spectral":
+            config = fastdit.TeaCache(signal="spectral", **settings)
+            if get_family(self.family).latent is None:
+                with pytest.raises(FieldError, match="declares no latent"):
+                    fastdit.accelerate(pipe, cache=config)
+                assert fastdit.api.context_of(pipe) is None
+                return
+        else:
+            config = fastdit.TeaCache(calibration=fastdit.TeaCalibration(coefficients=(1.0, 0.0)), **settings)
         fastdit.accelerate(pipe, cache=config)
         try:
             out = run_tiny(pipe, tiny)

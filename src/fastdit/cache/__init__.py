@@ -10,6 +10,7 @@ import torch
 
 from fastdit.cache.policy import Reducer
 from fastdit.config import CacheConfig, DBCache, DBPrune, MagCache, MagCalibrations, TeaCache
+from fastdit.errors import FieldError
 from fastdit.hooks.state import Applied
 from fastdit.models.base import CachePlan
 from fastdit.models.validate import resolve_block_groups, resolve_interleaved
@@ -72,6 +73,7 @@ def _install_blocks(
         plan.unstepped_calls,
         engine_class,
         plan.timestep_reduce,
+        plan.latent,
     )
 
 
@@ -90,6 +92,14 @@ def _install_magcache(transformer, groups, plan: CachePlan, config: MagCache, re
 def _install_teacache(transformer, groups, plan: CachePlan, config: TeaCache, reducer) -> tuple[Any, Any]:
     from fastdit.cache.teacache import TeaCacheEngine
 
+    if config.signal == "spectral" and plan.latent is None:
+        raise FieldError(
+            "TeaCache",
+            "signal",
+            config.signal,
+            f"the {plan.family!r} adapter declares no latent grid to filter (ModelAdapter.latent: a latent packed "
+            "into tokens has none); use signal='input'",
+        )
     return _install_blocks(transformer, groups, plan, config, reducer, TeaCacheEngine)
 
 

@@ -30,7 +30,7 @@ from fastdit.config import DBCache, MagCache, TeaCache
 from fastdit.errors import FastditWarning, FieldsError
 from fastdit.hooks import layers
 from fastdit.hooks.args import ForwardArgs, UnsteppedCalls
-from fastdit.models.base import BlockGroup, ForwardPattern
+from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout
 from fastdit.models.validate import AdapterError, bind_block_args, check_block_call
 
 __all__ = ["BLOCK_HOOK", "TRANSFORMER_HOOK", "BlockSlot", "CacheEngine"]
@@ -98,6 +98,15 @@ class CacheEngine:
         state.blocks_total += self.num_blocks
         state.computing = True
 
+    @property
+    def reads_latent(self) -> bool:
+        """Whether :meth:`observe_latent` wants each call's noisy latent (a policy measuring the latent itself)."""
+        return False
+
+    def observe_latent(self, latent: Any, channel_dim: int) -> None:
+        """A transformer call began with the noisy latent ``latent`` (channels at ``channel_dim``), whole on every
+        rank: read only when :attr:`reads_latent`."""
+
     def enter_stack(self, state: BranchState, hidden: torch.Tensor) -> None:
         """The step's first block is called with ``hidden``; a policy that decides on the stack's input does it here.
 
@@ -126,11 +135,15 @@ class TransformerCacheHook(layers.LayerHook):
         timestep_arg: str | None,
         unstepped: Mapping[str, tuple[Any, ...]] | None = None,
         timestep_reduce: str = "max",
+        latent: LatentLayout | None = None,
     ) -> None:
         self.engine = engine
         self.timestep_arg = timestep_arg
         self._times = TimestepReader(torch.amin if timestep_reduce == "min" else torch.amax, type(module).__name__)
-        self._reader = ForwardArgs(module, (timestep_arg,) if timestep_arg else ())
+        # The latent is read here, outside the parallel splits: every rank sees all of it.
+        self._latent = latent if latent is not None and getattr(engine, "reads_latent", False) else None
+        names = [name for name in (timestep_arg, None if self._latent is None else self._latent.arg) if name]
+        self._reader = ForwardArgs(module, names)
         self._unstepped = UnsteppedCalls(module, unstepped)
         self._owner = type(module).__name__
         self._last: Any = None
@@ -187,6 +200,8 @@ class TransformerCacheHook(layers.LayerHook):
         try:  # a refused call ends too: no block hook may think it runs inside it
             step_time, key = self._timestep(timestep, context)
             self.engine.begin_call(context, step_time, signature, key)
+            if self._latent is not None:
+                self.engine.observe_latent(self._reader.get(self._latent.arg, args, kwargs), self._latent.channel_dim)
             return inner(*args, **kwargs)
         finally:
             self.engine.end_call()
@@ -434,6 +449,7 @@ def install(
     unstepped: Mapping[str, tuple[Any, ...]] | None = None,
     engine_class: type[CacheEngine] | None = None,
     timestep_reduce: str = "max",
+    latent: LatentLayout | None = None,
 ) -> tuple[CacheEngine, Callable[[], None]]:
     """Install the transformer hook and one block hook per block; return the engine and the undo.
 
@@ -447,6 +463,7 @@ def install(
         unstepped: Arguments marking calls that are no denoising step (:attr:`ModelAdapter.unstepped_calls`).
         engine_class: The engine deciding each step (``None``: :class:`CacheEngine`, DBCache's residual test).
         timestep_reduce: Which entry of a timestep tensor follows the schedule (:attr:`ModelAdapter.timestep_reduce`).
+        latent: Where the noisy latent arrives (:attr:`ModelAdapter.latent`), for an engine that reads it.
     """
     slots = plan_slots(groups, config.fn, config.bn, owner=type(config).__name__)
     engine = (engine_class or CacheEngine)(config, slots, reducer)
@@ -455,7 +472,7 @@ def install(
             transformer,
             layers.Layer.TRACK,
             TRANSFORMER_HOOK,
-            TransformerCacheHook(engine, transformer, timestep_arg, unstepped, timestep_reduce),
+            TransformerCacheHook(engine, transformer, timestep_arg, unstepped, timestep_reduce, latent),
         )
     ]
     blocks = [block for _, group_blocks in groups for block in group_blocks]

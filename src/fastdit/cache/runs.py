@@ -17,6 +17,7 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from fastdit.cache.spectral import scheduled_sigma
 from fastdit.cache.state import RunTracker
 
 __all__ = ["Resettable", "SchedulerClock", "reset_on_new_schedule", "scheduled_steps"]
@@ -111,6 +112,8 @@ class _ResetOnNewSchedule:
         # nothing about one denoiser's steps, and only their own step counters check the mask.
         self.schedule = functools.partial(scheduled_steps, scheduler) if len(runs) == 1 else None
         self.clock = SchedulerClock.supports(scheduler)
+        # The noise level holds for every denoiser, each reading it at the steps it serves.
+        self.sigma = functools.partial(scheduled_sigma, scheduler)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         for tracker in self.trackers:
@@ -120,6 +123,7 @@ class _ResetOnNewSchedule:
         for tracker in self.runs:
             tracker.schedule = self.schedule
             tracker.clock = clock
+            tracker.sigma = self.sigma
         return result
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
@@ -132,7 +136,8 @@ class _ResetOnNewSchedule:
 def reset_on_new_schedule(pipeline: Any, trackers: Sequence[Resettable]) -> Callable[[], None] | None:
     """End the trackers' runs whenever ``pipeline``'s scheduler sets new timesteps; return the undo.
 
-    :class:`RunTracker` s also learn how many steps the new run has (:attr:`RunTracker.schedule`).
+    :class:`RunTracker` s also learn how many steps the new run has (:attr:`RunTracker.schedule`) and where to read
+    each step's noise level (:attr:`RunTracker.sigma`).
 
     Returns ``None`` (nothing installed) for a bare module or a pipeline without a scheduler; the trackers' own
     run detection (timestep direction, input shapes) then remains the only boundary.

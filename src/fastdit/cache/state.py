@@ -136,6 +136,8 @@ class RunTracker:
             (:func:`fastdit.cache.runs.reset_on_new_schedule` sets it for the run; ``None`` otherwise).
         clock: The run's :class:`~fastdit.cache.runs.SchedulerClock`, set with :attr:`schedule` when the scheduler
             keeps a host step index (``None`` otherwise).
+        sigma: The noise level of the scheduler's current step and whether it is a flow-matching one
+            (:func:`fastdit.cache.spectral.scheduled_sigma`), set like :attr:`schedule`.
     """
 
     def __init__(self, separate_branches: bool = True) -> None:
@@ -146,6 +148,7 @@ class RunTracker:
         self._finished: dict[str, BranchState] = {}
         self.schedule: Callable[[], int | None] | None = None
         self.clock: Any = None
+        self.sigma: Callable[[], tuple[float, bool] | None] | None = None
 
     def reset(self) -> None:
         """End the current run (the next call starts a new one); its statistics stay readable via :meth:`report`.
@@ -159,6 +162,7 @@ class RunTracker:
         self.active = None
         self.schedule = None  # the next run's scheduler sets its own
         self.clock = None
+        self.sigma = None
 
     def report(self) -> dict[str, BranchState]:
         """The branches of the current run, or of the last finished one if none is in progress."""

@@ -12,9 +12,15 @@ so no model needs code of its own. (TeaCache proper measures the timestep-modula
 sits inside each family's block code; the calibrated polynomial absorbs the difference in scale, not in shape, so
 the timestep's own contribution is missing — see ``docs/cache.md``.)
 
+``signal="spectral"`` measures the change of another input: a Wiener estimate of the clean latent, the noisy
+latent the transformer receives filtered over its grid with a gain that follows the step's noise level
+(:mod:`fastdit.cache.spectral`). It reads the latent where the transformer call begins, before any block, and
+accumulates the raw change unless a calibration of that signal rescales it.
+
 Under context parallelism each rank holds a slice of the input: the two sums of the relative L1 are reduced over
 the ranks that share a sample (``context.cache_reducer``) before the host reads them, so every rank accumulates the
-same number and takes the same branch.
+same number and takes the same branch. The spectral signal's latent is whole on every rank; its sums are reduced
+all the same, so that every rank reads the one float the reduction returns.
 """
 
 from __future__ import annotations
@@ -24,14 +30,17 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from fastdit.cache.policy import Reducer, relative_l1
+from fastdit.cache.spectral import noise_to_signal, spectral_estimate, timestep_sigma
 from fastdit.cache.state import BranchState
 from fastdit.cache.whole_step import WholeStepEngine, segment_residuals
 from fastdit.config import TeaCache, TeaCalibration
+from fastdit.errors import FieldError
 
 __all__ = [
     "CALIBRATION_FORMAT",
@@ -42,6 +51,7 @@ __all__ = [
     "load_calibration",
     "reference_calibration",
     "reference_calibration_path",
+    "rescaled",
     "retained_steps",
     "save_calibration",
     "tea_decide",
@@ -64,6 +74,7 @@ class TeaAccumulator:
     skipped: int = 0
     # The run's length (from the scheduler at its first step; the calibration's where none tells).
     num_steps: int | None = None
+    # The previous step's measured input: the first block's, or (spectral signal) the clean-latent estimate.
     previous_input: torch.Tensor | None = None
     # This step's relative L1 input change (None at the first step).
     distance: float | None = None
@@ -81,11 +92,16 @@ def retained_steps(config: TeaCache, num_steps: int) -> int:
     return int(config.retention_ratio * num_steps + 0.5)
 
 
+def rescaled(config: TeaCache, distance: float) -> float:
+    """What a measured change adds to the accumulator: its calibrated image, or itself without a calibration."""
+    return distance if config.calibration is None else config.calibration.rescale(distance)
+
+
 def tea_decide(config: TeaCache, acc: TeaAccumulator, step: int, distance: float | None, has_cache: bool) -> bool:
     """Whether step ``step`` computes (``True``) or reuses the cached residual; updates ``acc``.
 
     Args:
-        config: The settings (with a calibration whenever ``threshold > 0``).
+        config: The settings (with a calibration whenever ``threshold > 0`` and ``signal="input"``).
         acc: The branch's accumulator (``acc.num_steps``: the run's length, ``None`` if unknown).
         step: 0-based step index.
         distance: The relative L1 change of the stack's input since the previous step, reduced over the ranks
@@ -96,7 +112,7 @@ def tea_decide(config: TeaCache, acc: TeaAccumulator, step: int, distance: float
     forced = (
         not has_cache
         or config.threshold == 0  # the no-op setting: never skip
-        or config.calibration is None
+        or (config.calibration is None and config.signal == "input")
         or distance is None
         or not math.isfinite(distance)  # the previous input was all zeros: nothing to compare with
         or (num_steps is not None and step < retained_steps(config, num_steps))
@@ -105,7 +121,7 @@ def tea_decide(config: TeaCache, acc: TeaAccumulator, step: int, distance: float
         or (num_steps is not None and config.final_steps > 0 and step >= num_steps - config.final_steps)
     )
     if not forced:
-        acc.accumulated += config.calibration.rescale(distance)
+        acc.accumulated += rescaled(config, distance)
         acc.skipped += 1
         if acc.accumulated < config.threshold and acc.skipped <= config.max_skip_steps:
             return False
@@ -150,17 +166,71 @@ class TeaCacheEngine(WholeStepEngine):
         calibration = self.config.calibration
         return calibration.num_steps if calibration is not None else None
 
-    def enter_stack(self, state: BranchState, hidden: torch.Tensor) -> None:
-        """Measure the input change since the previous step and decide whether this step computes."""
+    @property
+    def reads_latent(self) -> bool:
+        """Whether the signal is the spectral one (measured on each call's noisy latent)."""
+        return self.config.signal == "spectral"
+
+    def _measures(self) -> bool:
+        config = self.config
+        if config.calibrate:
+            return True
+        return config.threshold > 0 and (config.calibration is not None or config.signal == "spectral")
+
+    def observe_latent(self, latent: Any, channel_dim: int) -> None:
+        """Measure the spectral signal's change on the call's noisy latent (before any block runs).
+
+        Raises:
+            FieldError: Owner ``TeaCache``, field ``signal``: the latent has no grid, or the step's noise level is
+                unknown (no scheduler and no timestep).
+        """
+        state = self.tracker.active
+        assert state is not None and isinstance(state.policy, TeaAccumulator)
         acc = state.policy
+        if not self._measures():
+            return
+        if not isinstance(latent, torch.Tensor) or latent.ndim < 3:
+            what = tuple(latent.shape) if isinstance(latent, torch.Tensor) else type(latent).__name__
+            raise FieldError(
+                "TeaCache", "signal", "spectral", f"needs a latent of (batch, channels, grid...), the model got {what}"
+            )
+        estimate = spectral_estimate(latent, self._noise_to_signal(state), self.config.spectral_exponent, channel_dim)
         previous = acc.previous_input
-        distance = None
-        measure = self.config.calibrate or (self.config.threshold > 0 and self.config.calibration is not None)
-        if measure and previous is not None and previous.shape == hidden.shape:
-            distance = relative_l1(hidden, previous, self.reducer)  # reduced: the same float on every rank
-        # A copy: the step's input must survive whatever the model's loop does to the tensor in place.
-        acc.previous_input = hidden.detach().clone() if measure else None
-        acc.distance = distance
+        if previous is not None and previous.shape == estimate.shape:
+            acc.distance = relative_l1(estimate, previous, self.reducer)  # reduced: the same float on every rank
+        acc.previous_input = estimate
+
+    def _noise_to_signal(self, state: BranchState) -> float:
+        found = self.tracker.sigma() if self.tracker.sigma is not None else None
+        if found is not None:
+            sigma, flow = found
+            return noise_to_signal(sigma, flow=flow)
+        if state.timestep is None:
+            raise FieldError(
+                "TeaCache",
+                "signal",
+                "spectral",
+                "needs each step's noise level: run it in a pipeline whose scheduler has sigmas, or on a model that "
+                "takes a timestep",
+            )
+        return noise_to_signal(timestep_sigma(state.timestep))
+
+    def enter_stack(self, state: BranchState, hidden: torch.Tensor) -> None:
+        """Measure the input change since the previous step and decide whether this step computes.
+
+        With the spectral signal the change was measured when the call began (:meth:`observe_latent`).
+        """
+        acc = state.policy
+        measure = self._measures()
+        if self.config.signal == "input":
+            previous = acc.previous_input
+            distance = None
+            if measure and previous is not None and previous.shape == hidden.shape:
+                distance = relative_l1(hidden, previous, self.reducer)  # reduced: the same float on every rank
+            # A copy: the step's input must survive whatever the model's loop does to the tensor in place.
+            acc.previous_input = hidden.detach().clone() if measure else None
+            acc.distance = distance
+        distance = acc.distance
         compute = True if self.config.calibrate else tea_decide(self.config, acc, state.step, distance, state.has_cache)
         self.settle(state, compute, acc.accumulated)
 
@@ -191,7 +261,10 @@ class TeaCacheEngine(WholeStepEngine):
             raise ValueError("no input/residual changes recorded: run the pipeline once with TeaCache(calibrate=True)")
         steps = max(s.step + 1 for s in self.tracker.report().values())
         pairs = [pair for branch in branches.values() for pair in branch]
-        return fit_calibration(pairs, degree, num_steps=steps, fn=self.config.fn, bn=self.config.bn, model=model)
+        config = self.config
+        return fit_calibration(
+            pairs, degree, num_steps=steps, fn=config.fn, bn=config.bn, model=model, signal=config.signal
+        )
 
 
 def fit_calibration(
@@ -202,6 +275,7 @@ def fit_calibration(
     fn: int = 0,
     bn: int = 0,
     model: str = "unknown",
+    signal: str = "input",
 ) -> TeaCalibration:
     """Fit ``residual change ≈ p(input change)`` by least squares (``numpy.polyfit``).
 
@@ -212,6 +286,7 @@ def fit_calibration(
         fn: Front blocks of the calibrated layout.
         bn: Back blocks of the calibrated layout.
         model: What was calibrated, for messages.
+        signal: The input change measured (:attr:`TeaCache.signal`).
 
     Raises:
         ValueError: ``degree`` out of range, fewer than ``degree + 1`` pairs, or a non-finite pair.
@@ -228,7 +303,12 @@ def fit_calibration(
         raise ValueError("a recorded input/residual change is not finite (an all-zero input or residual?)")
     coefficients = np.polyfit(data[:, 0], data[:, 1], degree)
     return TeaCalibration(
-        coefficients=tuple(float(c) for c in coefficients), num_steps=num_steps, fn=fn, bn=bn, model=model
+        coefficients=tuple(float(c) for c in coefficients),
+        num_steps=num_steps,
+        fn=fn,
+        bn=bn,
+        signal=signal,
+        model=model,
     )
 
 
@@ -242,6 +322,7 @@ def save_calibration(calibration: TeaCalibration, path: str | os.PathLike[str]) 
         "num_steps": calibration.num_steps,
         "fn": calibration.fn,
         "bn": calibration.bn,
+        "signal": calibration.signal,
         "coefficients": list(calibration.coefficients),  # full precision: high powers amplify rounding
     }
     return write_json(path, data, indent=1)
@@ -263,6 +344,7 @@ def load_calibration(path: str | os.PathLike[str]) -> TeaCalibration:
             num_steps=data["num_steps"],
             fn=data["fn"],
             bn=data["bn"],
+            signal=data.get("signal", "input"),  # files written before the spectral signal measured the input
             model=data["model"],
         )
     except (KeyError, TypeError) as exc:

@@ -19,7 +19,16 @@ if TYPE_CHECKING:
     from fastdit.parallel.plan import ContextParallelPlan
     from fastdit.parallel.tp_plan import TensorParallelPlan
 
-__all__ = ["BlockGroup", "CachePlan", "ForwardPattern", "ModelAdapter", "ModelPreset", "TinyPipeline", "resolve_attr"]
+__all__ = [
+    "BlockGroup",
+    "CachePlan",
+    "ForwardPattern",
+    "LatentLayout",
+    "ModelAdapter",
+    "ModelPreset",
+    "TinyPipeline",
+    "resolve_attr",
+]
 
 
 class ForwardPattern(enum.IntEnum):
@@ -202,6 +211,26 @@ class ModelPreset:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LatentLayout:
+    """Where a transformer's noisy latent arrives, laid out on its grid (what TeaCache's spectral signal filters).
+
+    Attributes:
+        arg: The transformer ``forward`` parameter carrying the latent.
+        channel_dim: Its channel axis; every other axis after the batch (axis 0) is a grid axis (frames, height,
+            width). A latent packed into a token sequence has no grid to declare.
+    """
+
+    arg: str = "hidden_states"
+    channel_dim: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.arg:
+            raise ValueError("LatentLayout.arg='': must name a forward parameter")
+        if isinstance(self.channel_dim, bool) or not isinstance(self.channel_dim, int) or self.channel_dim == 0:
+            raise ValueError(f"LatentLayout.channel_dim={self.channel_dim!r}: must be an integer axis other than 0")
+
+
+@dataclass(frozen=True, kw_only=True)
 class CachePlan:
     """What step caching needs of a family: its block lists and where the timestep arrives.
 
@@ -211,6 +240,7 @@ class CachePlan:
         timestep_arg: The transformer ``forward`` parameter carrying the timestep (``None``: not read).
         unstepped_calls: As :attr:`ModelAdapter.unstepped_calls`.
         timestep_reduce: As :attr:`ModelAdapter.timestep_reduce`.
+        latent: As :attr:`ModelAdapter.latent`.
     """
 
     family: str
@@ -218,6 +248,7 @@ class CachePlan:
     timestep_arg: str | None = "timestep"
     unstepped_calls: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
     timestep_reduce: str = "max"
+    latent: LatentLayout | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -259,6 +290,9 @@ class ModelAdapter:
         timestep_reduce: Which entry of a timestep tensor with several (one per token, frame or row group) follows
             the schedule: ``"max"`` (conditioning tokens pinned at 0, the usual case) or ``"min"`` (MiniMax-H3, whose
             keyframe rows stay pinned near clean on a rising schedule).
+        latent: Where the transformer's noisy latent arrives on its grid (:class:`LatentLayout`), for TeaCache's
+            spectral signal; ``None``: not declared (a latent packed into tokens, or not checked yet), and that
+            signal is refused.
         example: ``module.path:function`` giving a small transformer and one call of it, ``(model, kwargs)``, for
             ``fastdit inspect`` of a family without a tiny pipeline (one served by a pipeline fastdit does not build,
             e.g. a diffusers ModularPipeline); ``""``: the first tiny pipeline's first transformer call is used.
@@ -280,6 +314,7 @@ class ModelAdapter:
     cfg_branch_components: Mapping[str, str] = field(default_factory=dict)
     unstepped_calls: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
     timestep_reduce: str = "max"
+    latent: LatentLayout | None = None
     example: str = ""
 
     def __post_init__(self) -> None:
@@ -307,6 +342,7 @@ class ModelAdapter:
             timestep_arg=self.timestep_arg,
             unstepped_calls=self.unstepped_calls,
             timestep_reduce=self.timestep_reduce,
+            latent=self.latent,
         )
 
     def tiny(self, name: str | None = None) -> TinyPipeline:

@@ -9,7 +9,7 @@ alone (pattern 2). Wan 2.2 A14B pipelines hold two transformers of this class, `
 from __future__ import annotations
 
 from fastdit.models._lazy import LazyKwargs, tiny_image
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan_shapes import wan_blocks_plan
 from fastdit.parallel.tp_shapes import wan_tp_plan
@@ -163,6 +163,9 @@ ADAPTER = register(
         family="wan",
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="blocks", pattern=ForwardPattern.P2),),
+        # hidden_states is (batch, channels, frames, height, width); the image-to-video models append their
+        # conditioning channels, which stay put from step to step (they only dilute the spectral signal).
+        latent=LatentLayout(),
         cp_plan=CP_PLAN,
         tp_plan=TP_PLAN,
         tiny_pipelines=(
