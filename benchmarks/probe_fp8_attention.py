@@ -58,6 +58,19 @@ def candidates(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, C
         )
         return (out[0] if isinstance(out, tuple) else out).transpose(1, 2).to(torch.bfloat16)
 
+    def cudnn_frontend_fp8() -> torch.Tensor:
+        from fastdit.parallel.attention.cudnn_fp8 import cudnn_fp8_attention
+
+        return cudnn_fp8_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+    def cudnn_frontend_fp8_kernel() -> torch.Tensor:
+        import fastdit.parallel.attention.cudnn_fp8  # noqa: F401 - registers the op
+
+        out8 = torch.ops.fastdit.cudnn_sdpa_fp8(*kernel_inputs, 1.0 / math.sqrt(HEAD_DIM))
+        return (out8.float() * kernel_inputs[5]).to(torch.bfloat16).transpose(1, 2)
+
+    kernel_inputs = _kernel_inputs(q, k, v)
+
     def torchao_fp8() -> torch.Tensor:
         from torchao.prototype.attention import apply_low_precision_attention  # noqa: F401 - FA3 underneath
 
@@ -69,7 +82,47 @@ def candidates(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, C
         "flex_attention_fp8": flex_fp8,
         "flash_attn_interface_fp8 (FA3)": fa3_fp8,
         "torchao_low_precision_attention": torchao_fp8,
+        "cudnn_frontend_sdpa_fp8 (quantize + kernel + dequantize, eager)": cudnn_frontend_fp8,
+        "cudnn_frontend_sdpa_fp8 (kernel only)": cudnn_frontend_fp8_kernel,
+        "cudnn_frontend_sdpa_fp8 (compiled: quantization fused)": _compiled(cudnn_frontend_fp8),
+        "cudnn_frontend_sdpa_fp8 (compiled, in a CUDA graph)": _graphed(_compiled(cudnn_frontend_fp8)),
     }
+
+
+def _kernel_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Quantized BSHD operands and scales for the bare cuDNN kernel (empty when the package is missing)."""
+    try:
+        from fastdit.parallel.attention.cudnn_fp8 import quantize_per_tensor
+    except ImportError:
+        return ()
+    (q8, dq), (k8, dk), (v8, dv) = (quantize_per_tensor(x.transpose(1, 2)) for x in (q, k, v))
+    return (q8, k8, v8, dq, dk, dv, 1.0 / dv)
+
+
+def _compiled(call: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    return torch.compile(call, fullgraph=True)
+
+
+def _graphed(call: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """``call`` captured once in a CUDA graph (after warm-up on a side stream) and replayed."""
+    state: dict[str, Any] = {}
+
+    def run() -> torch.Tensor:
+        if "graph" not in state:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(3):
+                    call()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                state["out"] = call()
+            state["graph"] = graph
+        state["graph"].replay()
+        return state["out"]
+
+    return run
 
 
 def output_psnr(reference: torch.Tensor, out: torch.Tensor) -> float:
@@ -97,6 +150,7 @@ def median_ms(call: Callable[[], Any]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--only", default=None, help="Run only the candidate whose name contains this text.")
     args = parser.parse_args()
     torch.manual_seed(0)
     shape = (1, HEADS, TOKENS, HEAD_DIM)
@@ -111,6 +165,9 @@ def main() -> None:
         }
     ]
     for name, call in candidates(q, k, v).items():
+        if args.only is not None and args.only not in name:
+            continue
+        print("trying", name, flush=True)
         try:
             out = call()
             torch.cuda.synchronize()
@@ -119,10 +176,11 @@ def main() -> None:
             rows.append(
                 {"kernel": name, "ok": False, "error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
             )
+        print(rows[-1], flush=True)
     for row in rows:
         if row.get("ms"):
             row["tflops"] = round(flops / row["ms"] / 1e9, 1)
-        print(row)
+        print(row, flush=True)
     write_json(args.out, {"device": device_name(torch.device("cuda")), "torch": torch.__version__, "rows": rows})
 
 

@@ -16,6 +16,7 @@ def test_one_documented_order() -> None:
     assert technique_names() == (
         "tensor_parallel",
         "quantize",
+        "attention",
         "context_parallel",
         "input_check",
         "cfg_parallel",

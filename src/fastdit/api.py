@@ -32,7 +32,7 @@ from fastdit.config import (
     Quantize,
 )
 from fastdit.context import Context, Request, attach, context_of, detach
-from fastdit.errors import ArgumentError, UnavailableError
+from fastdit.errors import ArgumentError
 from fastdit.models.base import ModelAdapter
 from fastdit.techniques import check_all, check_request
 
@@ -96,14 +96,6 @@ def _request(
         offload=offload,
         quantize=quantize,
     )
-    if attention is not None and attention != Attention() and not request.context_parallel:
-        raise UnavailableError(
-            "accelerate",
-            "attention",
-            attention,
-            "attention backends other than the default are only available with context parallelism "
-            "(Parallel(ulysses=...) or Parallel(ring=...))",
-        )
     return request
 
 
@@ -292,6 +284,9 @@ def summary(target: Any) -> Summary:
         split = context.state("tensor_parallel", item.name)
         if split is not None:
             info["tensor_parallel"] = split.stats()
+        attention = context.state("attention", item.name)
+        if attention is not None:
+            info["attention"] = attention.stats()
         quantized = context.state("quantize", item.name)
         if quantized is not None:
             info["quantize"] = quantized.stats()

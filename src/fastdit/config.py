@@ -878,12 +878,18 @@ class Offload:
             raise FieldError("Offload", "device", self.device, "must be a device name such as 'cuda' or 'cuda:1'")
 
 
-ATTENTION_BACKENDS = ("sdpa", "flash", "cudnn", "efficient", "math", "flash-attn", "sage")
+ATTENTION_BACKENDS = ("sdpa", "flash", "cudnn", "efficient", "math", "flash-attn", "sage", "cudnn-fp8")
 
 
 @dataclass(frozen=True, kw_only=True)
 class Attention:
-    """Attention backend selection."""
+    """Attention backend selection: the local kernel under context parallelism, every SDPA call of the transformer
+    on one device.
+
+    ``cudnn-fp8`` runs cuDNN's fused FP8 attention (``nvidia-cudnn-frontend``; CUDA, compute capability >= 9.0)
+    with per-tensor scales; on one device, calls a backend cannot take (masks for the kernels without them, dropout,
+    causal) run the ordinary SDPA.
+    """
 
     backend: str = _doc(f"One of {', '.join(ATTENTION_BACKENDS)}.", "sdpa")
     gqa: Literal["auto", "native", "repeat"] = _doc("GQA: 'native' (enable_gqa), 'repeat' K/V, or 'auto'.", "auto")

@@ -4,11 +4,12 @@ Each entry declares which request field turns it on, its checks (run for every r
 module is touched) and its ``apply`` (which records an undo, and any state it keeps, in the :class:`Context`).
 :func:`fastdit.accelerate` walks the tuple in order; :func:`fastdit.disable` undoes the records in reverse.
 
-The order is the *application* order: tensor parallel → quantization → context parallel → the input check of the
-ranks that share a sample → CFG parallel → cache → offload → compile → CUDA graphs, then the text-encoder and VAE
-techniques on their own modules. Later entries may read what earlier ones recorded (the cache reads the split
-layout's process groups through the runtime, graphs key block calls on the split layout). How the hooks of different
-techniques *nest* on one module does not depend on this order: that is the layer table of :mod:`fastdit.hooks.layers`.
+The order is the *application* order: tensor parallel → quantization → the attention backend (one device) →
+context parallel → the input check of the ranks that share a sample → CFG parallel → cache → offload → compile →
+CUDA graphs, then the text-encoder and VAE techniques on their own modules. Later entries may read what earlier
+ones recorded (the cache reads the split layout's process groups through the runtime, graphs key block calls on the
+split layout). How the hooks of different techniques *nest* on one module does not depend on this order: that is
+the layer table of :mod:`fastdit.hooks.layers`.
 
 Adding a technique is one entry here plus its own module with an ``apply_<technique>(module, plan, config)``.
 """
@@ -136,6 +137,38 @@ class _Quantize:
             groups = concrete_groups(item.module, item.adapter.block_groups)  # '*' paths made concrete
             paths = tuple(g.path for g in groups) + tuple(g.interleaved.path for g in groups if g.interleaved)
             applied = apply_quantize(item.module, context.request.quantize, paths)
+            context.add(self.name, item.name, applied.undo, applied.state)
+
+
+class _AttentionBackend:
+    """An attention backend for every SDPA call of the transformer on one device (under context parallelism the
+    backend is the context-parallel attention's local kernel instead)."""
+
+    name = "attention"
+    needs_components = True
+
+    def requested(self, request: Request) -> bool:
+        from fastdit.config import Attention
+
+        return request.attention is not None and request.attention != Attention() and not request.context_parallel
+
+    def check(self, request: Request, components: Components) -> None:
+        from fastdit.parallel.attention.single import check_attention_backend
+
+        for item in components.denoisers:
+            routing = item.adapter.cp_plan.attention if item.adapter.cp_plan is not None else None
+            device = _run_device(request, item.module)
+            try:
+                check_attention_backend(request.attention, device, routing, compiled=request.compile is not None)
+            except ValueError as error:
+                raise ArgumentError("accelerate", "attention", request.attention, f"{item.name}: {error}") from error
+
+    def apply(self, context: Context) -> None:
+        from fastdit.parallel.attention.single import apply_attention_backend
+
+        for item in context.components.denoisers:
+            routing = item.adapter.cp_plan.attention if item.adapter.cp_plan is not None else None
+            applied = apply_attention_backend(item.module, context.request.attention, routing)
             context.add(self.name, item.name, applied.undo, applied.state)
 
 
@@ -566,6 +599,7 @@ class _TextEncoderParallel:
 TECHNIQUES: tuple[Technique, ...] = (
     _TensorParallel(),
     _Quantize(),
+    _AttentionBackend(),
     _ContextParallel(),
     _InputCheck(),
     _CfgParallel(),

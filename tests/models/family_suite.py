@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 import fastdit
 from fastdit.errors import FieldError
@@ -181,6 +182,31 @@ class FamilySuite:
             assert b["cached_steps"] == list(range(1, b["steps"])), b
             assert 0 < b["blocks_computed"] <= b["blocks_total"] // b["steps"], b
 
+    def test_attention_backend_on_one_device(self, built: dict, variant: str) -> None:
+        """``Attention(backend="math")`` without context parallelism: the SDPA calls the transformers make go to the
+        math kernel (the output stays within float32 rounding of the default backend's), and disable gives the
+        baseline back bit for bit."""
+        pipe, tiny = self._pipe(built, variant)
+        with _SdpaCount(_transformers(pipe, get_family(self.family))) as plain:
+            baseline = run_tiny(pipe, tiny)
+        fastdit.accelerate(pipe, attention=fastdit.Attention(backend="math"))
+        try:
+            out = run_tiny(pipe, tiny)
+            stats = fastdit.summary(pipe)
+        finally:
+            fastdit.disable(pipe)
+        np.testing.assert_allclose(out, baseline, atol=5e-4, rtol=0)  # 66 dB on [0, 1]: kernel rounding only
+        served = [info["attention"] for info in stats.transformers.values()]
+        assert all(s["backend"] == "math" for s in served)
+        seen = sum(s["served_calls"] + sum(s["sdpa_calls"].values()) for s in served)
+        if all(s["route"] == "sdpa calls" for s in served):  # every SDPA call of the forward is seen
+            assert seen == plain.calls, (served, plain.calls)
+        else:  # through diffusers' dispatch: processors that pass no parallel config keep the default
+            assert 0 < seen <= plain.calls, (served, plain.calls)
+        # (A model attending only through flex attention makes no SDPA call: nothing to route.)
+        assert plain.calls == 0 or any(s["served_calls"] > 0 for s in served), served
+        np.testing.assert_array_equal(run_tiny(pipe, tiny), baseline)
+
     @pytest.mark.slow
     def test_verify_cache_rung(self, built: dict, variant: str) -> None:
         """The cache rung of ``fastdit verify`` (the same check, called here): it passes and leaves the pipeline
@@ -191,6 +217,30 @@ class FamilySuite:
         report = verify_ladder(pipe, tiny.call_kwargs, "cache", VerifyRuntime(world_size=1))
         assert report.passed, report.table()
         assert fastdit.api.context_of(pipe) is None
+
+
+class _SdpaCount(TorchFunctionMode):
+    """Counts the ``scaled_dot_product_attention`` calls, however spelled, that ``transformers`` make."""
+
+    def __init__(self, transformers: list) -> None:
+        super().__init__()
+        self.calls, self.depth, self.handles = 0, 0, []
+        for module in transformers:
+            self.handles.append(module.register_forward_pre_hook(lambda *_: self._step(1)))
+            self.handles.append(module.register_forward_hook(lambda *_: self._step(-1), always_call=True))
+
+    def _step(self, by: int) -> None:
+        self.depth += by
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.scaled_dot_product_attention and self.depth:
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
 
 
 def _instance_forwards(pipe) -> set[str]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import importlib
 import threading
 from collections.abc import Callable, Collection, Iterable
@@ -48,6 +49,7 @@ __all__ = [
     "ContextParallelAttention",
     "ForwardLayout",
     "FunctionalProxy",
+    "RoutedAttention",
     "attention_processors",
     "local_attention",
     "mark_attention_modules",
@@ -90,13 +92,16 @@ def local_attention(config: Attention | None = None) -> LocalAttention:
     """Build the local attention function for ``config`` (``(q, k, v, mask, scale) -> out``, all ``BSHD``).
 
     Raises:
-        ImportError: the backend's package (flash-attn, sageattention) is not installed; names the package.
+        ImportError: the backend's package (flash-attn, sageattention, nvidia-cudnn-frontend) is not installed; names
+            the package.
     """
     config = config or Attention()
     repeat = config.gqa == "repeat"
     if config.backend in _PACKAGES:
         module = _import_backend(config.backend)
         return _external(config.backend, module, repeat=repeat or config.backend == "sage")
+    if config.backend == "cudnn-fp8":
+        return _cudnn_fp8()
     kernel = _SDPA_KERNELS.get(config.backend)
 
     def sdpa(q_BSHD, k_BSHD, v_BSHD, attn_mask=None, scale=None):
@@ -109,6 +114,19 @@ def local_attention(config: Attention | None = None) -> LocalAttention:
         return out_BHSD.transpose(1, 2)
 
     return sdpa
+
+
+def _cudnn_fp8() -> LocalAttention:
+    from fastdit.parallel.attention.cudnn_fp8 import cudnn_fp8_attention, import_frontend
+
+    import_frontend()  # a missing package raises now, naming it, not at the first call
+
+    def run(q_BSHD, k_BSHD, v_BSHD, attn_mask=None, scale=None):
+        # The fused kernel takes equal head counts: grouped K/V heads are repeated to the query's.
+        k_BSHD, v_BSHD = _repeat_kv(q_BSHD, k_BSHD), _repeat_kv(q_BSHD, v_BSHD)
+        return cudnn_fp8_attention(q_BSHD, k_BSHD, v_BSHD, attn_mask=attn_mask, scale=scale)
+
+    return run
 
 
 def _sdpa_kernel(kernel: str | None) -> contextlib.AbstractContextManager:
@@ -220,8 +238,19 @@ class ForwardLayout:
 # --- the context-parallel attention itself ---
 
 
+class RoutedAttention:
+    """What routed processors call instead of diffusers' attention dispatch (set as their ``_parallel_config``).
+
+    Subclasses take ``dispatch_attention_fn``'s arguments: ``(B, S, H, D)`` query, key and value, then ``attn_mask``,
+    ``dropout_p``, ``is_causal``, ``scale``, ``enable_gqa``.
+    """
+
+    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+
 @dataclass(eq=False)
-class ContextParallelAttention:
+class ContextParallelAttention(RoutedAttention):
     """Context-parallel attention of one transformer; set as its processors' ``_parallel_config``.
 
     Attributes:
@@ -371,9 +400,7 @@ _LOCK = threading.Lock()
 _ROUTED: dict[tuple[str, str], tuple[Any, int, Callable[[Any], Any]]] = {}
 
 
-def _routing(
-    original: Callable[..., Any], choose: Callable[[Any], ContextParallelAttention | None]
-) -> Callable[..., Any]:
+def _routing(original: Callable[..., Any], choose: Callable[[Any], RoutedAttention | None]) -> Callable[..., Any]:
     """A ``dispatch_attention_fn`` sending a call to ``choose(parallel_config)`` when that is not ``None``."""
 
     def dispatch_attention_fn(*args: Any, parallel_config: Any = None, **kwargs: Any) -> Any:
@@ -390,7 +417,7 @@ def _routing(
 
 def _router(original: Callable[..., Any]) -> Callable[..., Any]:
     """Routes the calls whose processor passed its marker as ``parallel_config``."""
-    return _routing(original, lambda config: config if isinstance(config, ContextParallelAttention) else None)
+    return _routing(original, lambda config: config if isinstance(config, RoutedAttention) else None)
 
 
 def _marked_router(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -576,27 +603,36 @@ class _SdpaCallMode(TorchFunctionMode):
     attention runs are the real ones.
     """
 
-    def __init__(self, marker: ContextParallelAttention) -> None:
+    def __init__(self, sdpa: Callable[..., torch.Tensor]) -> None:
         super().__init__()
-        self.marker = marker
+        self.sdpa = sdpa
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if func is F.scaled_dot_product_attention:
-            return _routed_sdpa(self.marker, *args, **(kwargs or {}))
+            return self.sdpa(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
 
 
 def route_sdpa_calls(
-    transformer: torch.nn.Module, paths: Iterable[str], marker: ContextParallelAttention
+    transformer: torch.nn.Module,
+    paths: Iterable[str],
+    marker: ContextParallelAttention | None = None,
+    *,
+    sdpa: Callable[..., torch.Tensor] | None = None,
 ) -> Callable[[], None]:
     """While a module of ``transformer`` at one of ``paths`` runs, its SDPA calls go to ``marker``; returns the undo.
 
     A forward pre-hook enters a :class:`_SdpaCallMode`, a forward hook that runs even when forward raises leaves it.
+    ``sdpa`` replaces the marker: a function with SDPA's own signature (``(B, H, S, D)`` tensors) that receives the
+    calls instead (``""`` in ``paths`` is the transformer itself).
     """
+    if (marker is None) == (sdpa is None):
+        raise ValueError("route_sdpa_calls: give exactly one of marker and sdpa")
+    handler = sdpa if sdpa is not None else functools.partial(_routed_sdpa, marker)
     tokens = threading.local()
 
     def enter(module: torch.nn.Module, args: tuple) -> None:
-        mode = _SdpaCallMode(marker)
+        mode = _SdpaCallMode(handler)
         mode.__enter__()
         tokens.__dict__.setdefault("stack", []).append(mode)
 
@@ -622,7 +658,7 @@ def attention_processors(transformer: torch.nn.Module) -> dict[str, Any]:
 
 
 def mark_processors(
-    transformer: torch.nn.Module, marker: ContextParallelAttention, local: Collection[str] = ()
+    transformer: torch.nn.Module, marker: RoutedAttention, local: Collection[str] = ()
 ) -> Callable[[], None]:
     """Point the attention processors of ``transformer`` at ``marker``, except those of the modules in ``local``.
 
@@ -651,7 +687,7 @@ def mark_processors(
     processors = {id(p): p for path, p in by_path.items() if path not in local}.values()
     for processor in processors:
         current = getattr(processor, "_parallel_config", None)
-        if current is not None and not isinstance(current, ContextParallelAttention):
+        if current is not None and not isinstance(current, RoutedAttention):
             raise ValueError(
                 f"{type(processor).__name__} already has a parallel config ({type(current).__name__}): "
                 "disable diffusers' own parallelism before fastdit context parallelism"
