@@ -9,7 +9,8 @@ decode are those of ``cp_flux.py`` (imported from it). A mode is a precision wit
 - options: ``compile`` (inductor blocks), ``graph`` (CUDA graphs of the calls), ``all`` (quantize every Linear,
   embedders and final projection included, as the anchor does), ``noada`` (keep the AdaLN modulation linears in
   bf16), ``fp8attn`` (torchao's FP8 attention, FA3 on Hopper, around the transformer's SDPA calls; reported as
-  unavailable when its kernels are not installed);
+  unavailable when its kernels are not installed), ``cudnnfp8`` (fastdit's ``Attention(backend="cudnn-fp8")``:
+  cuDNN's fused FP8 attention, ``nvidia-cudnn-frontend``);
 - ``anchor``: diffusers + torchao ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())`` on the whole
   transformer and ``compile_repeated_blocks(fullgraph=True)``. It cannot be undone, so it runs last.
 
@@ -49,7 +50,7 @@ from fastdit.io import write_json
 from fastdit.metrics import psnr
 
 PRECISIONS = ("bf16", *QUANTIZE_MODES)
-OPTIONS = ("compile", "graph", "all", "noada", "fp8attn")
+OPTIONS = ("compile", "graph", "all", "noada", "fp8attn", "cudnnfp8")
 ANCHOR = "anchor"
 DEFAULT_MODES = (
     "bf16+compile,fp8+compile,fp8_tensor+compile,fp8+compile+graph,fp8+compile+noada,fp8+compile+all,"
@@ -181,10 +182,11 @@ def apply_mode(pipe: Any, mode: str) -> tuple[Callable[[], None], Wrap]:
     quantize = quantize_for(precision, options)
     compile_config = fastdit.Compile() if "compile" in options else None
     graphs = fastdit.CudaGraph() if "graph" in options else None
-    if quantize is None and compile_config is None and graphs is None:
+    attention = fastdit.Attention(backend="cudnn-fp8") if "cudnnfp8" in options else None
+    if quantize is None and compile_config is None and graphs is None and attention is None:
         return attention_undo, wrap
     try:
-        fastdit.accelerate(pipe, quantize=quantize, compile=compile_config, cuda_graph=graphs)
+        fastdit.accelerate(pipe, quantize=quantize, compile=compile_config, cuda_graph=graphs, attention=attention)
     except BaseException:
         attention_undo()
         raise
