@@ -56,8 +56,8 @@ class SingleDeviceAttention(RoutedAttention):
         route: ``"dispatch"`` (the processors' dispatch) or ``"sdpa calls"`` (every SDPA call of the forward).
         local: The backend's kernel.
         takes_masks: Whether the kernel takes an attention mask.
-        served: Calls the backend computed, counted where Python runs (eager calls, compiled calls; not the replays
-            of a CUDA graph).
+        served: Calls the backend computed, counted in eager code only (compiled blocks and CUDA graph replays do
+            not count: a Python counter in traced code would recompile at every call).
         passed: Calls it could not take, computed by SDPA instead, by reason (counted the same way).
     """
 
@@ -82,7 +82,7 @@ class SingleDeviceAttention(RoutedAttention):
     ) -> torch.Tensor:
         """``dispatch_attention_fn``'s call (``(B, S, H, D)`` tensors) by the backend where it can take the call."""
         if self._refusal(query, key, attn_mask, dropout_p, is_causal) is None:
-            self.served += 1
+            self._count(None)
             return self.local(query, key, value, attn_mask=attn_mask, scale=scale)
         args = (query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
         return self.sdpa(*args, attn_mask, dropout_p, is_causal, scale, enable_gqa).transpose(1, 2)
@@ -100,8 +100,8 @@ class SingleDeviceAttention(RoutedAttention):
     ) -> torch.Tensor:
         """``F.scaled_dot_product_attention`` (``(B, H, S, D)`` tensors) by the backend where it can take the call."""
         reason = self._refusal(query, key, attn_mask, dropout_p, is_causal)
+        self._count(reason)
         if reason is not None:
-            self.passed[reason] = self.passed.get(reason, 0) + 1
             return F.scaled_dot_product_attention(
                 query,
                 key,
@@ -112,11 +112,20 @@ class SingleDeviceAttention(RoutedAttention):
                 scale=scale,
                 enable_gqa=enable_gqa,
             )
-        self.served += 1
         out_BSHD = self.local(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=attn_mask, scale=scale
         )
         return out_BSHD.transpose(1, 2)
+
+    def _count(self, reason: str | None) -> None:
+        # Not while dynamo traces: a counter it saw change would be a guard that fails at every call (a recompile
+        # each time, until the recompile limit sends the block back to eager code).
+        if torch.compiler.is_compiling():
+            return
+        if reason is None:
+            self.served += 1
+        else:
+            self.passed[reason] = self.passed.get(reason, 0) + 1
 
     def _refusal(
         self, query: torch.Tensor, key: torch.Tensor, mask: Any, dropout_p: float, is_causal: bool
