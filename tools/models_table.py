@@ -17,7 +17,7 @@ import diffusers
 import diffusers.models.transformers as transformers_package
 import torch
 
-from fastdit.models.base import qualified_name
+from fastdit.models.base import NO_LATENT, qualified_name
 from fastdit.models.registry import all_adapters
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,7 +55,8 @@ NO_CFG = "No CFG parallelism:"
 def _reason(notes: str, marker: str) -> str:
     """The text after ``marker`` in ``notes``, up to the next reason marker (notes may record several)."""
     rest = notes[notes.index(marker) + len(marker) :]
-    ends = [rest.index(other) for other in (NO_PLAN, NO_TP_PLAN, NO_CFG) if other != marker and other in rest]
+    markers = (NO_PLAN, NO_TP_PLAN, NO_CFG, NO_LATENT)
+    ends = [rest.index(other) for other in markers if other != marker and other in rest]
     return rest[: min(ends)].strip() if ends else rest.strip()
 
 
@@ -99,6 +100,13 @@ def cfg_status(adapter) -> str:
     return "✅ " + "; ".join(how)
 
 
+def cache_status(adapter) -> str:
+    """The cache cell: every step cache, and whether TeaCache's spectral signal has a latent grid to filter."""
+    if adapter.latent is not None:
+        return f"✅ cache; spectral signal on `{adapter.latent.arg}` ({adapter.latent.describe().partition(', ')[2]})"
+    return "✅ cache; ❌ spectral signal: " + (adapter.no_latent or "no latent declared")
+
+
 def render() -> str:
     by_class = {name: adapter for adapter in all_adapters() for name in adapter.transformer_classes}
     rows = []
@@ -115,8 +123,9 @@ def render() -> str:
             cp = cp_status(adapter).replace("|", "\\|")
             tp = tp_status(adapter).replace("|", "\\|")
             cfg = cfg_status(adapter).replace("|", "\\|")
+            cache = cache_status(adapter).replace("|", "\\|")
             rows.append(
-                f"| `{cls.__name__}` | `{adapter.family}` | ✅ cache | {cp} | {tp} | {cfg} | {groups} | {tiny} "
+                f"| `{cls.__name__}` | `{adapter.family}` | {cache} | {cp} | {tp} | {cfg} | {groups} | {tiny} "
                 f"| {presets} |"
             )
         else:
@@ -134,6 +143,9 @@ def render() -> str:
         "against its pattern, cache threshold 0 bit-identical to no cache, `fastdit.disable` bit-identical, a forced",
         "schedule caching exactly the expected steps. Per-family notes (masks, RoPE, loop-body work, GQA) are in",
         "each family file's `notes` and in [models/](models/).",
+        "",
+        "The cache column also says where TeaCache's spectral signal finds the noisy latent on its grid (the",
+        "argument and its channel axis, see [cache.md](cache.md#the-spectral-signal)), or why the family has none.",
         "",
         "The context-parallel column gives the family's plan (where the sequence is split, see",
         "[parallel.md](parallel.md)) — every plan is tested on 2 and 3 gloo ranks against one process — or why there",

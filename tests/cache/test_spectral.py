@@ -95,6 +95,24 @@ def test_scheduled_sigma_reads_the_current_step() -> None:
     assert scheduled_sigma(object()) is None
 
 
+def test_variance_preserving_scheduler_gives_its_sigma_at_the_call_timestep() -> None:
+    """DDIM keeps no sigmas: the noise-to-signal ratio comes from alphas_cumprod at the timestep received."""
+    from diffusers import DDIMScheduler
+
+    scheduler = DDIMScheduler()
+    scheduler.set_timesteps(4)
+    assert scheduled_sigma(scheduler) is None  # no timestep: unknown
+    alpha = float(scheduler.alphas_cumprod[751])
+    sigma, flow = scheduled_sigma(scheduler, 751.0)
+    assert not flow and sigma == pytest.approx(((1 - alpha) / alpha) ** 0.5)
+    assert noise_to_signal(sigma, flow=flow) == sigma
+    # Out of range timesteps clamp to the schedule's ends; the noise falls with the timestep.
+    assert scheduled_sigma(scheduler, 5000.0) == scheduled_sigma(scheduler, 999.0)
+    assert (
+        scheduled_sigma(scheduler, 0.0)[0] < scheduled_sigma(scheduler, 500.0)[0] < scheduled_sigma(scheduler, 999.0)[0]
+    )
+
+
 # --- config ---
 
 

@@ -41,6 +41,15 @@ def apply_cache(
     installer = _POLICIES.get(type(config))
     if installer is None:  # exact classes: a subclass may change what the engine relies on
         raise TypeError(f"cache={config!r}: expected one of {', '.join(c.__name__ for c in _POLICIES)}")
+    if isinstance(config, TeaCache) and config.signal == "spectral" and plan.latent is None:
+        # Refused before the module is looked at: no grid is declared whatever the transformer holds.
+        raise FieldError(
+            "TeaCache",
+            "signal",
+            config.signal,
+            f"the {plan.family!r} adapter declares no latent grid to filter (ModelAdapter.latent): "
+            f"{plan.no_latent or 'not declared yet'} Use signal='input'",
+        )
     groups = resolve_block_groups(transformer, plan.block_groups, plan.family)
     engine, undo = installer(transformer, groups, plan, config, reducer)
     return Applied(undo, engine)
@@ -74,6 +83,7 @@ def _install_blocks(
         engine_class,
         plan.timestep_reduce,
         plan.latent,
+        plan.family,
     )
 
 
@@ -92,14 +102,6 @@ def _install_magcache(transformer, groups, plan: CachePlan, config: MagCache, re
 def _install_teacache(transformer, groups, plan: CachePlan, config: TeaCache, reducer) -> tuple[Any, Any]:
     from fastdit.cache.teacache import TeaCacheEngine
 
-    if config.signal == "spectral" and plan.latent is None:
-        raise FieldError(
-            "TeaCache",
-            "signal",
-            config.signal,
-            f"the {plan.family!r} adapter declares no latent grid to filter (ModelAdapter.latent: a latent packed "
-            "into tokens has none); use signal='input'",
-        )
     return _install_blocks(transformer, groups, plan, config, reducer, TeaCacheEngine)
 
 

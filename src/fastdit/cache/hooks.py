@@ -103,9 +103,9 @@ class CacheEngine:
         """Whether :meth:`observe_latent` wants each call's noisy latent (a policy measuring the latent itself)."""
         return False
 
-    def observe_latent(self, latent: Any, channel_dim: int) -> None:
-        """A transformer call began with the noisy latent ``latent`` (channels at ``channel_dim``), whole on every
-        rank: read only when :attr:`reads_latent`."""
+    def observe_latent(self, latent: Any, layout: LatentLayout, family: str = "") -> None:
+        """A transformer call began with the noisy latent ``latent`` (laid out as ``layout`` declares, by the adapter
+        of ``family``), whole on every rank: read only when :attr:`reads_latent`."""
 
     def enter_stack(self, state: BranchState, hidden: torch.Tensor) -> None:
         """The step's first block is called with ``hidden``; a policy that decides on the stack's input does it here.
@@ -136,8 +136,10 @@ class TransformerCacheHook(layers.LayerHook):
         unstepped: Mapping[str, tuple[Any, ...]] | None = None,
         timestep_reduce: str = "max",
         latent: LatentLayout | None = None,
+        family: str = "",
     ) -> None:
         self.engine = engine
+        self._family = family
         self.timestep_arg = timestep_arg
         self._times = TimestepReader(torch.amin if timestep_reduce == "min" else torch.amax, type(module).__name__)
         # The latent is read here, outside the parallel splits: every rank sees all of it.
@@ -201,7 +203,8 @@ class TransformerCacheHook(layers.LayerHook):
             step_time, key = self._timestep(timestep, context)
             self.engine.begin_call(context, step_time, signature, key)
             if self._latent is not None:
-                self.engine.observe_latent(self._reader.get(self._latent.arg, args, kwargs), self._latent.channel_dim)
+                latent = self._reader.get(self._latent.arg, args, kwargs)
+                self.engine.observe_latent(latent, self._latent, self._family)
             return inner(*args, **kwargs)
         finally:
             self.engine.end_call()
@@ -450,6 +453,7 @@ def install(
     engine_class: type[CacheEngine] | None = None,
     timestep_reduce: str = "max",
     latent: LatentLayout | None = None,
+    family: str = "",
 ) -> tuple[CacheEngine, Callable[[], None]]:
     """Install the transformer hook and one block hook per block; return the engine and the undo.
 
@@ -464,6 +468,7 @@ def install(
         engine_class: The engine deciding each step (``None``: :class:`CacheEngine`, DBCache's residual test).
         timestep_reduce: Which entry of a timestep tensor follows the schedule (:attr:`ModelAdapter.timestep_reduce`).
         latent: Where the noisy latent arrives (:attr:`ModelAdapter.latent`), for an engine that reads it.
+        family: The adapter's family, for messages.
     """
     slots = plan_slots(groups, config.fn, config.bn, owner=type(config).__name__)
     engine = (engine_class or CacheEngine)(config, slots, reducer)
@@ -472,7 +477,7 @@ def install(
             transformer,
             layers.Layer.TRACK,
             TRANSFORMER_HOOK,
-            TransformerCacheHook(engine, transformer, timestep_arg, unstepped, timestep_reduce, latent),
+            TransformerCacheHook(engine, transformer, timestep_arg, unstepped, timestep_reduce, latent, family),
         )
     ]
     blocks = [block for _, group_blocks in groups for block in group_blocks]

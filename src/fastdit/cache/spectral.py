@@ -19,12 +19,20 @@ choice (measured against the separable per-axis form on the video reference: ``d
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["noise_to_signal", "scheduled_sigma", "spectral_estimate", "spectral_gain", "timestep_sigma"]
+__all__ = [
+    "latent_axes",
+    "noise_to_signal",
+    "scheduled_sigma",
+    "spectral_estimate",
+    "spectral_gain",
+    "timestep_sigma",
+]
 
 # Keeps the ratio finite at the pure-noise end of a flow schedule (σ = 1), where only the zero frequency survives.
 _MAX_SIGMA = 1.0 - 1e-6
@@ -45,16 +53,25 @@ def noise_to_signal(sigma: float, *, flow: bool = True) -> float:
     return sigma / (1.0 - sigma)
 
 
-def scheduled_sigma(scheduler: Any) -> tuple[float, bool] | None:
+def scheduled_sigma(scheduler: Any, timestep: float | None = None) -> tuple[float, bool] | None:
     """The noise level of the scheduler's current step and whether it is a flow-matching one (``None``: unknown).
 
     The current step is ``step_index`` (``begin_index``, else 0, before the first ``step``): every branch of a step is
     called before the scheduler steps, so they all read the same value. A schedule whose sigmas never exceed 1 is
     taken for flow matching; larger ones are variance-exploding sigmas.
+
+    A variance-preserving scheduler that keeps no sigmas (DDIM, DDPM: ``x = √ᾱ·x₀ + √(1 − ᾱ)·ε``) gives its noise
+    level through ``alphas_cumprod`` at the call's ``timestep`` instead: the variance-exploding sigma
+    ``√((1 − ᾱ)/ᾱ)``, the same noise-to-signal ratio. Such schedulers count no step index, so the timestep the
+    transformer received is the only clock there is.
+
+    Args:
+        scheduler: The pipeline's scheduler.
+        timestep: The timestep the transformer call received (read only by variance-preserving schedulers).
     """
     sigmas = getattr(scheduler, "sigmas", None)
     if not isinstance(sigmas, torch.Tensor) or sigmas.ndim != 1 or sigmas.numel() == 0:
-        return None
+        return _variance_preserving_sigma(scheduler, timestep)
     index = getattr(scheduler, "step_index", None)
     if index is None:
         index = getattr(scheduler, "begin_index", None) or 0
@@ -62,6 +79,18 @@ def scheduled_sigma(scheduler: Any) -> tuple[float, bool] | None:
         return None
     values = sigmas.detach().float().cpu()
     return float(values[index]), bool(values.max() <= 1.0 + 1e-6)
+
+
+def _variance_preserving_sigma(scheduler: Any, timestep: float | None) -> tuple[float, bool] | None:
+    """``√((1 − ᾱ_t)/ᾱ_t)`` at the training timestep nearest ``timestep`` (``None``: no ``alphas_cumprod``)."""
+    alphas = getattr(scheduler, "alphas_cumprod", None)
+    if timestep is None or not isinstance(alphas, torch.Tensor) or alphas.ndim != 1 or alphas.numel() == 0:
+        return None
+    index = min(max(round(float(timestep)), 0), alphas.numel() - 1)
+    alpha = float(alphas[index])
+    if not 0.0 < alpha <= 1.0:
+        return None
+    return math.sqrt((1.0 - alpha) / alpha), False
 
 
 def timestep_sigma(timestep: float) -> float:
@@ -94,26 +123,64 @@ def spectral_gain(grid: Sequence[int], rho: float, exponent: float, device: torc
     return 1.0 / (1.0 + (rho * rho) * squared.pow(exponent / 2.0))
 
 
-def spectral_estimate(latent: torch.Tensor, rho: float, exponent: float, channel_dim: int = 1) -> torch.Tensor:
-    """The Wiener estimate of the content of ``latent`` (float32): each channel filtered over the grid axes.
+def latent_axes(shape: Sequence[int], channel_dim: int, item_dims: Sequence[int] = ()) -> tuple[int, ...]:
+    """The grid axes of a latent of ``shape`` with channels at ``channel_dim`` and items at ``item_dims``.
+
+    Every axis but the batch (0), the channel axis and the item axes is a grid axis, in order.
+
+    Raises:
+        ValueError: An axis lies outside ``shape``, two name the same axis or the batch, or no grid axis is left.
+    """
+    ndim = len(shape)
+    named = {"channel": [channel_dim], "item": list(item_dims)}
+    resolved: dict[int, str] = {}
+    for role, axes in named.items():
+        for axis in axes:
+            if not -ndim <= axis < ndim:
+                raise ValueError(f"the {role} axis {axis} is outside a latent of shape {tuple(shape)}")
+            if axis % ndim == 0:
+                raise ValueError(f"the {role} axis {axis} is the batch axis of a latent of shape {tuple(shape)}")
+            if axis % ndim in resolved:
+                raise ValueError(f"the {role} axis {axis} is also the {resolved[axis % ndim]} axis")
+            resolved[axis % ndim] = role
+    grid = tuple(axis for axis in range(1, ndim) if axis not in resolved)
+    if not grid:
+        raise ValueError(
+            f"a latent of shape {tuple(shape)} with channels at dim {channel_dim}"
+            + (f" and items at dims {tuple(item_dims)}" if item_dims else "")
+            + " has no grid axis"
+        )
+    return grid
+
+
+def spectral_estimate(
+    latent: torch.Tensor, rho: float, exponent: float, channel_dim: int = 1, item_dims: Sequence[int] = ()
+) -> torch.Tensor:
+    """The Wiener estimate of the content of ``latent`` (float32): each channel of each item filtered over the grid.
 
     Args:
-        latent: ``(batch, ..., channels, ...)``: every axis but the batch (0) and ``channel_dim`` is a grid axis.
+        latent: ``(batch, ..., channels, ...)``: every axis but the batch (0), ``channel_dim`` and ``item_dims`` is a
+            grid axis.
         rho: The step's noise-to-signal ratio (:func:`noise_to_signal`).
         exponent: ``p`` of the power-law prior.
         channel_dim: The channel axis.
+        item_dims: Axes of separate pictures (filtered one by one, never mixed).
+
+    Returns:
+        The estimate, laid out ``(batch, channels, *items, *grid)``.
 
     Raises:
-        ValueError: ``latent`` has no grid axis.
+        ValueError: The axes do not fit ``latent`` (:func:`latent_axes`), or it has no grid axis.
     """
+    grid = latent_axes(latent.shape, channel_dim, item_dims)
     x = latent.detach().float()
-    channel_dim = channel_dim % x.ndim
-    if x.ndim < 3 or channel_dim == 0:
-        raise ValueError(f"a latent of shape {tuple(x.shape)} with channels at dim {channel_dim} has no grid axis")
-    x = x.movedim(channel_dim, 1)
-    dims = tuple(range(2, x.ndim))
+    # Channels, then items, then the grid: the FFT runs over the trailing axes only.
+    order = (0, channel_dim % x.ndim, *(d % x.ndim for d in item_dims), *grid)
+    x = x.permute(order)
+    dims = tuple(range(x.ndim - len(grid), x.ndim))
     if rho == 0.0:
         return x.clone()  # a clean step keeps everything (and a copy outlives in-place updates of the latent)
+    sizes = x.shape[-len(grid) :]
     spectrum = torch.fft.rfftn(x, dim=dims)
-    gain = spectral_gain(x.shape[2:], rho, exponent, x.device)
-    return torch.fft.irfftn(spectrum * gain, s=x.shape[2:], dim=dims)
+    gain = spectral_gain(sizes, rho, exponent, x.device)
+    return torch.fft.irfftn(spectrum * gain, s=sizes, dim=dims)

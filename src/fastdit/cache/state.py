@@ -136,8 +136,8 @@ class RunTracker:
             (:func:`fastdit.cache.runs.reset_on_new_schedule` sets it for the run; ``None`` otherwise).
         clock: The run's :class:`~fastdit.cache.runs.SchedulerClock`, set with :attr:`schedule` when the scheduler
             keeps a host step index (``None`` otherwise).
-        sigma: The noise level of the scheduler's current step and whether it is a flow-matching one
-            (:func:`fastdit.cache.spectral.scheduled_sigma`), set like :attr:`schedule`.
+        sigma: The noise level of the scheduler's current step and whether it is a flow-matching one, given the
+            call's timestep (:func:`fastdit.cache.spectral.scheduled_sigma`), set like :attr:`schedule`.
     """
 
     def __init__(self, separate_branches: bool = True) -> None:
@@ -148,7 +148,7 @@ class RunTracker:
         self._finished: dict[str, BranchState] = {}
         self.schedule: Callable[[], int | None] | None = None
         self.clock: Any = None
-        self.sigma: Callable[[], tuple[float, bool] | None] | None = None
+        self.sigma: Callable[[float | None], tuple[float, bool] | None] | None = None
 
     def reset(self) -> None:
         """End the current run (the next call starts a new one); its statistics stay readable via :meth:`report`.

@@ -36,17 +36,19 @@ import numpy as np
 import torch
 
 from fastdit.cache.policy import Reducer, relative_l1
-from fastdit.cache.spectral import noise_to_signal, spectral_estimate, timestep_sigma
+from fastdit.cache.spectral import latent_axes, noise_to_signal, spectral_estimate, timestep_sigma
 from fastdit.cache.state import BranchState
 from fastdit.cache.whole_step import WholeStepEngine, segment_residuals
 from fastdit.config import TeaCache, TeaCalibration
 from fastdit.errors import FieldError
+from fastdit.models.base import LatentLayout
 
 __all__ = [
     "CALIBRATION_FORMAT",
     "DEFAULT_DEGREE",
     "TeaAccumulator",
     "TeaCacheEngine",
+    "check_latent",
     "fit_calibration",
     "load_calibration",
     "reference_calibration",
@@ -143,6 +145,29 @@ def _residual_change(current: list[torch.Tensor], previous: list[torch.Tensor], 
     return num / den if den > 0 else float("inf")
 
 
+def check_latent(latent: Any, layout: LatentLayout, family: str = "") -> None:
+    """Refuse a latent the declared layout does not fit, naming the family, the argument and the axis.
+
+    A wrong declaration would otherwise filter over the channels (or across items) and measure a signal nobody chose,
+    or fail inside the FFT with a message that names neither.
+
+    Raises:
+        FieldError: Owner ``TeaCache``, field ``signal``.
+    """
+    owner = f"the {family!r} adapter" if family else "the adapter"
+    declared = f"{owner} declares its latent as {layout.describe()}"
+    if not isinstance(latent, torch.Tensor):
+        raise FieldError(
+            "TeaCache", "signal", "spectral", f"{declared}, but the transformer got {type(latent).__name__} for it"
+        )
+    try:
+        latent_axes(latent.shape, layout.channel_dim, layout.item_dims)
+    except ValueError as exc:
+        raise FieldError(
+            "TeaCache", "signal", "spectral", f"{declared}, which does not fit the tensor it got: {exc}"
+        ) from None
+
+
 class TeaCacheEngine(WholeStepEngine):
     """The step cache of one transformer with TeaCache's decision (the block hooks are DBCache's).
 
@@ -177,31 +202,35 @@ class TeaCacheEngine(WholeStepEngine):
             return True
         return config.threshold > 0 and (config.calibration is not None or config.signal == "spectral")
 
-    def observe_latent(self, latent: Any, channel_dim: int) -> None:
+    def observe_latent(self, latent: Any, layout: LatentLayout, family: str = "") -> None:
         """Measure the spectral signal's change on the call's noisy latent (before any block runs).
 
+        Args:
+            latent: The value of the declared argument in this call.
+            layout: Where the family declares its latent (:attr:`~fastdit.models.base.ModelAdapter.latent`).
+            family: The family's name, for messages.
+
         Raises:
-            FieldError: Owner ``TeaCache``, field ``signal``: the latent has no grid, or the step's noise level is
-                unknown (no scheduler and no timestep).
+            FieldError: Owner ``TeaCache``, field ``signal``: the latent is no tensor, or the declared layout does not
+                fit it (naming the family, the argument and the axis), or the step's noise level is unknown (no
+                scheduler and no timestep).
         """
         state = self.tracker.active
         assert state is not None and isinstance(state.policy, TeaAccumulator)
         acc = state.policy
         if not self._measures():
             return
-        if not isinstance(latent, torch.Tensor) or latent.ndim < 3:
-            what = tuple(latent.shape) if isinstance(latent, torch.Tensor) else type(latent).__name__
-            raise FieldError(
-                "TeaCache", "signal", "spectral", f"needs a latent of (batch, channels, grid...), the model got {what}"
-            )
-        estimate = spectral_estimate(latent, self._noise_to_signal(state), self.config.spectral_exponent, channel_dim)
+        check_latent(latent, layout, family)
+        estimate = spectral_estimate(
+            latent, self._noise_to_signal(state), self.config.spectral_exponent, layout.channel_dim, layout.item_dims
+        )
         previous = acc.previous_input
         if previous is not None and previous.shape == estimate.shape:
             acc.distance = relative_l1(estimate, previous, self.reducer)  # reduced: the same float on every rank
         acc.previous_input = estimate
 
     def _noise_to_signal(self, state: BranchState) -> float:
-        found = self.tracker.sigma() if self.tracker.sigma is not None else None
+        found = self.tracker.sigma(state.timestep) if self.tracker.sigma is not None else None
         if found is not None:
             sigma, flow = found
             return noise_to_signal(sigma, flow=flow)

@@ -154,6 +154,8 @@ ADAPTER = register(
             "patch sequence (flash backends use a window size instead, which context parallelism does not take). "
             "Guidance is APG, batched as [cond, null]; turbo checkpoints run without guidance. The cover task with "
             "`audio_cover_strength` < 1 makes a third call per step at the same timestep."
+            " No spectral signal: the latent is a sequence of audio frames; the filter's power-law prior is one of "
+            "images and videos and has not been checked on audio latents."
         ),
     )
 )

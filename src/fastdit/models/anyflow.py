@@ -17,7 +17,7 @@ flex-attention block mask make it plan differently.
 
 from __future__ import annotations
 
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 from fastdit.parallel.tp_shapes import wan_tp_plan
@@ -108,6 +108,8 @@ TP_PLAN = wan_tp_plan(
 ADAPTER = register(
     ModelAdapter(
         family="anyflow",
+        # hidden_states is (batch, frames, channels, height, width) (forward permutes it).
+        latent=LatentLayout(channel_dim=2),
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="blocks", pattern=ForwardPattern.P2),),
         cp_plan=CP_PLAN,

@@ -14,7 +14,7 @@ training rollout (block mask over the whole video).
 
 from __future__ import annotations
 
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, HeadParallel, SplitInput
 from fastdit.parallel.tp_plan import LocalArgument, TensorParallelPlan
@@ -121,6 +121,9 @@ CP_PLAN = ContextParallelPlan(
 ADAPTER = register(
     ModelAdapter(
         family="anyflow_far",
+        # hidden_states is the chunk's (batch, frames, channels, height, width); the prefill calls are not steps and
+        # are not read.
+        latent=LatentLayout(channel_dim=2),
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="blocks", pattern=ForwardPattern.P2),),
         # The prefill call writes every block's KV cache: it must compute every block, and is no denoising step.

@@ -9,7 +9,7 @@ sequence (pattern 3); the image part is sliced off after the loop.
 
 from __future__ import annotations
 
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan_shapes import joint_first_block_plan
 from fastdit.parallel.tp_plan import Colwise, Rowwise, Style, TensorParallelPlan
@@ -103,6 +103,8 @@ TP_PLAN = TensorParallelPlan(
 ADAPTER = register(
     ModelAdapter(
         family="auraflow",
+        # hidden_states is (batch, channels, height, width).
+        latent=LatentLayout(),
         transformer_classes=(TRANSFORMER,),
         block_groups=(
             BlockGroup(path="joint_transformer_blocks", pattern=ForwardPattern.P1),

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from fastdit.parallel.tp_plan import TensorParallelPlan
 
 __all__ = [
+    "NO_LATENT",
     "BlockGroup",
     "CachePlan",
     "ForwardPattern",
@@ -215,19 +216,41 @@ class LatentLayout:
     """Where a transformer's noisy latent arrives, laid out on its grid (what TeaCache's spectral signal filters).
 
     Attributes:
-        arg: The transformer ``forward`` parameter carrying the latent.
-        channel_dim: Its channel axis; every other axis after the batch (axis 0) is a grid axis (frames, height,
-            width). A latent packed into a token sequence has no grid to declare.
+        arg: The transformer ``forward`` parameter carrying the latent (one tensor; a list of per-sample tensors has
+            no layout to declare).
+        channel_dim: Its channel axis (negative counts from the end: ``-1`` for channels last); every other axis
+            after the batch (axis 0) is a grid axis (frames, height, width) unless :attr:`item_dims` names it. A
+            latent packed into a token sequence has no grid to declare.
+        item_dims: Axes that hold separate pictures rather than a grid (JoyImage-Edit's ``(batch, items, channels,
+            frames, height, width)``: the reference image's latent and the noise side by side): each item is
+            filtered on its own, like a batch entry, so the filter never mixes one item into another.
     """
 
     arg: str = "hidden_states"
     channel_dim: int = 1
+    item_dims: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.arg:
             raise ValueError("LatentLayout.arg='': must name a forward parameter")
-        if isinstance(self.channel_dim, bool) or not isinstance(self.channel_dim, int) or self.channel_dim == 0:
+        if not _is_axis(self.channel_dim):
             raise ValueError(f"LatentLayout.channel_dim={self.channel_dim!r}: must be an integer axis other than 0")
+        items = tuple(self.item_dims) if isinstance(self.item_dims, (tuple, list)) else None
+        if items is None or not all(_is_axis(d) for d in items) or len(set(items)) != len(items):
+            raise ValueError(f"LatentLayout.item_dims={self.item_dims!r}: must be distinct integer axes other than 0")
+        if self.channel_dim in items:
+            raise ValueError(f"LatentLayout.item_dims={items!r}: the channel axis {self.channel_dim} is no item axis")
+        object.__setattr__(self, "item_dims", items)
+
+    def describe(self) -> str:
+        """The layout in words, for messages and tables (``hidden_states, channels at dim 1``)."""
+        items = f", items at dim {', '.join(map(str, self.item_dims))}" if self.item_dims else ""
+        return f"{self.arg}, channels at dim {self.channel_dim}{items}"
+
+
+def _is_axis(value: Any) -> bool:
+    """Whether ``value`` can name a latent axis other than the batch (an int, not a bool, not 0)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value != 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -241,6 +264,7 @@ class CachePlan:
         unstepped_calls: As :attr:`ModelAdapter.unstepped_calls`.
         timestep_reduce: As :attr:`ModelAdapter.timestep_reduce`.
         latent: As :attr:`ModelAdapter.latent`.
+        no_latent: Why the family declares no latent (:attr:`ModelAdapter.no_latent`), for the refusal.
     """
 
     family: str
@@ -249,6 +273,11 @@ class CachePlan:
     unstepped_calls: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
     timestep_reduce: str = "max"
     latent: LatentLayout | None = None
+    no_latent: str = ""
+
+
+NO_LATENT = "No spectral signal:"
+"""The marker in :attr:`ModelAdapter.notes` before the reason a family declares no latent (one sentence)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -292,7 +321,7 @@ class ModelAdapter:
             keyframe rows stay pinned near clean on a rising schedule).
         latent: Where the transformer's noisy latent arrives on its grid (:class:`LatentLayout`), for TeaCache's
             spectral signal; ``None``: not declared (a latent packed into tokens, or not checked yet), and that
-            signal is refused.
+            signal is refused, with the reason ``notes`` gives after "No spectral signal:" (:attr:`no_latent`).
         example: ``module.path:function`` giving a small transformer and one call of it, ``(model, kwargs)``, for
             ``fastdit inspect`` of a family without a tiny pipeline (one served by a pipeline fastdit does not build,
             e.g. a diffusers ModularPipeline); ``""``: the first tiny pipeline's first transformer call is used.
@@ -343,7 +372,18 @@ class ModelAdapter:
             unstepped_calls=self.unstepped_calls,
             timestep_reduce=self.timestep_reduce,
             latent=self.latent,
+            no_latent=self.no_latent,
         )
+
+    @property
+    def no_latent(self) -> str:
+        """Why the family declares no latent: the sentence of :attr:`notes` after "No spectral signal:" (``""``)."""
+        notes = " ".join(self.notes.split())
+        if self.latent is not None or NO_LATENT not in notes:
+            return ""
+        rest = notes[notes.index(NO_LATENT) + len(NO_LATENT) :].strip()
+        end = rest.find(". ")  # one sentence: the notes may go on with other markers
+        return rest if end < 0 else rest[: end + 1]
 
     def tiny(self, name: str | None = None) -> TinyPipeline:
         """Return the tiny pipeline called ``name`` (the first one if ``None``)."""

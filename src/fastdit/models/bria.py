@@ -107,6 +107,8 @@ ADAPTER = register(
             "embeddings, no attention mask. CFG is batched ([uncond, cond] in one call), no cache contexts. "
             "ControlNet residuals (`controlnet_block_samples`) are not covered by the context-parallel plan: "
             "diffusers 0.42.1 ships no Bria ControlNet pipeline."
+            " No spectral signal: the latent arrives packed into a token sequence (batch, tokens, channels): no grid "
+            "to filter."
         ),
     )
 )

@@ -170,6 +170,8 @@ ADAPTER = register(
             "text-encoder layer, and single blocks get [text | image] concatenated as hidden_states (split again "
             "after). A joint padding mask travels in joint_attention_kwargs when text is padded. CFG is batched in "
             "one call and the pipeline opens no cache contexts."
+            " No spectral signal: the latent arrives packed into a token sequence (batch, tokens, channels): no grid "
+            "to filter."
         ),
     )
 )

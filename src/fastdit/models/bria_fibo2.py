@@ -11,7 +11,7 @@ positionally, the rest by keyword, and returns the stream alone (pattern 3). The
 from __future__ import annotations
 
 from fastdit.models._lazy import LazyKwargs, tiny_image
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.parallel.plan_shapes import TOKENS
@@ -148,6 +148,8 @@ _CALL = {
 ADAPTER = register(
     ModelAdapter(
         family="bria_fibo2",
+        # hidden_states is (batch, channels, height, width). Edit references arrive apart, in context_latents.
+        latent=LatentLayout(),
         transformer_classes=(TRANSFORMER,),
         # The refiner is left out of the cache's block lists, as for Z-Image: it runs every step on the image
         # tokens before the main layers, whose first block measures the step.

@@ -143,6 +143,8 @@ ADAPTER = register(
             "mask) without cache_context. Every block receives its own `temb` slice of the "
             "approximator output, and an `attention_mask` over [text, image] that masks padded prompt tokens; "
             "RoPE comes from `txt_ids`/`img_ids` inputs (computed outside the blocks)."
+            " No spectral signal: the latent arrives packed into a token sequence (batch, tokens, channels): no grid "
+            "to filter."
         ),
     )
 )

@@ -9,7 +9,7 @@ blocks.
 from __future__ import annotations
 
 from fastdit.models._lazy import LazyKwargs, tiny_image
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan_shapes import wan_blocks_plan
 from fastdit.parallel.tp_shapes import wan_tp_plan
@@ -91,6 +91,9 @@ TP_PLAN = wan_tp_plan(
 ADAPTER = register(
     ModelAdapter(
         family="chronoedit",
+        # hidden_states is (batch, channels, frames, height, width). The input image's latents and mask are appended
+        # as channels and stay put from step to step: they dilute the signal.
+        latent=LatentLayout(),
         # CFG as two unannounced calls per step, each output used only after both: paired by timestep.
         cfg_pairs_by_timestep=True,
         transformer_classes=(TRANSFORMER,),

@@ -8,7 +8,7 @@ the block returns ``(hidden_states, encoder_hidden_states)`` (pattern 0): text a
 from __future__ import annotations
 
 from fastdit.models._lazy import LazyKwargs, tiny_image
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.parallel.plan_shapes import streams
@@ -184,6 +184,10 @@ TP_PLAN = TensorParallelPlan(
 ADAPTER = register(
     ModelAdapter(
         family="cogvideox",
+        # hidden_states is (batch, frames, channels, height, width). Its image-to-video models append their conditioning
+        # channels (the first frame's latents, with a mask for some), which stay put from step to step: the filter over
+        # all channels still follows the noisy ones, diluted.
+        latent=LatentLayout(channel_dim=2),
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P0),),
         cp_plan=CP_PLAN,

@@ -7,7 +7,7 @@ with ``(hidden_states, encoder_hidden_states, emb)`` and returning ``(hidden_sta
 
 from __future__ import annotations
 
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan_shapes import joint_first_block_plan
 from fastdit.parallel.tp_plan import TensorParallelPlan
@@ -92,6 +92,8 @@ TP_PLAN = TensorParallelPlan(
 ADAPTER = register(
     ModelAdapter(
         family="cogview3",
+        # hidden_states is (batch, channels, height, width).
+        latent=LatentLayout(),
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P0),),
         cp_plan=CP_PLAN,

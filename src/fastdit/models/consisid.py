@@ -10,7 +10,7 @@ video tokens to the face tokens that ``local_facial_extractor`` builds from ``id
 from __future__ import annotations
 
 from fastdit.models._lazy import Deferred, LazyKwargs, tiny_image
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.parallel.plan_shapes import streams
@@ -181,6 +181,9 @@ TP_PLAN = TensorParallelPlan(
 ADAPTER = register(
     ModelAdapter(
         family="consisid",
+        # hidden_states is (batch, frames, channels, height, width); the reference face's latents are appended as
+        # channels and stay put: they dilute the signal.
+        latent=LatentLayout(channel_dim=2),
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P0),),
         cp_plan=CP_PLAN,

@@ -21,7 +21,7 @@ import copy
 import torch
 
 from fastdit.models._lazy import LazyKwargs, tiny_image
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.parallel.tp_plan import TensorParallelPlan
@@ -280,6 +280,9 @@ TP_PLAN = TensorParallelPlan(
 ADAPTER = register(
     ModelAdapter(
         family="cosmos",
+        # hidden_states is (batch, channels, frames, height, width). The conditioning frames' mask arrives apart
+        # (condition_mask).
+        latent=LatentLayout(),
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P2),),
         tiny_pipelines=(

@@ -188,6 +188,8 @@ ADAPTER = register(
             "generation pathway, so the attention is head-parallel with two pathways: each runs unchanged on the "
             "whole streams of the rank's query heads and their KV heads (a Ulysses degree that would split the GQA "
             "groups unevenly is refused). The model's own CP seams (_cp_shard_fn / _cp_gather_fn) stay unset."
+            " No spectral signal: the latent arrives as a list of per-sample vision tensors (vision_tokens), not one "
+            "tensor on a grid."
         ),
     )
 )

@@ -8,7 +8,7 @@ alone (pattern 3: there is no text stream).
 
 from __future__ import annotations
 
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.parallel.tp_plan import TensorParallelPlan
@@ -81,6 +81,8 @@ TP_PLAN = TensorParallelPlan(
 ADAPTER = register(
     ModelAdapter(
         family="dit",
+        # hidden_states is (batch, channels, height, width).
+        latent=LatentLayout(),
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P3),),
         cp_plan=CP_PLAN,

@@ -12,7 +12,7 @@ of stages and transformers follows the config) and the bare ``DreamLiteTransform
 from __future__ import annotations
 
 from fastdit.models._lazy import LazyKwargs, tiny_image
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.parallel.tp_plan import Colwise, Rowwise, Style, TensorParallelPlan
@@ -221,6 +221,9 @@ _DEFAULTS = {"num_inference_steps": 30, "guidance_scale": 3.5, "height": 1024, "
 ADAPTER = register(
     ModelAdapter(
         family="dreamlite",
+        # The UNet's sample is (batch, channels, height, width). The bare transformer (a UNet stage: its
+        # hidden_states are features, not the latent) takes no sample, and the spectral signal refuses its calls.
+        latent=LatentLayout(arg="sample"),
         transformer_classes=(UNET, TRANSFORMER),
         block_groups=(
             BlockGroup(path=_BARE, pattern=ForwardPattern.P2, optional=True),

@@ -8,7 +8,7 @@ frames flattened into one sequence; nothing runs between blocks.
 
 from __future__ import annotations
 
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitOutput
 from fastdit.parallel.plan_shapes import streams
@@ -123,6 +123,9 @@ TP_PLAN = TensorParallelPlan(
 ADAPTER = register(
     ModelAdapter(
         family="easyanimate",
+        # hidden_states is (batch, channels, frames, height, width). Inpainting latents arrive apart
+        # (inpaint_latents).
+        latent=LatentLayout(),
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P0),),
         cp_plan=CP_PLAN,

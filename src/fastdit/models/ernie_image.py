@@ -8,7 +8,7 @@ the model computes once from the timestep and expands to every token ``(S, B, H)
 
 from __future__ import annotations
 
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.parallel.tp_plan import Colwise, Rowwise, TensorParallelPlan
@@ -139,6 +139,8 @@ _CALL = {
 ADAPTER = register(
     ModelAdapter(
         family="ernie_image",
+        # hidden_states is (batch, channels, height, width).
+        latent=LatentLayout(),
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="layers", pattern=ForwardPattern.P3, hidden_arg="x"),),
         cp_plan=CP_PLAN,

@@ -129,6 +129,10 @@ _CALL = {
 ADAPTER = register(
     ModelAdapter(
         family="flux",
+        notes=(
+            "No spectral signal: the latent arrives packed into a token sequence (batch, tokens, channels): no grid "
+            "to filter."
+        ),
         transformer_classes=(TRANSFORMER,),
         block_groups=(
             BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P1),

@@ -197,6 +197,8 @@ ADAPTER = register(
             "and passes it to every block. 4-axis RoPE from `txt_ids`/`img_ids` (computed outside the blocks); "
             "reference images add image tokens after the generated ones. FLUX.2 dev embeds guidance (one forward "
             "per step); klein base runs true CFG inside cache_context('cond'/'uncond'). No attention mask."
+            " No spectral signal: the latent arrives packed into a token sequence (batch, tokens, channels): no grid "
+            "to filter."
         ),
     )
 )

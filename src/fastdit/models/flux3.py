@@ -236,6 +236,8 @@ ADAPTER = register(
             "adds the target timestep to all). The text and reference mode blocks are not cached block lists: "
             "their inputs do not change between steps. 4-axis RoPE from `img_ids`/`txt_ids`/`image_cond_ids`; "
             "reference tokens join the joint blocks after the image tokens and produce no output. No attention mask."
+            " No spectral signal: the latent arrives packed into a token sequence (batch, tokens, channels): no grid "
+            "to filter."
         ),
     )
 )

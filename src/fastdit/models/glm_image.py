@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from fastdit.models._lazy import Deferred, LazyKwargs, tiny_image
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 from fastdit.parallel.tp_plan import TensorParallelPlan
@@ -185,6 +185,9 @@ TP_PLAN = TensorParallelPlan(
 ADAPTER = register(
     ModelAdapter(
         family="glm_image",
+        # hidden_states is (batch, channels, height, width). The prior tokens and the reference image's KV cache
+        # arrive apart.
+        latent=LatentLayout(),
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P0),),
         unstepped_calls={"kv_caches": (writes_kv_cache,)},

@@ -14,7 +14,7 @@ generate a video chunk by chunk (a run per chunk; the pyramid pipeline also a ru
 from __future__ import annotations
 
 from fastdit.models._lazy import LazyKwargs, tiny_image
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, TrailingCount
 from fastdit.parallel.tp_plan import SplitParameter, TensorParallelPlan
@@ -134,6 +134,9 @@ TP_PLAN = TensorParallelPlan(
 ADAPTER = register(
     ModelAdapter(
         family="helios",
+        # hidden_states is (batch, channels, frames, height, width). The history latents arrive apart; each pyramid
+        # stage is a grid of its own.
+        latent=LatentLayout(),
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="blocks", pattern=ForwardPattern.P2),),
         cp_plan=CP_PLAN,

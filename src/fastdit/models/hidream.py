@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.parallel.tp_plan import Colwise, Rowwise, ShardedNorm, Style, TensorParallelPlan
@@ -199,6 +199,9 @@ _CALL = {
 ADAPTER = register(
     ModelAdapter(
         family="hidream",
+        # hidden_states is (batch, channels, height, width). Non-square sizes too: the pipeline passes the grid,
+        # forward patchifies it.
+        latent=LatentLayout(),
         transformer_classes=(TRANSFORMER,),
         # The Llama-3 states come stacked per layer, (layers, B, S, D): their batch is dim 1.
         cfg_batch_dims={"encoder_hidden_states_llama3": 1},

@@ -9,7 +9,7 @@ prompt is only read by cross-attention: pattern 2.
 
 from __future__ import annotations
 
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.parallel.tp_plan import TensorParallelPlan
@@ -130,6 +130,8 @@ _CALL = {
 ADAPTER = register(
     ModelAdapter(
         family="hunyuan_dit",
+        # hidden_states is (batch, channels, height, width).
+        latent=LatentLayout(),
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="blocks", pattern=ForwardPattern.P2),),
         cp_plan=CP_PLAN,

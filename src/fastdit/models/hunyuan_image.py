@@ -9,7 +9,7 @@ on the text alone). Nothing runs between blocks.
 
 from __future__ import annotations
 
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitOutput
 from fastdit.parallel.plan_shapes import streams
@@ -149,6 +149,8 @@ TP_PLAN = flux1_tp_plan(
 ADAPTER = register(
     ModelAdapter(
         family="hunyuan_image",
+        # hidden_states is (batch, channels, height, width).
+        latent=LatentLayout(),
         transformer_classes=(TRANSFORMER,),
         block_groups=(
             BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P0),

@@ -14,7 +14,7 @@ transformer reuses the plain block classes in the same two lists (called with ``
 from __future__ import annotations
 
 from fastdit.models._lazy import Deferred, LazyKwargs, tiny_image
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, LeadingCount, SplitInput
 from fastdit.parallel.plan_shapes import streams
@@ -277,6 +277,10 @@ TP_PLAN = TensorParallelPlan(
 ADAPTER = register(
     ModelAdapter(
         family="hunyuan_video",
+        # hidden_states is (batch, channels, frames, height, width). Its image-to-video models append their conditioning
+        # channels (the first frame's latents, with a mask for some), which stay put from step to step: the filter over
+        # all channels still follows the noisy ones, diluted.
+        latent=LatentLayout(),
         # CFG as two unannounced calls per step, each output used only after both: paired by timestep.
         cfg_pairs_by_timestep=True,
         transformer_classes=(TRANSFORMER, FRAMEPACK_TRANSFORMER),

@@ -12,7 +12,7 @@ import copy
 from typing import TYPE_CHECKING
 
 from fastdit.models._lazy import LazyKwargs, tiny_image
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 from fastdit.parallel.plan_shapes import streams
@@ -228,6 +228,9 @@ _CALL = {"prompt": 'a cat holding a sign "hi"', "num_frames": 5, "num_inference_
 ADAPTER = register(
     ModelAdapter(
         family="hunyuan_video15",
+        # hidden_states is (batch, channels, frames, height, width). The conditioning latents and their mask are
+        # appended as channels (zeros for text-to-video) and stay put from step to step: they dilute the signal.
+        latent=LatentLayout(),
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P0),),
         cp_plan=CP_PLAN,

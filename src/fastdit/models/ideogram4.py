@@ -178,6 +178,8 @@ ADAPTER = register(
             "Qwen3-VL text tower. CFG parallelism puts each transformer on its own rank "
             "(`cfg_branch_components`); the pipeline slices and casts the conditional output before the "
             "unconditional call, which the placeholder replays once filled."
+            " No spectral signal: the latent arrives packed into a token sequence (batch, tokens, channels): no grid "
+            "to filter."
         ),
     )
 )

@@ -20,7 +20,7 @@ from __future__ import annotations
 from functools import cache
 
 from fastdit.models._lazy import Deferred, LazyKwargs, tiny_image
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.parallel.tp_plan import Colwise, Rowwise, Style, TensorParallelPlan
@@ -163,6 +163,9 @@ TP_PLAN = TensorParallelPlan(
 ADAPTER = register(
     ModelAdapter(
         family="joyimage",
+        # hidden_states is (batch, items, channels, frames, height, width): an edit call's reference latent and the
+        # noise are two items, filtered apart.
+        latent=LatentLayout(channel_dim=2, item_dims=(1,)),
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="double_blocks", pattern=ForwardPattern.P0),),
         cp_plan=CP_PLAN,

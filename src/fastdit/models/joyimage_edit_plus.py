@@ -114,6 +114,8 @@ ADAPTER = register(
             "shape_list; per-sample RoPE with a time offset per item and a key-padding mask over [image, text] hiding "
             "padded patches and text. CFG is batched as [uncond; cond]. The tiny pipelines replace the image "
             "processor's size buckets (512 px and up) with the requested size. No expert layers."
+            " No spectral signal: hidden_states arrives as patches (batch, patches, channels, pt, ph, pw), the "
+            "target's and each reference's side by side and padded: no grid to filter."
         ),
     )
 )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 
 from fastdit.models._lazy import LazyKwargs, tiny_image
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.parallel.tp_plan import Colwise, Rowwise, TensorParallelPlan
@@ -195,6 +195,9 @@ TP_PLAN = TensorParallelPlan(
 ADAPTER = register(
     ModelAdapter(
         family="kandinsky5",
+        # hidden_states is (batch, frames, height, width, channels); image-to-video appends the first frame's
+        # latents and a mask as channels, which stay put: they dilute the signal.
+        latent=LatentLayout(channel_dim=-1),
         # CFG as two unannounced calls per step, each output used only after both: paired by timestep.
         cfg_pairs_by_timestep=True,
         transformer_classes=(TRANSFORMER,),

@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 
 from fastdit.models._lazy import LazyKwargs, tiny_image
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.parallel.tp_plan import Style, TensorParallelPlan
@@ -234,6 +234,9 @@ TP_PLAN = TensorParallelPlan(
 ADAPTER = register(
     ModelAdapter(
         family="kandinsky6",
+        # hidden_states is (batch, frames, height, width, channels) with the conditioning latents and mask appended
+        # (they stay put: they dilute the signal); the audio latent arrives apart and is not read.
+        latent=LatentLayout(channel_dim=-1),
         transformer_classes=(TRANSFORMER,),
         block_groups=(
             BlockGroup(

@@ -11,7 +11,7 @@ tile) and no guidance.
 from __future__ import annotations
 
 from fastdit.models._lazy import Deferred, LazyKwargs
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, HeadParallel, SplitInput
 from fastdit.parallel.tp_plan import TensorParallelPlan
@@ -122,6 +122,9 @@ TP_PLAN = TensorParallelPlan(
 ADAPTER = register(
     ModelAdapter(
         family="kandinsky6_sr",
+        # hidden_states is the tile's (batch, frames, height, width, channels) with the low-resolution video's
+        # latents appended (they stay put: they dilute the signal).
+        latent=LatentLayout(channel_dim=-1),
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="visual_transformer_blocks", pattern=ForwardPattern.P3),),
         cp_plan=CP_PLAN,

@@ -167,6 +167,8 @@ ADAPTER = register(
             "[text | image] with a key-padding mask over the fixed-length text (max_sequence_length) and RoPE from "
             "position_ids built by the pipeline; the output keeps only the image tokens. The pipeline opens no "
             "cache contexts: CFG is two calls per step with the same timestep."
+            " No spectral signal: the latent arrives packed into a token sequence (batch, tokens, channels): no grid "
+            "to filter."
         ),
     )
 )

@@ -21,7 +21,7 @@ temporal block return its input instead, which leaves outputs unchanged and save
 
 from __future__ import annotations
 
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.parallel.tp_plan import TensorParallelPlan
@@ -136,6 +136,8 @@ _CALL = {
 ADAPTER = register(
     ModelAdapter(
         family="latte",
+        # hidden_states is (batch, channels, frames, height, width).
+        latent=LatentLayout(),
         transformer_classes=(TRANSFORMER,),
         block_groups=(
             BlockGroup(

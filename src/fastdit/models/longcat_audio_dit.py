@@ -155,6 +155,8 @@ ADAPTER = register(
             "SSIM. The pipeline runs the conditional and the null-prompt call one after the other at the same "
             "timestep without announcing them (CFG parallelism pairs them by timestep). `adaln_type='local'` models "
             "(per-block AdaLN MLPs) are served by the same plans."
+            " No spectral signal: the latent is a sequence of audio frames; the filter's power-law prior is one of "
+            "images and videos and has not been checked on audio latents."
         ),
     )
 )

@@ -161,6 +161,8 @@ ADAPTER = register(
             "FLUX-like layout (img_ids/txt_ids, RoPE from the concatenated ids). The text stream is always padded to "
             "512 tokens and no attention mask reaches the transformer. Edit appends the input image's tokens to the "
             "image stream and fixes the output at ~1 MP. CFG runs two transformer calls per step (cond/uncond)."
+            " No spectral signal: the latent arrives packed into a token sequence (batch, tokens, channels): no grid "
+            "to filter."
         ),
     )
 )

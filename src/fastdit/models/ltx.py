@@ -196,6 +196,8 @@ ADAPTER = register(
             "the condition pipeline's video_coords. I2V and condition pipelines pass a per-token timestep (B, S) "
             "whose conditioning tokens are 0 (temb per token: split it with the hidden states under context "
             "parallelism; read the step from the largest value). CFG is batched (one call per step)."
+            " No spectral signal: the latent arrives packed into a token sequence (batch, tokens, channels): no grid "
+            "to filter."
         ),
     )
 )

@@ -307,6 +307,8 @@ ADAPTER = register(
             "cond_uncond (batched CFG), uncond_stg (attention skipped in the STG blocks) and uncond_modality "
             "(audio-video cross-attention off). I2V passes a per-token timestep whose first-frame tokens are 0: "
             "read the step from the largest value. The default I2V image re-compression needs PyAV (`av`)."
+            " No spectral signal: the latent arrives packed into a token sequence (batch, tokens, channels): no grid "
+            "to filter."
         ),
     )
 )

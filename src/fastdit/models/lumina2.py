@@ -9,7 +9,7 @@ model packs ``[prompt (unpadded), image]`` into one sequence per sample and runs
 
 from __future__ import annotations
 
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.parallel.tp_plan import Colwise, Rowwise, Style, TensorParallelPlan
@@ -130,6 +130,8 @@ TP_PLAN = TensorParallelPlan(
 ADAPTER = register(
     ModelAdapter(
         family="lumina2",
+        # hidden_states is (batch, channels, height, width).
+        latent=LatentLayout(),
         # CFG as two unannounced calls per step, each output used only after both: paired by timestep.
         cfg_pairs_by_timestep=True,
         transformer_classes=(TRANSFORMER,),

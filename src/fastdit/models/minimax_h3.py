@@ -281,6 +281,8 @@ ADAPTER = register(
             "(`num_inference_steps` counts sigma grid points: 3 give two transformer calls). Its ref2va workflow "
             "(references, the `transformer_ref` partition) has no tiny pipeline. "
             "No CFG parallelism: the checkpoint is guidance-distilled (one forward per step)."
+            " No spectral signal: the latent arrives packed into a token sequence (batch, tokens, channels): no grid "
+            "to filter."
         ),
     )
 )

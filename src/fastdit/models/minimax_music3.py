@@ -177,6 +177,8 @@ ADAPTER = register(
             "after the blocks, and the flow-matching timestep rises over a run. Served by a ModularPipeline "
             "(MiniMaxMusic3ModularPipeline): an autoregressive Qwen3 stage, the DiT under a CFG guider over 200-frame "
             "windows (each window is a run of its own), a vocoder; the output is a stereo waveform."
+            " No spectral signal: the latent is a sequence of audio frames; the filter's power-law prior is one of "
+            "images and videos and has not been checked on audio latents."
         ),
     )
 )

@@ -17,7 +17,7 @@ as their encoder stream; see the notes for what each supports.
 from __future__ import annotations
 
 from fastdit.models._lazy import LazyKwargs, tiny_image
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 from fastdit.parallel.tp_plan import Colwise, Rowwise, TensorParallelPlan
@@ -214,6 +214,10 @@ _CALL = {
 ADAPTER = register(
     ModelAdapter(
         family="motif_video",
+        # hidden_states is (batch, channels, frames, height, width). Its image-to-video models append their conditioning
+        # channels (the first frame's latents, with a mask for some), which stay put from step to step: the filter over
+        # all channels still follows the noisy ones, diluted.
+        latent=LatentLayout(),
         transformer_classes=(TRANSFORMER,),
         block_groups=(
             BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P0),

@@ -212,6 +212,8 @@ ADAPTER = register(
             "under expert choice) with the router replicated. The pipeline runs two transformer calls per step for "
             "CFG. A text key/value cache passed through attention_kwargs (cached_txt_key) is not split under context "
             "parallelism."
+            " No spectral signal: the latent arrives packed into a token sequence (batch, tokens, channels): no grid "
+            "to filter."
         ),
     )
 )

@@ -13,7 +13,7 @@ additive ``(B, 1, S, S)`` mask. RoPE (Phi-3's SuScaled) is computed inside forwa
 from __future__ import annotations
 
 from fastdit.models._lazy import Deferred, LazyKwargs
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 from fastdit.parallel.tp_plan import Colwise, Rowwise, TensorParallelPlan
@@ -119,6 +119,8 @@ TP_PLAN = TensorParallelPlan(
 ADAPTER = register(
     ModelAdapter(
         family="omnigen",
+        # hidden_states is (batch, channels, height, width). Input images arrive apart, in input_img_latents.
+        latent=LatentLayout(),
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="layers", pattern=ForwardPattern.P3),),
         cp_plan=CP_PLAN,

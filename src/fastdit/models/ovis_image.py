@@ -137,6 +137,8 @@ ADAPTER = register(
         notes=(
             "FLUX-like layout (img_ids/txt_ids, RoPE built from the concatenated ids, no attention mask: padded text "
             "tokens are zeroed by the pipeline). CFG runs two transformer calls per step (cond/uncond)."
+            " No spectral signal: the latent arrives packed into a token sequence (batch, tokens, channels): no grid "
+            "to filter."
         ),
     )
 )

@@ -15,7 +15,7 @@ cond]`` in one call.
 
 from __future__ import annotations
 
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 from fastdit.parallel.tp_plan import Colwise, Rowwise, TensorParallelPlan
@@ -163,6 +163,8 @@ TP_PLAN = TensorParallelPlan(
 ADAPTER = register(
     ModelAdapter(
         family="prx",
+        # hidden_states is (batch, channels, height, width). The pixel-space variant's grid is the image itself.
+        latent=LatentLayout(),
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="blocks", pattern=ForwardPattern.P2),),
         cp_plan=CP_PLAN,

@@ -173,6 +173,8 @@ ADAPTER = register(
             "text length; true CFG runs two transformer calls per step (cond/uncond). Edit pipelines append the "
             "input image's tokens to the image stream, and Edit-2511-style checkpoints (zero_cond_t) double the "
             "timestep batch and pass a per-token modulate_index."
+            " No spectral signal: the latent arrives packed into a token sequence (batch, tokens, channels): no grid "
+            "to filter."
         ),
     )
 )

@@ -239,6 +239,8 @@ ADAPTER = register(
             "attention is head-parallel (`AttentionRouting.head_parallel`): each processor runs unchanged on the "
             "whole sequence of the rank's heads (Ulysses: heads/U each; ring: the sequence gathered, all heads), "
             "every rank's KV cache holding its heads."
+            " No spectral signal: the latent arrives packed into a token sequence (batch, tokens, channels): no grid "
+            "to filter."
         ),
     )
 )

@@ -8,7 +8,7 @@ timestep, height, width)`` and returns the hidden states alone; the prompt is on
 
 from __future__ import annotations
 
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import (
     ContextParallelPlan,
@@ -170,6 +170,8 @@ _CALL = {
 ADAPTER = register(
     ModelAdapter(
         family="sana",
+        # hidden_states is (batch, channels, height, width).
+        latent=LatentLayout(),
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P2),),
         tiny_pipelines=(

@@ -14,7 +14,7 @@ per-frame timestep of 0, so the step is read from the largest timestep.
 from __future__ import annotations
 
 from fastdit.models._lazy import LazyKwargs, tiny_image
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import (
     AttentionRouting,
@@ -155,6 +155,8 @@ def _call() -> dict:
 ADAPTER = register(
     ModelAdapter(
         family="sana_wm",
+        # hidden_states is (batch, channels, frames, height, width). The camera conditions arrive apart.
+        latent=LatentLayout(),
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="blocks", pattern=ForwardPattern.P2, hidden_arg="x", encoder_arg="y"),),
         tiny_pipelines=(

@@ -175,6 +175,8 @@ ADAPTER = register(
             "window of the rank's heads and the trim keeps the right keys; the pipeline's RoPE tables are sliced "
             "to the rank's heads (`HeadParallel.arguments`). No CFG parallelism: the refiner runs "
             "one conditional call per step (distilled, no guidance)."
+            " No spectral signal: the latent arrives packed into a token sequence (batch, tokens, channels): no grid "
+            "to filter."
         ),
     )
 )

@@ -9,7 +9,7 @@ blocks (``dual_attention_layers``) without changing the call.
 
 from __future__ import annotations
 
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan_shapes import joint_first_block_plan
 from fastdit.parallel.tp_plan import TensorParallelPlan
@@ -135,6 +135,8 @@ _CALL = {
 ADAPTER = register(
     ModelAdapter(
         family="sd3",
+        # hidden_states is (batch, channels, height, width).
+        latent=LatentLayout(),
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P1),),
         cp_plan=CP_PLAN,

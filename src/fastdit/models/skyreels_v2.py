@@ -9,7 +9,7 @@ use the Wan VAE, UMT5 and (I2V) CLIP vision features.
 from __future__ import annotations
 
 from fastdit.models._lazy import LazyKwargs, tiny_image
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 from fastdit.parallel.tp_shapes import wan_tp_plan
@@ -138,6 +138,10 @@ TP_PLAN = wan_tp_plan(
 ADAPTER = register(
     ModelAdapter(
         family="skyreels_v2",
+        # hidden_states is (batch, channels, frames, height, width). Its image-to-video models append their conditioning
+        # channels (the first frame's latents, with a mask for some), which stay put from step to step: the filter over
+        # all channels still follows the noisy ones, diluted.
+        latent=LatentLayout(),
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="blocks", pattern=ForwardPattern.P2),),
         cp_plan=CP_PLAN,

@@ -142,6 +142,8 @@ ADAPTER = register(
             "SSIM. The blocks see [global token, latent frames]; the global token carries the timestep and the "
             "duration, the RoPE pair comes from the pipeline. CFG is batched. The self-attention `attention_mask` "
             "(a padding mask over the latent frames, which the pipeline never passes) is split with the tokens."
+            " No spectral signal: the latent is a sequence of audio frames; the filter's power-law prior is one of "
+            "images and videos and has not been checked on audio latents."
         ),
     )
 )

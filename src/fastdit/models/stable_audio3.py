@@ -197,6 +197,8 @@ ADAPTER = register(
             "`init_noise_level` < 1: the pipeline's schedule forces its first sigma to the noise level, so for most "
             "levels the second timestep is higher than the first (kept for parity with the reference code); step "
             "caching reads a timestep moving back as a new run, so it starts over at the third call."
+            " No spectral signal: the latent is a sequence of audio frames; the filter's power-law prior is one of "
+            "images and videos and has not been checked on audio latents."
         ),
     )
 )

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from fastdit.models._lazy import Deferred, LazyKwargs
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import (
     AttentionRouting,
@@ -181,6 +181,9 @@ TP_PLAN = TensorParallelPlan(
 ADAPTER = register(
     ModelAdapter(
         family="wan_animate",
+        # hidden_states is (batch, channels, frames, height, width). The reference and mask channels appended to it
+        # stay put from step to step (they dilute the signal); pose and face inputs arrive apart.
+        latent=LatentLayout(),
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="blocks", pattern=ForwardPattern.P2),),
         cp_plan=CP_PLAN,

@@ -292,6 +292,7 @@ ADAPTER = register(
             "to_v). No CFG parallelism: the branches are "
             "unannounced calls, and the reference pass shares their first timestep, so pairing them by timestep "
             "would pair the wrong calls."
+            " No spectral signal: the latent arrives as a list of per-sample tensors, not one tensor on a grid."
         ),
     )
 )

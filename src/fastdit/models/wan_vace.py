@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 from fastdit.parallel.tp_shapes import wan_tp_plan
@@ -165,6 +165,9 @@ TP_PLAN = wan_tp_plan(
 ADAPTER = register(
     ModelAdapter(
         family="wan_vace",
+        # hidden_states is (batch, channels, frames, height, width). The control latents arrive apart
+        # (control_hidden_states).
+        latent=LatentLayout(),
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="blocks", pattern=ForwardPattern.P2),),
         cp_plan=CP_PLAN,

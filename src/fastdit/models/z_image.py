@@ -191,6 +191,7 @@ ADAPTER = register(
             "one call. The "
             "main layers see [image | caption] tokens, each part padded to a multiple of 32, with a padding mask "
             "and RoPE positions built inside forward; the noise/context refiners run on each stream first."
+            " No spectral signal: the latent arrives as a list of per-sample tensors, not one tensor on a grid."
         ),
     )
 )
