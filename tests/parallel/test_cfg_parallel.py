@@ -76,6 +76,28 @@ def test_cfg2_matches_one_process_or_is_refused(dist2: WorkerPool, family: str, 
     _passed_and_split(reports)
 
 
+FIRST_CASES = [(f, v) for f, v in CASES if get_family(f).tiny_pipelines[0].name == v]
+# Sequential announced CFG through diffusers' dispatch, batched CFG through the SDPA calls.
+ATTENTION_DEFAULT = ("qwenimage", "sd3")
+
+
+@pytest.mark.parametrize(
+    ("family", "variant"),
+    [c if c[0] in ATTENTION_DEFAULT else pytest.param(*c, marks=pytest.mark.slow) for c in FIRST_CASES],
+    ids=[f"{f}-{v}" for f, v in FIRST_CASES],
+)
+def test_cfg2_with_an_attention_backend_matches_one_process(dist2: WorkerPool, family: str, variant: str) -> None:
+    """cfg=2 with the ``math`` backend on one device, against the same backend on one process (or refused on every
+    rank where the call has no unconditional branch, as without a backend)."""
+    reports = _ladder(dist2, family, variant, [RungSpec("cfg2-attention", {"cfg": 2}, attention="math")])
+    row = reports[0]["rows"][1]
+    if row["status"] == Status.NOT_AVAILABLE:
+        assert all(r["rows"][1]["status"] == Status.NOT_AVAILABLE for r in reports)
+        return
+    rows = _passed_and_split(reports)
+    assert all(info["attention"]["backend"] == "math" for info in rows[1]["summary"].values())
+
+
 @pytest.mark.parametrize(
     ("family", "variant"),
     [

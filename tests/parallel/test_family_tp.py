@@ -148,6 +148,29 @@ def test_tp2_under_teacache_and_forecasts_on_every_family(dist2: WorkerPool, fam
     _assert_cached(dist2.run(run_cache_combinations, family, _first(family), "tp2", {"tp": 2}, timeout=300))
 
 
+# --- with an attention backend on one device (TP without CP: the backend takes the attention calls) ---
+
+# Two families through diffusers' dispatch (one with two block lists, one video) and one through its SDPA calls.
+ATTENTION_DEFAULT = ("flux", "wan", "cogvideox")
+
+
+@pytest.mark.parametrize(
+    "family", [f if f in ATTENTION_DEFAULT else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES]
+)
+def test_tp2_with_an_attention_backend_matches_one_process(dist2: WorkerPool, family: str) -> None:
+    """TP-2 with the ``math`` backend, alone and under a cache, against the same backend on one process."""
+    variant = _first(family)
+    specs = [RungSpec("tp2-attention", {"tp": 2}, attention="math")]
+    if _num_blocks(family, variant) >= 2:
+        specs.append(RungSpec("tp2-attention-cache", {"tp": 2}, cache_bn=0, attention="math"))
+    reports = dist2.run(_ladder_keeping_weights, family, variant, specs, timeout=300)
+    rows = {row["name"]: row for row in assert_rows(reports)}
+    assert all(report["restored"] for report in reports)
+    for name, info in rows["tp2-attention"]["summary"].items():
+        assert info["attention"]["backend"] == "math" and "tensor_parallel" in info, name
+    assert all(row["cached_steps"] > 0 for key, row in rows.items() if "cache" in key)
+
+
 # --- the plan against the module tree, on the meta device ---
 
 

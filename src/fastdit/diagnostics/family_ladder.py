@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastdit.config import (
+    Attention,
     CacheConfig,
     Compile,
     DBCache,
@@ -204,6 +205,8 @@ class RungSpec:
         compile: Compile the blocks (eager backend: traces through the layouts at CPU-test cost).
         offload: Stream the blocks from host memory, keeping this many resident (``None``: no offload).
         check_disable: After this rung's ``disable`` the output must equal the baseline bit for bit.
+        attention: An :attr:`~fastdit.Attention.backend` for the rung (``None``: the default). Its reference on one
+            process uses the same backend (on one device it takes the transformer's attention calls).
     """
 
     name: str
@@ -213,6 +216,7 @@ class RungSpec:
     offload: int | None = None
     check_disable: bool = False
     cache: CacheConfig | None = None
+    attention: str | None = None
 
     def __post_init__(self) -> None:
         if self.cache is not None and self.cache_bn is not None:
@@ -228,8 +232,10 @@ class RungSpec:
             options["compile"] = Compile(backend="eager", fullgraph=False)
         if self.offload is not None:
             options["offload"] = Offload(resident_blocks=self.offload)
-        reference = None if cache is None else {"cache": cache}
-        return fixed_rung(self.name, options, reference=reference, check_disable=self.check_disable)
+        reference = {} if cache is None else {"cache": cache}
+        if self.attention is not None:
+            options["attention"] = reference["attention"] = Attention(backend=self.attention)
+        return fixed_rung(self.name, options, reference=reference or None, check_disable=self.check_disable)
 
 
 @functools.lru_cache(maxsize=4)

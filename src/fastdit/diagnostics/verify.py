@@ -639,7 +639,8 @@ def _measured(row: VerifyRow, result: RunResult, ladder: _Ladder, reference: Run
     row.max_abs = _max_abs(reference.outputs, result.outputs)
     row.status, row.reason = ladder.runtime.thresholds.judge(row.kind, row.psnr_min, row.ssim_min, row.max_abs)
     parallel = row.options.get("parallel") or {}
-    if reference is not ladder.baseline and reference.cache is not None:
+    # A reference without a cache (e.g. another attention backend) has nothing served to compare.
+    if reference is not ladder.baseline and reference.cache is not None and reference.cache.blocks_total:
         if parallel.get("cfg", 1) == 1:
             expected = reference.cache.cached_steps
             reason = (
