@@ -188,3 +188,36 @@ def test_a_family_routed_by_sdpa_calls_is_refused_with_compiled_blocks() -> None
         assert fastdit.summary(pipe).transformers["transformer"]["attention"]["served_calls"] > 0
     finally:
         fastdit.disable(pipe)
+
+
+# --- on a GPU with the frontend (skipped elsewhere) ---
+
+needs_fp8_kernel = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0) and HAS_FRONTEND),
+    reason="needs a CUDA GPU of compute capability 9.0+ and nvidia-cudnn-frontend",
+)
+
+
+@pytest.mark.gpu
+@needs_fp8_kernel
+@pytest.mark.parametrize("kv_heads", [24, 6], ids=["mha", "gqa"])
+def test_cudnn_fp8_kernel_against_bf16_sdpa(kv_heads: int) -> None:
+    """The real kernel: close to bf16 SDPA (grouped K/V repeated), and the same inside a CUDA graph."""
+    from fastdit.parallel.attention.dispatch import local_attention
+
+    torch.manual_seed(0)
+    q = torch.randn(1, 1024, 24, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 1024, kv_heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    local = local_attention(fastdit.Attention(backend="cudnn-fp8"))
+    ref = _math(
+        q.float(), k.float().repeat_interleave(24 // kv_heads, 2), v.float().repeat_interleave(24 // kv_heads, 2)
+    )
+    out = local(q, k, v)
+    mse = (out.float() - ref).pow(2).mean().item()
+    assert 10 * math.log10((ref.max() - ref.min()).item() ** 2 / mse) > 35
+    graph = torch.cuda.CUDAGraph()
+    local(q, k, v)  # warm: the plan is built outside the capture
+    with torch.cuda.graph(graph):
+        captured = local(q, k, v)
+    graph.replay()
+    torch.testing.assert_close(captured, out)
