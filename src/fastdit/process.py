@@ -34,6 +34,7 @@ __all__ = [
     "process_count",
     "process_group_scope",
     "process_rank",
+    "require_cuda_capability",
     "synchronize",
 ]
 
@@ -114,6 +115,28 @@ def choose_device(
     if device.type == "cuda" and device.index is None and index is not None:
         device = torch.device("cuda", index)
     return device
+
+
+def require_cuda_capability(device: torch.device, minimum: tuple[int, int], what: str, hint: str = "") -> None:
+    """Refuse ``what`` unless ``device`` is a CUDA GPU of compute capability ``minimum`` or newer.
+
+    Args:
+        device: Where it would compute.
+        minimum: The lowest (major, minor) compute capability.
+        what: The request, as the message's subject (``"mode='fp8' computes its matmuls in FP8"``).
+        hint: What to do instead, appended to the message.
+
+    Raises:
+        ValueError: naming the device (and its capability), the minimum and the hint.
+    """
+    needed = f"compute capability {minimum[0]}.{minimum[1]} or newer"
+    tail = f"; {hint}" if hint else ""
+    if device.type != "cuda":
+        raise ValueError(f"{what}, which needs a CUDA GPU of {needed}; the transformer runs on {device.type}{tail}")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < minimum:
+        name = torch.cuda.get_device_name(device)
+        raise ValueError(f"{what}, which needs {needed}; {name} has {capability[0]}.{capability[1]}{tail}")
 
 
 def _group_exists() -> bool:

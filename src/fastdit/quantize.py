@@ -114,19 +114,10 @@ def check_quantize(config: Quantize, device: torch.device, dtype: torch.dtype | 
     import_torchao()
     if not config.dynamic_fp8:
         return
+    from fastdit.process import require_cuda_capability
+
     fallback = "use mode='fp8_weight' or 'int8_weight' (weight-only, any device)"
-    if device.type != "cuda":
-        raise ValueError(
-            f"mode={config.mode!r} computes its matmuls in FP8, which needs a CUDA GPU of compute capability 8.9 or "
-            f"newer (Ada, Hopper, Blackwell); the transformer runs on {device.type}; {fallback}"
-        )
-    capability = torch.cuda.get_device_capability(device)
-    if capability < (8, 9):
-        name = torch.cuda.get_device_name(device)
-        raise ValueError(
-            f"mode={config.mode!r} computes its matmuls in FP8, which needs compute capability 8.9 or newer; "
-            f"{name} has {capability[0]}.{capability[1]}; {fallback}"
-        )
+    require_cuda_capability(device, (8, 9), f"mode={config.mode!r} computes its matmuls in FP8", fallback)
     if config.mode == "fp8" and dtype is not None and dtype != torch.bfloat16:
         raise ValueError(
             f"mode='fp8' (per-row scales) quantizes bfloat16 weights only (torchao); the transformer's are "

@@ -37,6 +37,7 @@ from fastdit.parallel.attention.dispatch import (
     route_sdpa_calls,
 )
 from fastdit.parallel.attention.ulysses import LocalAttention
+from fastdit.process import require_cuda_capability
 
 if TYPE_CHECKING:
     from fastdit.parallel.plan import AttentionRouting
@@ -172,17 +173,8 @@ def check_attention_backend(
         )
     if attention.backend != "cudnn-fp8":
         return
-    if device.type != "cuda":
-        raise ValueError(
-            f"backend={attention.backend!r} runs cuDNN's FP8 attention kernel, which needs a CUDA GPU of compute "
-            f"capability 9.0 or newer (Hopper, Blackwell); the transformer runs on {device.type}"
-        )
-    capability = torch.cuda.get_device_capability(device)
-    if capability < (9, 0):
-        raise ValueError(
-            f"backend={attention.backend!r} needs compute capability 9.0 or newer; "
-            f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}"
-        )
+    what = f"backend={attention.backend!r} runs cuDNN's FP8 attention kernel"
+    require_cuda_capability(device, (9, 0), what)
 
 
 def _dispatched(routing: AttentionRouting | None) -> bool:
