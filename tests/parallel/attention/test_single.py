@@ -221,3 +221,20 @@ def test_cudnn_fp8_kernel_against_bf16_sdpa(kv_heads: int) -> None:
         captured = local(q, k, v)
     graph.replay()
     torch.testing.assert_close(captured, out)
+
+
+def test_with_offloaded_blocks_on_one_device() -> None:
+    """Streamed blocks (offload beneath the cache) see the backend as resident ones do."""
+    pipe, tiny = build_tiny("flux")
+    attention = fastdit.Attention(backend="math")
+    fastdit.accelerate(pipe, attention=attention)
+    expected = run_tiny(pipe, tiny)
+    fastdit.disable(pipe)
+    fastdit.accelerate(pipe, attention=attention, offload=fastdit.Offload(resident_blocks=1))
+    try:
+        out = run_tiny(pipe, tiny)
+        info = fastdit.summary(pipe).transformers["transformer"]
+    finally:
+        fastdit.disable(pipe)
+    np.testing.assert_array_equal(out, expected)
+    assert info["techniques"] == ["attention", "offload"] and info["attention"]["served_calls"] > 0
