@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import errno
 import json
 import os
@@ -626,3 +627,19 @@ def test_audio_pipeline_saves_wav_and_compares_waveforms(
     assert code == 2 and _error_lines(err) == [
         f"fastdit: error: argument --out {tmp_path / 'hammer.png'}: audio needs one of the suffixes .wav"
     ]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cudnn") is not None, reason="nvidia-cudnn-frontend is installed")
+def test_fp8_attention_without_its_package_names_the_package(tiny_flux_dir: Path, capsys: Any) -> None:
+    args = ("--model-path", str(tiny_flux_dir), "--prompt", "a cat", *TINY, "--attention", "cudnn-fp8")
+    code, _, err = _run(capsys, *args)
+    assert code == 2
+    (line,) = _error_lines(err)
+    assert line.startswith("fastdit: error: cannot accelerate ") and "pip install nvidia-cudnn-frontend" in line
+
+
+def test_an_attention_backend_on_one_device(tiny_flux_dir: Path, capsys: Any) -> None:
+    args = ("--model-path", str(tiny_flux_dir), "--prompt", "a cat", *TINY, "--attention", "math", "--json")
+    code, stdout, _ = _run(capsys, *args)
+    assert code == 0
+    assert _last_json(stdout)["acceleration"]["attention"]["backend"] == "math"
