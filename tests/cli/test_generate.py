@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import errno
+import importlib.util
 import json
 import os
 import signal
