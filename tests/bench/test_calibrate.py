@@ -108,3 +108,6 @@ def test_search_space() -> None:
     tea = ladders(["teacache"], 28, None, TeaCalibration(coefficients=(1.0, 0.0)))
     assert tea and all(isinstance(config, TeaCache) for ladder in tea for _, config in ladder.configs)
     assert all(config.taylorseer is not None for ladder in tea for _, config in ladder.configs)
+    spectral = ladders(["spectral"], 28, None)  # no calibration needed
+    configs = [config for ladder in spectral for _, config in ladder.configs]
+    assert configs and all(isinstance(c, TeaCache) and c.signal == "spectral" and c.final_steps == 1 for c in configs)

@@ -85,6 +85,17 @@ def test_teacache_policy_fits_its_polynomial_and_generates_from_the_file(tmp_pat
     assert _last_json(capsys.readouterr().out)["acceleration"]["cache"]["type"] == "TeaCache"
 
 
+def test_spectral_policy_is_skipped_for_a_family_without_a_latent_grid(tmp_path: Path, capsys: Any) -> None:
+    """The reference pipeline is a FLUX: its latent arrives packed into tokens, so only the spectral policy asked
+    for leaves nothing to search (exit 2, nothing written)."""
+    out = tmp_path / "spectral.json"
+    argv = ["calibrate", "--target-speedup", "2", "--policies", "spectral", *SMALL, "--out", str(out)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "spectral skipped: a denoiser's family declares no latent grid" in err and not out.exists()
+    assert "argument --policies: no policy can apply" in err
+
+
 @pytest.mark.slow
 def test_unreachable_target_writes_nothing(tmp_path: Path, capsys: Any) -> None:
     out = tmp_path / "never.json"

@@ -33,9 +33,10 @@ __all__ = [
     "ladders",
 ]
 
-POLICIES = ("magcache", "teacache", "dbcache")
+POLICIES = ("magcache", "teacache", "spectral", "dbcache")
 """Policies the search can try: MagCache (whole-step, calibrated ratios), TeaCache (whole-step, calibrated input
-change) and DBCache F1B0 with TaylorSeer."""
+change), TeaCache's spectral signal (whole-step, the noise-aware change of the latent: no calibration, for families
+that declare their latent) and DBCache F1B0 with TaylorSeer."""
 
 DEFAULT_POLICIES = ("magcache", "dbcache")
 """Policies searched unless asked otherwise (TeaCache found nothing better on the reference pipeline, see
@@ -51,6 +52,10 @@ _MAG_RETENTION = 0.07
 _TEA_THRESHOLDS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.8)
 _TEA_CAPS = (2, 3, 4)
 _TEA_RETENTION = 0.07
+# The spectral signal: on the video reference a step changes the filtered latent by 0.02 to 0.3 early and less
+# later; its frontier point (τ 0.35, cap 4, one retained and the final step computed) sits mid-ladder.
+_SPECTRAL_THRESHOLDS = (0.1, 0.2, 0.3, 0.35, 0.45, 0.6)
+_SPECTRAL_CAPS = (3, 4)
 _DB_THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.65, 0.8, 1.0, 1.3)
 _DB_CAPS = (2, 3, 4, 6)
 
@@ -155,6 +160,17 @@ def ladders(
                 for t in _TEA_THRESHOLDS
             )  # fmt: skip
             out.append(Ladder(f"teacache TaylorSeer cap {cap}", rungs))
+    if "spectral" in policies:
+        for cap in _SPECTRAL_CAPS:
+            rungs = tuple(
+                (
+                    f"teacache,signal=spectral,threshold={t:g},max_skip_steps={cap}",
+                    TeaCache(signal="spectral", threshold=t, max_skip_steps=cap, retention_ratio=_TEA_RETENTION,
+                             final_steps=1, taylorseer=forecast),
+                )
+                for t in _SPECTRAL_THRESHOLDS
+            )  # fmt: skip
+            out.append(Ladder(f"teacache spectral TaylorSeer cap {cap}", rungs))
     if "dbcache" in policies:
         for cap in _DB_CAPS:
             rungs = tuple(

@@ -205,6 +205,13 @@ def _teacache_calibration(session: Session, plan: _Plan) -> TeaCalibration | Non
         session.disable()
 
 
+def _declares_latent(session: Session) -> bool:
+    """Whether every denoiser's family declares the latent the spectral signal filters."""
+    from fastdit.components import walk
+
+    return all(item.adapter.latent is not None for item in walk(session.pipe).denoisers)
+
+
 def _row_cells(row: BenchRow, target: Target) -> list[Any]:
     return [
         row.name,
@@ -275,6 +282,9 @@ def run(args: argparse.Namespace) -> int:
         tea_calibration = _teacache_calibration(session, plan) if "teacache" in policies else None
         if tea_calibration is None and "teacache" in policies:
             policies.remove("teacache")
+        if "spectral" in policies and not _declares_latent(session):
+            print("spectral skipped: a denoiser's family declares no latent grid", file=sys.stderr)
+            policies.remove("spectral")
         if not policies:
             raise CLIError("argument --policies: no policy can apply to this pipeline")
         space = ladders(policies, plan.num_steps or 0, calibration, tea_calibration)
