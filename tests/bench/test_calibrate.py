@@ -111,3 +111,22 @@ def test_search_space() -> None:
     spectral = ladders(["spectral"], 28, None)  # no calibration needed
     configs = [config for ladder in spectral for _, config in ladder.configs]
     assert configs and all(isinstance(c, TeaCache) and c.signal == "spectral" and c.final_steps == 1 for c in configs)
+
+
+def test_a_video_is_judged_by_its_worst_clip() -> None:
+    """Per-frame values 40, 40, 26 dB make a 35.3 dB clip: the target reads the clip, the row keeps the frame."""
+    import numpy as np
+
+    from fastdit.bench.compare import clip_minima
+    from fastdit.metrics import Comparison
+
+    outputs = [np.zeros((3, 8, 8, 3)), np.zeros((3, 8, 8, 3))]
+    quality = Comparison(count=6, psnr_per_frame=(40, 40, 26, 50, 50, 50), ssim_per_frame=(1, 1, 0.7, 1, 1, 1))
+    psnr, ssim = clip_minima(outputs, quality)
+    assert psnr == pytest.approx(35.33, abs=0.01) and ssim == pytest.approx(0.9)
+    assert clip_minima([np.zeros((8, 8, 3))], Comparison(count=1, psnr_per_frame=(30,), ssim_per_frame=(1,))) is None
+    row = BenchRow(
+        name="x", config=None, seconds=1.0, psnr_min=26.0, ssim_min=0.7, psnr_clip_min=psnr, ssim_clip_min=ssim
+    )
+    assert row.worst == (psnr, ssim)
+    assert Target(psnr=34, margin_db=1).meets(row) and not Target(psnr=35, margin_db=1).meets(row)

@@ -90,17 +90,19 @@ class Target:
 
     def meets(self, row: BenchRow) -> bool:
         """Whether ``row`` (measured on the calibration cases) satisfies the target."""
-        if row.ssim_min < self.ssim:
+        psnr, ssim = row.worst  # a video is judged clip by clip, as its goal is stated
+        if ssim < self.ssim:
             return False
         if self.psnr is not None:
-            return row.psnr_min >= self.psnr + self.margin_db
+            return psnr >= self.psnr + self.margin_db
         return row.blocks_computed_fraction <= 1 / self.speedup
 
     def better(self, row: BenchRow, than: BenchRow) -> bool:
         """Whether ``row`` is preferred over ``than`` (both meeting the target)."""
+        mine, theirs = row.worst[0], than.worst[0]
         if self.psnr is not None:
-            return (row.blocks_computed_fraction, -row.psnr_min) < (than.blocks_computed_fraction, -than.psnr_min)
-        return (row.psnr_min, -row.blocks_computed_fraction) > (than.psnr_min, -than.blocks_computed_fraction)
+            return (row.blocks_computed_fraction, -mine) < (than.blocks_computed_fraction, -theirs)
+        return (mine, -row.blocks_computed_fraction) > (theirs, -than.blocks_computed_fraction)
 
     def describe(self) -> str:
         """The target in words, for tables and errors."""

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from fastdit.bench.compare import compare_outputs
+from fastdit.bench.compare import clip_minima, compare_outputs
 from fastdit.bench.plain import plain
 from fastdit.bench.timing import RunResult, run_variants
 from fastdit.session import Case, ModelSource, Session
@@ -63,7 +63,10 @@ class BenchRow:
         speedup: Baseline seconds / these seconds.
         blocks_computed_fraction: Blocks computed / blocks of an uncached run.
         cached_steps: Cached steps over all outputs of one pass.
-        psnr, psnr_min, ssim, ssim_min: Quality against the baseline outputs (mean and minimum).
+        psnr, psnr_min, ssim, ssim_min: Quality against the baseline outputs (mean and minimum over every image or
+            frame).
+        psnr_clip_min, ssim_clip_min: Videos only: the worst clip, each judged by its mean over its frames
+            (``None`` for images and audio).
         peak_memory: Peak bytes (``None`` when not measurable).
     """
 
@@ -77,15 +80,24 @@ class BenchRow:
     psnr_min: float = float("inf")
     ssim: float = 1.0
     ssim_min: float = 1.0
+    psnr_clip_min: float | None = None
+    ssim_clip_min: float | None = None
     peak_memory: int | None = None
+
+    @property
+    def worst(self) -> tuple[float, float]:
+        """The worst output's PSNR and SSIM: the worst clip for videos, else the worst image or waveform."""
+        if self.psnr_clip_min is not None and self.ssim_clip_min is not None:
+            return self.psnr_clip_min, self.ssim_clip_min
+        return self.psnr_min, self.ssim_min
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (infinite PSNR as the string ``"inf"``)."""
         from fastdit.metrics import json_safe
 
         out = asdict(self)
-        for name in ("psnr", "psnr_min", "ssim", "ssim_min"):
-            out[name] = json_safe(out[name])
+        for name in ("psnr", "psnr_min", "ssim", "ssim_min", "psnr_clip_min", "ssim_clip_min"):
+            out[name] = None if out[name] is None else json_safe(out[name])
         return out
 
 
@@ -109,6 +121,10 @@ def bench_row(name: str, config: Any, result: RunResult, baseline: RunResult | N
         quality = compare_outputs(baseline.outputs, result.outputs, audio=result.output_kind == "audio")
         row.speedup = baseline.median_seconds / result.median_seconds
         row.psnr, row.psnr_min, row.ssim, row.ssim_min = quality.psnr, quality.psnr_min, quality.ssim, quality.ssim_min
+        if result.output_kind != "audio":
+            clips = clip_minima(result.outputs, quality)
+            if clips is not None:
+                row.psnr_clip_min, row.ssim_clip_min = clips
     return row
 
 

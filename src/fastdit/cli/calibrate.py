@@ -216,8 +216,8 @@ def _row_cells(row: BenchRow, target: Target) -> list[Any]:
     return [
         row.name,
         f"{100 * row.blocks_computed_fraction:.1f}%",
-        f"{row.psnr:.2f} / {row.psnr_min:.2f}",
-        f"{row.ssim_min:.4f}",
+        f"{row.psnr:.2f} / {row.worst[0]:.2f}",  # the worst image, or for videos the worst clip
+        f"{row.worst[1]:.4f}",
         "yes" if target.meets(row) else "no",
     ]
 
