@@ -267,3 +267,29 @@ def test_one_block_model_skips_its_only_block_on_the_timestep_noise_level() -> N
     assert stats.transformers["transformer"]["cache"]["branches"]["default"]["cached_steps"] == [1, 3, 5, 7, 9]
     assert torch.isfinite(cached).all() and not torch.equal(cached, baseline)
     assert torch.equal(sample(model, steps=10), baseline)
+
+
+def test_the_video_preset_is_the_frontier_pick_and_needs_a_latent_grid() -> None:
+    """``--cache video``: the configuration the video frontier chose; a family without a latent grid refuses it by
+    name before anything is installed, one that declares one caches steps."""
+    from fastdit.api import context_of
+    from fastdit.cache.presets import cache_config
+    from fastdit.errors import FieldError
+    from fastdit.testing.pipelines import build_tiny, run_tiny, scaled_steps
+
+    config = cache_config("video")
+    assert isinstance(config, fastdit.TeaCache) and config.signal == "spectral" and config.calibration is None
+    assert (config.threshold, config.max_skip_steps, config.retention_ratio, config.final_steps) == (0.35, 4, 0.07, 1)
+    assert config.taylorseer == fastdit.TaylorSeer(order=2, variable="timestep")
+    flux, _ = build_tiny("flux")
+    with pytest.raises(FieldError, match="flux"):
+        fastdit.accelerate(flux, cache=config)
+    assert context_of(flux) is None
+    pipe, tiny = build_tiny("wan")
+    fastdit.accelerate(pipe, cache=cache_config("video", threshold=10.0))  # every skippable step skipped
+    try:
+        out = run_tiny(pipe, tiny, **scaled_steps(tiny, 5))
+        stats = fastdit.summary(pipe).transformers["transformer"]["cache"]
+    finally:
+        fastdit.disable(pipe)
+    assert np.isfinite(out).all() and stats["num_cached_steps"] > 0
