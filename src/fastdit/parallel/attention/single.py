@@ -81,10 +81,7 @@ class SingleDeviceAttention(RoutedAttention):
         enable_gqa: bool = False,
         **_: Any,
     ) -> torch.Tensor:
-        """``dispatch_attention_fn``'s call (``(B, S, H, D)`` tensors) by the backend where it can take the call."""
-        if self._refusal(query, key, attn_mask, dropout_p, is_causal) is None:
-            self._count(None)
-            return self.local(query, key, value, attn_mask=attn_mask, scale=scale)
+        """``dispatch_attention_fn``'s call (``(B, S, H, D)`` tensors): :meth:`sdpa` on the heads-major views."""
         args = (query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
         return self.sdpa(*args, attn_mask, dropout_p, is_causal, scale, enable_gqa).transpose(1, 2)
 
