@@ -242,6 +242,32 @@ def test_a_threshold_between_the_changes_skips_some_steps(wan) -> None:
     assert 0 < len(cached) < 5
 
 
+def test_cfg_branches_measure_one_change_and_decide_alike(wan) -> None:
+    """True CFG calls both branches on the same noisy latent: each branch keeps its own accumulator, yet both read
+    the same spectral change, so per-branch and shared decisions coincide (the CFG path's misses are not a split
+    decision)."""
+    pipe, tiny = wan
+    fastdit.accelerate(pipe, cache=fastdit.TeaCache(calibrate=True, **SPECTRAL))
+    try:
+        run_tiny(pipe, tiny, num_inference_steps=6)
+        pairs = fastdit.api.context_of(pipe).state("cache", "transformer").pairs()
+    finally:
+        fastdit.disable(pipe)
+    # The input change of each step is the same float in both branches (their residual changes differ).
+    assert [x for x, _ in pairs["cond"]] == [x for x, _ in pairs["uncond"]]
+    changes = [x for x, _ in pairs["cond"]]
+    config = fastdit.TeaCache(threshold=1.01 * max(changes), max_skip_steps=2, retention_ratio=0.0, **SPECTRAL)
+    fastdit.accelerate(pipe, cache=config)
+    try:
+        run_tiny(pipe, tiny, num_inference_steps=6)
+        branches = _branches(pipe)
+    finally:
+        fastdit.disable(pipe)
+    cond, uncond = branches["cond"], branches["uncond"]
+    assert 0 < len(cond["cached_steps"]) < 5
+    assert cond["cached_steps"] == uncond["cached_steps"] and cond["residual_diffs"] == uncond["residual_diffs"]
+
+
 def test_family_without_a_latent_grid_is_refused() -> None:
     pipe, _ = build_tiny("flux")  # packed tokens: no grid declared
     with pytest.raises(FieldError) as caught:
