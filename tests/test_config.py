@@ -89,12 +89,6 @@ def test_every_field_is_documented() -> None:
             assert doc, f"{cls.__name__}.{name} has no doc"
 
 
-def test_unavailable_options_raise_not_implemented() -> None:
-    pipe = object()
-    with pytest.raises(NotImplementedError, match="flash"):
-        fastdit.accelerate(pipe, attention=fastdit.Attention(backend="flash"))
-
-
 @pytest.mark.parametrize(("cls", "name"), FIELDS, ids=[f"{cls.__name__}.{name}" for cls, name in FIELDS])
 def test_every_field_is_type_checked(cls: type, name: str) -> None:
     # Derived from the dataclass fields: a field added without a check fails here.
