@@ -81,3 +81,60 @@ def test_vae_compile_refused_with_a_parallel_decode() -> None:
     )
     with pytest.raises(ArgumentError, match=r"Compile\(vae=True\) with Parallel\(vae=True\)"):
         _check_vae_compile(request, walk(pipe))
+
+
+def _has_runner(module: torch.nn.Module) -> bool:
+    from fastdit.hooks.blocks import runner_of
+
+    return runner_of(module) is not None
+
+
+def test_outer_modules_of_flux() -> None:
+    """The transformer's children that hold no block, in order; block lists are left out."""
+    from fastdit.compile import outer_modules
+
+    pipe, _ = build_tiny("flux")
+    names = [n for n, _ in pipe.transformer.named_children()]
+    outer = [n for n, _ in outer_modules(pipe.transformer, ["transformer_blocks.0", "single_transformer_blocks.0"])]
+    assert outer == [n for n in names if n not in ("transformer_blocks", "single_transformer_blocks")]
+    assert {"pos_embed", "time_text_embed", "x_embedder", "norm_out", "proj_out"} <= set(outer)
+
+
+def test_outer_modules_compiled_and_restored() -> None:
+    """Compile(outer=True) traces the RoPE tables and the final norm too, with the eager result; disable removes
+    every runner it set."""
+    from fastdit.compile import outer_modules
+
+    torch._dynamo.reset()
+    _TRACED.clear()
+    pipe, tiny = build_tiny("flux")
+    expected = run_tiny(pipe, tiny, num_inference_steps=2)
+    blocks = ["transformer_blocks.0", "single_transformer_blocks.0"]
+    outer = [m for _, m in outer_modules(pipe.transformer, blocks)]
+    fastdit.accelerate(pipe, compile=fastdit.Compile(backend=_BACKEND, outer=True))
+    try:
+        assert all(_has_runner(m) for m in outer)
+        out = run_tiny(pipe, tiny, num_inference_steps=2)
+    finally:
+        fastdit.disable(pipe)
+    torch._dynamo.reset()
+    assert any("cos" in code for code in _TRACED), "the RoPE tables were never traced"
+    assert any("layer_norm" in code for code in _TRACED), "norm_out was never traced"
+    np.testing.assert_allclose(out, expected, atol=1e-6)
+    assert not any(_has_runner(m) for m in outer)
+
+
+def test_outer_modules_eager_by_default() -> None:
+    pipe, _ = build_tiny("flux")
+    fastdit.accelerate(pipe, compile=fastdit.Compile(backend="eager"))
+    try:
+        assert _has_runner(pipe.transformer.transformer_blocks[0])
+        assert not _has_runner(pipe.transformer.pos_embed)
+        assert not _has_runner(pipe.transformer.norm_out)
+    finally:
+        fastdit.disable(pipe)
+
+
+def test_outer_field_checked() -> None:
+    with pytest.raises(FieldError, match="outer"):
+        fastdit.Compile(outer=1)

@@ -4,6 +4,10 @@ Each block's own computation is compiled as the ``compiled`` stage of its :class
 beneath every fastdit layer: cache hooks (which read host values to decide) and parallel splits stay eager around
 it. Repeated blocks share one compiled graph per block class and shape (dynamo caches by code object).
 
+With ``Compile(outer=True)`` the transformer's other direct children — embedders, RoPE tables, the final norm and
+projection — get a ``compiled`` stage of their own in the same way (:func:`outer_modules`): hooks on them (parallel
+splits) stay eager around the compiled computation, as on a block.
+
 With ``Compile(vae=True)`` each VAE's decoder module is compiled whole as well (:func:`apply_vae_compile`): it runs once
 per image after the denoising loop, with no fastdit layer inside it.
 """
@@ -19,7 +23,7 @@ from fastdit.hooks import blocks as block_runner
 from fastdit.hooks import layers
 from fastdit.hooks.state import Applied
 
-__all__ = ["apply_compile", "apply_vae_compile", "vae_decoder"]
+__all__ = ["apply_compile", "apply_vae_compile", "outer_modules", "vae_decoder"]
 
 
 def _options(config: Compile) -> dict:
@@ -38,6 +42,20 @@ def apply_compile(modules: Sequence[torch.nn.Module], config: Compile) -> Applie
             fn()
 
     return Applied(restore)
+
+
+def outer_modules(transformer: torch.nn.Module, block_names: Sequence[str]) -> list[tuple[str, torch.nn.Module]]:
+    """The transformer's direct children that hold none of its blocks (``block_names``, dotted paths), in order.
+
+    Containers (``ModuleList`` / ``ModuleDict``) are left out: they have no computation of their own to compile.
+    """
+    holders = {name.split(".", 1)[0] for name in block_names}
+    containers = (torch.nn.ModuleList, torch.nn.ModuleDict)
+    return [
+        (name, child)
+        for name, child in transformer.named_children()
+        if name not in holders and not isinstance(child, containers)
+    ]
 
 
 def vae_decoder(vae: torch.nn.Module) -> torch.nn.Module | None:

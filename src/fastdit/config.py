@@ -821,10 +821,18 @@ class Compile:
         False,
     )
 
+    outer: bool = _doc(
+        "Also compile each of the transformer's modules outside its blocks (patch, time and text embedders, RoPE "
+        "tables, the final norm and projection) on its own: a step a cache skips runs little else, so their many "
+        "small kernels are most of what such a step costs beyond its front blocks.",
+        False,
+    )
+
     def __post_init__(self) -> None:
         _check_fields(
             self,
             vae=_BOOL,
+            outer=_BOOL,
             backend=_TEXT,
             mode=_optional(_TEXT),
             fullgraph=_BOOL,

@@ -460,12 +460,16 @@ class _Compile:
             _check_vae_compile(request, components)
 
     def apply(self, context: Context) -> None:
-        from fastdit.compile import apply_compile, apply_vae_compile
+        from fastdit.compile import apply_compile, apply_vae_compile, outer_modules
         from fastdit.components.registry import VAE
 
+        config = context.request.compile
         for item in context.components.denoisers:
-            applied = apply_compile([block for _, block in item.blocks()], context.request.compile)
-            context.add(self.name, item.name, applied.undo)
+            blocks = item.blocks()
+            modules = [block for _, block in blocks]
+            if config.outer:
+                modules += [module for _, module in outer_modules(item.module, [name for name, _ in blocks])]
+            context.add(self.name, item.name, apply_compile(modules, config).undo)
         if context.request.compile.vae:
             for item in context.components.of(VAE):
                 context.add("compile.vae", item.name, apply_vae_compile([item.module], context.request.compile).undo)

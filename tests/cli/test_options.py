@@ -215,5 +215,6 @@ def test_compile_vae_flag_compiles_blocks_and_decoder() -> None:
 
     assert acceleration_options(_args("--compile-vae"), 4)["compile"] == Compile(vae=True)
     assert acceleration_options(_args("--compile"), 4)["compile"] == Compile()
+    assert acceleration_options(_args("--compile-outer"), 4)["compile"] == Compile(outer=True)
     error = FieldError("Compile", "vae", "x", "must be a bool")
     assert field_error_message(error, _args("--compile-vae")).startswith("argument --compile-vae: ")

@@ -207,6 +207,34 @@ class FamilySuite:
         assert plain.calls == 0 or any(s["served_calls"] > 0 for s in served), served
         np.testing.assert_array_equal(run_tiny(pipe, tiny), baseline)
 
+    def test_compiled_outer_modules(self, built: dict, variant: str) -> None:
+        """What ``Compile(outer=True)`` adds to the compiled blocks: every module outside the blocks (embedders, RoPE
+        tables, final norm and projection) computed through dynamo (eager backend: it traces each of them) gives the
+        eager output within float32 rounding, and the undo takes every compiled stage off again. (The whole option
+        through ``accelerate`` is tested in ``tests/test_compile.py``.)"""
+        from fastdit.compile import apply_compile, outer_modules
+        from fastdit.components import walk
+        from fastdit.hooks.blocks import runner_of
+
+        pipe, tiny = self._pipe(built, variant)
+        baseline = run_tiny(pipe, tiny)
+        outer = [
+            module
+            for item in walk(pipe).denoisers
+            for _, module in outer_modules(item.module, [name for name, _ in item.blocks()])
+        ]
+        assert outer, "no module outside the blocks"
+        torch._dynamo.reset()
+        applied = apply_compile(outer, fastdit.Compile(backend="eager"))
+        try:
+            out = run_tiny(pipe, tiny)
+            assert all(runner_of(m) is not None and runner_of(m).compiled for m in outer)
+        finally:
+            applied.undo()
+            torch._dynamo.reset()
+        np.testing.assert_allclose(out, baseline, atol=1e-5, rtol=0)
+        assert not any(runner_of(m) for m in outer), "the undo left a compiled stage"
+
     @pytest.mark.slow
     def test_verify_cache_rung(self, built: dict, variant: str) -> None:
         """The cache rung of ``fastdit verify`` (the same check, called here): it passes and leaves the pipeline
@@ -263,5 +291,13 @@ def _transformers(pipe, adapter) -> list:
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Parametrize ``variant`` over the family's tiny pipelines (called from each family test module)."""
-    if "variant" in metafunc.fixturenames:
-        metafunc.parametrize("variant", _variants(metafunc.cls.family))
+    if "variant" not in metafunc.fixturenames:
+        return
+    variants = _variants(metafunc.cls.family)
+    if metafunc.function.__name__ in _FIRST_VARIANT_BY_DEFAULT:  # every family by default, its other variants slow
+        variants = [pytest.param(v, marks=[pytest.mark.slow] if i else []) for i, v in enumerate(variants)]
+    metafunc.parametrize("variant", variants)
+
+
+# Capability tests costly enough (dynamo traces) that the default run takes each family's first variant only.
+_FIRST_VARIANT_BY_DEFAULT = frozenset({"test_compiled_outer_modules"})

@@ -143,6 +143,12 @@ def add_acceleration_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch.compile the VAE decoders too (implies --compile; not with a parallel VAE decode)",
     )
     group.add_argument(
+        "--compile-outer",
+        action="store_true",
+        help="torch.compile the transformer's modules outside its blocks too (embedders, RoPE, final norm and "
+        "projection: most of what a cached step costs beyond its front blocks; implies --compile)",
+    )
+    group.add_argument(
         "--cuda-graph",
         action="store_true",
         help="replay transformer calls as CUDA graphs (CUDA only; with --cache each block is graphed and the cache "
@@ -286,8 +292,8 @@ def acceleration_options(args: argparse.Namespace, num_steps: int | None, model:
         options["parallel"] = with_timeout(args, parse_parallel(args.parallel, num_processes))
     else:
         with_timeout(args, None)  # refuses --dist-timeout alone
-    if args.compile or args.compile_vae:
-        options["compile"] = Compile(vae=args.compile_vae)
+    if args.compile or args.compile_vae or args.compile_outer:
+        options["compile"] = Compile(vae=args.compile_vae, outer=args.compile_outer)
     if args.cuda_graph:  # graphs without dynamo unless --compile is given too
         options["cuda_graph"] = CudaGraph()
     if args.quantize is not None:
@@ -361,7 +367,7 @@ def plan_from_args(args: argparse.Namespace) -> GeneratePlan:
     device = resolve_device(args.device)
     configure_threads(args.threads, reference=source.reference, device=device)
     video = is_video_pipeline(pipeline_class)
-    default_warmup = 1 if compare or args.compile or args.compile_vae or args.cuda_graph else 0
+    default_warmup = 1 if compare or args.compile or args.compile_vae or args.compile_outer or args.cuda_graph else 0
     return GeneratePlan(
         source=source,
         pipeline_class=pipeline_class,

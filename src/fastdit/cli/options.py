@@ -599,6 +599,7 @@ _ACCELERATION_FIELD_FLAGS: Mapping[tuple[str, str], str] = MappingProxyType(
         ("Compile", "backend"): "--compile",
         ("Compile", "cuda_graph"): "--cuda-graph",
         ("Compile", "vae"): "--compile-vae",
+        ("Compile", "outer"): "--compile-outer",
         **{("CudaGraph", name): "--cuda-graph" for name in ("device", "scope", "warmup", "max_graphs")},
         ("Attention", "backend"): "--attention",
         **{("Offload", name): "--offload" for name, _default, _doc in config_fields(Offload)},
@@ -620,7 +621,7 @@ _CONFIG_FLAGS: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
         **{cls.__name__: ("--cache", "--configs") for cls in (DBCache, DBPrune, TaylorSeer, StepMask)},
         "Parallel": ("--parallel",),
-        "Compile": ("--compile", "--compile-vae", "--cuda-graph"),
+        "Compile": ("--compile", "--compile-vae", "--compile-outer", "--cuda-graph"),
         "CudaGraph": ("--cuda-graph",),
         "Attention": ("--attention",),
         "Offload": ("--offload",),

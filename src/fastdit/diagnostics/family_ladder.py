@@ -202,7 +202,8 @@ class RungSpec:
             same cache on one process.
         cache: Any other step cache instead (:func:`forced_teacache`, :func:`forecast_cache` ...), judged the same
             way; not with ``cache_bn``.
-        compile: Compile the blocks (eager backend: traces through the layouts at CPU-test cost).
+        compile: Compile the blocks and the modules outside them (eager backend: traces through the layouts at
+            CPU-test cost).
         offload: Stream the blocks from host memory, keeping this many resident (``None``: no offload).
         check_disable: After this rung's ``disable`` the output must equal the baseline bit for bit.
         attention: An :attr:`~fastdit.Attention.backend` for the rung (``None``: the default). Its reference on one
@@ -229,7 +230,7 @@ class RungSpec:
         if cache is not None:
             options["cache"] = cache
         if self.compile:
-            options["compile"] = Compile(backend="eager", fullgraph=False)
+            options["compile"] = Compile(backend="eager", fullgraph=False, outer=True)
         if self.offload is not None:
             options["offload"] = Offload(resident_blocks=self.offload)
         reference = {} if cache is None else {"cache": cache}
