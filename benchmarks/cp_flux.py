@@ -70,7 +70,8 @@ LAYOUTS = ("single", "ulysses", "ring", "usp", "tp", "tp_ulysses", "cfg", "cfg_u
 # K-th step (cache = cache2); magP: MagCache preset P (balanced, fast, ultra) with the reference pipeline's packaged
 # calibration, so its steps compute on the schedule they compute on there (28 steps only; whole steps skipped);
 # vae: with compile, the VAE decoder is compiled too (Compile(vae=True)); ahead: the fixed-schedule DBCache decides
-# ahead (DBCache.decide_ahead: its drift statistic is read a step later, so no step waits for the device).
+# ahead (DBCache.decide_ahead: its drift statistic is read a step later, so no step waits for the device);
+# outer: with compile, the modules outside the blocks are compiled too (Compile(outer=True)).
 OPTIONS = (
     "compile",
     "graph",
@@ -88,6 +89,7 @@ OPTIONS = (
     "magultra",
     "vae",
     "ahead",
+    "outer",
 )
 ANCHOR_MODES = ("diffusers_ulysses", "cachedit_ulysses", "diffusers_tp", "diffusers_compile")
 # diffusers_compile: one GPU, diffusers' own compile_repeated_blocks(fullgraph=True) of the transformer.
@@ -256,7 +258,9 @@ def compile_for(options: list[str]) -> fastdit.Compile | None:
     """The Compile config of a mode's options (``graph`` alone graphs eager kernels, without dynamo)."""
     if not {"compile", "cudagraphs"} & set(options):
         return None
-    return fastdit.Compile(mode="reduce-overhead" if "cudagraphs" in options else None, vae="vae" in options)
+    return fastdit.Compile(
+        mode="reduce-overhead" if "cudagraphs" in options else None, vae="vae" in options, outer="outer" in options
+    )
 
 
 def graphs_for(options: list[str]) -> fastdit.CudaGraph | None:

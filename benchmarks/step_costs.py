@@ -37,6 +37,8 @@ from fastdit.bench import device_name, json_ready, markdown_table
 from fastdit.io import write_json
 from fastdit.process import choose_device
 
+# The FLUX transformer's modules outside its blocks, each called once per transformer call.
+OUTER_MODULES = ("x_embedder", "time_text_embed", "context_embedder", "pos_embed", "norm_out", "proj_out")
 DEFAULT_MODES = (
     "single+compile+graph",
     "single+compile+graph+cache",
@@ -87,12 +89,15 @@ def measure_mode(pipe: Any, mode: str, kwargs: dict[str, Any], device: torch.dev
         start = time.perf_counter()
         call()
         first_s = time.perf_counter() - start
-        steps_clock, front_clock = StreamClock(device), StreamClock(device)
+        steps_clock, front_clock, end_clock = StreamClock(device), StreamClock(device), StreamClock(device)
+        outer_clocks = {name: StreamClock(device) for name in OUTER_MODULES}
         handles = [
             pipe.transformer.register_forward_pre_hook(lambda *_: steps_clock.mark()),
-            pipe.transformer.transformer_blocks[0].register_forward_pre_hook(lambda *_: front_clock.mark()),
-            pipe.transformer.transformer_blocks[0].register_forward_hook(lambda *_: front_clock.mark()),
+            pipe.transformer.register_forward_hook(lambda *_: end_clock.mark()),
+            *marks_around(pipe.transformer.transformer_blocks[0], front_clock),
         ]
+        for name, clock in outer_clocks.items():
+            handles += marks_around(getattr(pipe.transformer, name), clock)
         try:
             start = time.perf_counter()
             call()
@@ -108,6 +113,10 @@ def measure_mode(pipe: Any, mode: str, kwargs: dict[str, Any], device: torch.dev
         undo()
     step_ms = steps_clock.intervals_ms()
     front_ms = front_clock.intervals_ms()[::2]  # pre -> post of each call
+    starts, ends = steps_clock.marks[:-1], end_clock.marks
+    # From a call's end to the next call's start: the scheduler and the pipeline's loop (on the stream's timeline).
+    between = [e.elapsed_time(s) if end_clock.cuda else 1e3 * (s - e) for e, s in zip(ends, starts[1:], strict=False)]
+    outer_ms = {name: clock.intervals_ms()[::2] for name, clock in outer_clocks.items()}
     return {
         "mode": mode,
         "first_call_s": round(first_s, 3),
@@ -117,7 +126,19 @@ def measure_mode(pipe: Any, mode: str, kwargs: dict[str, Any], device: torch.dev
         "computed_step_ms": median([x for i, x in enumerate(step_ms) if i not in cached]),
         "cached_step_ms": median([x for i, x in enumerate(step_ms) if i in cached]),
         "front_block_ms_cached_steps": median([x for i, x in enumerate(front_ms) if i in cached]),
+        "between_calls_ms_after_cached": median([x for i, x in enumerate(between) if i in cached]),
+        "outer_ms_cached_steps": {
+            name: median([x for i, x in enumerate(values) if i in cached]) for name, values in outer_ms.items()
+        },
     }
+
+
+def marks_around(module: torch.nn.Module, clock: StreamClock) -> list[Any]:
+    """Hooks marking ``clock`` before and after each call of ``module``."""
+    return [
+        module.register_forward_pre_hook(lambda *_: clock.mark()),
+        module.register_forward_hook(lambda *_: clock.mark()),
+    ]
 
 
 def cached_steps(pipe: Any) -> set[int]:
@@ -181,7 +202,8 @@ def main() -> None:
     rows = [measure_mode(pipe, mode, kwargs, device, args.steps) for mode in args.modes.split(",")]
     print(f"\nFLUX.1-dev-sized ({'tiny' if args.tiny else 'full'}), {size}x{size}, {args.steps} steps, "
           f"{device_name(device)}; one block alone: {blocks}\n")  # fmt: skip
-    header = ("mode", "wall s", "cached steps", "computed step ms", "cached step ms", "front block ms (cached steps)")
+    header = ("mode", "wall s", "cached steps", "computed step ms", "cached step ms", "front block ms (cached steps)",
+              "outer modules ms (cached steps)", "between calls ms")  # fmt: skip
     cells = [
         (
             r["mode"],
@@ -190,6 +212,8 @@ def main() -> None:
             r["computed_step_ms"],
             r["cached_step_ms"],
             r["front_block_ms_cached_steps"],
+            sum(v for v in r["outer_ms_cached_steps"].values() if v is not None) if r["cached_steps"] else None,
+            r["between_calls_ms_after_cached"],
         )
         for r in rows
     ]
