@@ -23,10 +23,20 @@ Reducer = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _l1_sums(current: torch.Tensor, previous: torch.Tensor, reduce: Reducer | None) -> torch.Tensor:
-    """``[sum|current − previous|, sum|previous|]`` over every element (and every rank, with ``reduce``)."""
-    a = current.float()
-    b = previous.float()
-    sums = torch.stack([(a - b).abs().sum(), b.abs().sum()])
+    """``[sum|current − previous|, sum|previous|]`` over every element (and every rank, with ``reduce``), summed in
+    float32.
+
+    The difference is taken in the tensors' own dtype and only the sums accumulate in float32: three passes over the
+    hidden state instead of the nine a float32 copy of both operands takes (on a 1024² FLUX step's 25 MB bfloat16
+    residual, ≈ 950 MB of traffic down to ≈ 125 MB, run on every step a first-block cache decides). Rounding the
+    difference to bfloat16 moves the relative drift by at most ≈ 0.4 %, far inside any threshold's resolution;
+    float32 inputs (the CPU) lose nothing.
+    """
+    if current.dtype != previous.dtype:  # a forecast reference may carry another dtype: compare in float32
+        current, previous = current.float(), previous.float()
+    diff = torch.linalg.vector_norm(current - previous, ord=1, dtype=torch.float32)
+    base = torch.linalg.vector_norm(previous, ord=1, dtype=torch.float32)
+    sums = torch.stack([diff, base])
     return reduce(sums) if reduce is not None else sums
 
 
