@@ -255,7 +255,7 @@ class TeaCacheEngine(WholeStepEngine):
         """This step's change of the signal: read now, or (deciding ahead) sent to the host to be read next step."""
         acc = state.policy
         if self._ahead:
-            # Reduced like the read below, at the same step on every rank: every rank reads the same float later.
+            # Reduced now, at the same step on every rank, so that every rank reads the same float next step.
             sums = l1_sums(current, previous, self.reducer)
             acc.pending = PendingDrift.launch(sums, state.step, state.step - 1, acc.pending)
         else:
