@@ -607,6 +607,14 @@ class TeaCache:
     noisy latent filtered over its grid with a gain that follows the step's noise level
     (:mod:`fastdit.cache.spectral`) — and accumulates it as it is unless a calibration of that signal is given. It
     needs a model whose adapter declares its latent (``ModelAdapter.latent``).
+
+    ``decide_ahead=True`` keeps the host from waiting for the device each step: the step's change is sent to pinned
+    host memory behind its kernels and read at the next step, and the decision of step *t* takes the change of step
+    *t − 1* for its own — ``accumulated + rescaled(d[t−1])`` against the threshold, where ``accumulated`` is the exact
+    sum through step *t − 1*, corrected with each true change when it arrives, so the lag never compounds. Both
+    signals work (each measures before the step's blocks). The first two steps compute (no earlier change is
+    known); retained and final steps, the cap and the restart after a computed step are as without it. A calibration
+    run ignores it (every step computes and records its own change).
     """
 
     threshold: float = _doc("Accumulated rescaled input change below which a step is skipped (0: never skip).", 0.2)
@@ -634,10 +642,16 @@ class TeaCache:
         "Keep separate cache state per CFG branch. None: automatic (per cache context / per call within a step).",
         None,
     )
+    decide_ahead: bool = _doc(
+        "Decide each step with the previous step's measured change standing in for its own (corrected when its "
+        "own arrives a step later), so the host never waits for the device. False: wait for the step's own change.",
+        False,
+    )
 
     def __post_init__(self) -> None:
         _check_fields(
             self,
+            decide_ahead=_BOOL,
             threshold=_number(0),
             max_skip_steps=_integer(1),
             retention_ratio=_number(0, 1),

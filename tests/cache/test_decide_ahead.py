@@ -114,10 +114,10 @@ def _pipeline() -> Any:
     return pipe
 
 
-def _ahead(rank: int, world_size: int, ulysses: int) -> tuple[np.ndarray, list, list]:
+def _ahead(rank: int, world_size: int, layout: dict[str, int]) -> tuple[np.ndarray, list, list]:
     pipe = _pipeline()
     config = fastdit.DBCache(fn=1, bn=0, threshold=0.3, warmup_steps=1, decide_ahead=True)
-    fastdit.accelerate(pipe, cache=config, parallel=fastdit.Parallel(ulysses=ulysses) if ulysses > 1 else None)
+    fastdit.accelerate(pipe, cache=config, parallel=fastdit.Parallel(**layout) if layout else None)
     try:
         images = pipe(**CALL, generator=torch.Generator().manual_seed(0), output_type="np").images
         (branch,) = fastdit.summary(pipe).transformers["transformer"]["cache"]["branches"].values()
@@ -132,10 +132,11 @@ def dist2() -> WorkerPool:
 
 
 @pytest.mark.distributed
-def test_decisions_under_ulysses_match_one_process(dist2: WorkerPool) -> None:
-    images, steps, diffs = _ahead(0, 1, 1)
+@pytest.mark.parametrize("layout", [{"ulysses": 2}, {"ring": 2}], ids=["ulysses2", "ring2"])
+def test_decisions_under_context_parallelism_match_one_process(dist2: WorkerPool, layout: dict[str, int]) -> None:
+    images, steps, diffs = _ahead(0, 1, {})
     assert steps and len(steps) < 6, f"some steps must cache and some compute, cached {steps}"
-    for rank_images, rank_steps, rank_diffs in dist2.run(_ahead, 2, timeout=120):
+    for rank_images, rank_steps, rank_diffs in dist2.run(_ahead, layout, timeout=120):
         assert rank_steps == steps  # the drift is reduced over the ranks: one decision everywhere
         np.testing.assert_allclose(
             [d for d in rank_diffs if d is not None], [d for d in diffs if d is not None], rtol=1e-4

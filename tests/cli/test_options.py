@@ -18,7 +18,7 @@ from fastdit.cli.options import (
     parse_quantize,
     parse_value,
 )
-from fastdit.config import Compile, DBCache, DBPrune, Parallel, Quantize, StepMask, TaylorSeer
+from fastdit.config import Compile, DBCache, DBPrune, Parallel, Quantize, StepMask, TaylorSeer, TeaCache
 from fastdit.errors import FieldError, FieldsError
 from fastdit.testing.pipelines import build_tiny
 
@@ -92,6 +92,18 @@ def test_every_cache_field_error_names_its_flag(cls: type, name: str) -> None:
     assert field_error_message(error, _args(flag, "v")) == f"argument {flag} v: {error}"
     # Not passed: the preset that chose the value is blamed.
     assert field_error_message(error, _args("--cache", "fast")) == f"argument --cache fast: {error}"
+
+
+def test_cache_flags_set_the_teacache_fields_of_their_name() -> None:
+    from fastdit.cli.options import cache_from_args
+
+    config = cache_from_args(_args("--cache", "video", "--cache-decide-ahead", "true"), 28)
+    assert isinstance(config, TeaCache) and config.decide_ahead and config.signal == "spectral"
+    error = FieldError("TeaCache", "decide_ahead", "v", "must be a bool")
+    flag = "--cache-decide-ahead"
+    assert field_error_message(error, _args(flag, "v")) == f"argument {flag} v: {error}"
+    with pytest.raises(CLIError, match=r"argument --cache-threshold -1: TeaCache\.threshold"):
+        cache_from_args(_args("--cache", "video", "--cache-threshold", "-1"), 28)
 
 
 @pytest.mark.parametrize(

@@ -16,21 +16,28 @@ from fastdit.cache.taylorseer import taylor_position
 from fastdit.config import DBCache, StepMask
 from fastdit.errors import FieldError
 
-__all__ = ["PendingDrift", "Reducer", "check_run_length", "decide", "forced_decision", "relative_l1"]
+__all__ = ["PendingDrift", "Reducer", "check_run_length", "decide", "forced_decision", "l1_sums", "relative_l1"]
 
 # Sums a small tensor across the ranks that share one sample (identity on one process).
 Reducer = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _l1_sums(current: torch.Tensor, previous: torch.Tensor, reduce: Reducer | None) -> torch.Tensor:
+def l1_sums(current: torch.Tensor, previous: torch.Tensor, reduce: Reducer | None) -> torch.Tensor:
     """``[sum|current − previous|, sum|previous|]`` over every element (and every rank, with ``reduce``), summed in
     float32.
 
     The difference is taken in the tensors' own dtype and only the sums accumulate in float32: three passes over the
     hidden state instead of the nine a float32 copy of both operands takes (on a 1024² FLUX step's 25 MB bfloat16
-    residual, ≈ 950 MB of traffic down to ≈ 125 MB, run on every step a first-block cache decides). Rounding the
-    difference to bfloat16 moves the relative drift by at most ≈ 0.4 %, far inside any threshold's resolution;
-    float32 inputs (the CPU) lose nothing.
+    residual, ≈ 950 MB of traffic down to ≈ 125 MB). Rounding the difference to bfloat16 moves the relative drift by
+    at most ≈ 0.4 %, far inside any threshold's resolution; float32 inputs (the CPU) lose nothing.
+
+    Args:
+        current: This step's tensor (a rank's slice of it under context parallelism).
+        previous: What it is compared with, of the same shape.
+        reduce: Sums the two values over the ranks that share a sample (``None``: one process).
+
+    Returns:
+        A two-element float32 tensor on the tensors' device; nothing is read on the host.
     """
     if current.dtype != previous.dtype:  # a forecast reference may carry another dtype: compare in float32
         current, previous = current.float(), previous.float()
@@ -46,20 +53,21 @@ def _ratio(num: float, den: float) -> float:
 
 def relative_l1(current: torch.Tensor, previous: torch.Tensor, reduce: Reducer | None = None) -> float:
     """``mean|current − previous| / mean|previous|`` over every element (and every rank, with ``reduce``)."""
-    return _ratio(*_l1_sums(current, previous, reduce).tolist())
+    return _ratio(*l1_sums(current, previous, reduce).tolist())
 
 
 class PendingDrift:
-    """A front residual's relative-L1 drift on its way to the host, read one step after it was measured.
+    """A relative-L1 change on its way to the host, read one step after it was measured.
 
-    On a CUDA device the two sums are copied into pinned host memory behind the kernels that make them; by the next
+    DBCache's decision ahead sends the front residual's drift this way, TeaCache's the change of its signal. On a
+    CUDA device the two sums are copied into pinned host memory behind the kernels that make them; by the next
     step's decision those kernels are long done, so the read waits for nothing. Elsewhere the value is read at once
     (a host tensor costs nothing to read).
 
     Args:
         sums: ``[sum|r − ref|, sum|ref|]`` (reduced across the ranks that share a sample).
         step: The step it was measured at.
-        reference_step: The step of the residual it was measured against.
+        reference_step: The step of the tensor it was measured against.
         buffer: A pinned two-element float32 host tensor to copy into (CUDA only; reused step after step).
     """
 
@@ -75,6 +83,21 @@ class PendingDrift:
             self.buffer = buffer
         else:
             self._values = sums.tolist()
+
+    @classmethod
+    def launch(cls, sums: torch.Tensor, step: int, reference_step: int, previous: PendingDrift | None) -> PendingDrift:
+        """Send ``sums`` on their way, into ``previous``'s pinned buffer (read already) or a new one on CUDA.
+
+        Args:
+            sums: As for the constructor.
+            step: As for the constructor.
+            reference_step: As for the constructor.
+            previous: The last change sent by the same branch, whose value the host has read (``None``: none yet).
+        """
+        buffer = previous.buffer if previous is not None else None
+        if buffer is None and sums.device.type == "cuda":
+            buffer = torch.empty(2, dtype=torch.float32, pin_memory=True)
+        return cls(sums, step, reference_step, buffer)
 
     def drift(self) -> float:
         """The relative-L1 drift (waits for the copy only if its kernels have not run yet)."""
@@ -191,9 +214,6 @@ def _drift_ahead(config: DBCache, state: BranchState, residual: torch.Tensor, re
     if pending is not None and pending.step > pending.reference_step:
         rate = pending.drift() / (pending.step - pending.reference_step)
         predicted = rate * (state.step - state.reference_step)
-    sums = _l1_sums(residual, _reference(config, state), reduce)
-    buffer = pending.buffer if pending is not None else None
-    if buffer is None and sums.device.type == "cuda":
-        buffer = torch.empty(2, dtype=torch.float32, pin_memory=True)
-    state.pending_drift = PendingDrift(sums, state.step, state.reference_step, buffer)
+    sums = l1_sums(residual, _reference(config, state), reduce)
+    state.pending_drift = PendingDrift.launch(sums, state.step, state.reference_step, pending)
     return predicted

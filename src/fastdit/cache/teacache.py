@@ -21,6 +21,11 @@ Under context parallelism each rank holds a slice of the input: the two sums of 
 the ranks that share a sample (``context.cache_reducer``) before the host reads them, so every rank accumulates the
 same number and takes the same branch. The spectral signal's latent is whole on every rank; its sums are reduced
 all the same, so that every rank reads the one float the reduction returns.
+
+With :attr:`~fastdit.config.TeaCache.decide_ahead` the two sums are not read at the step that measures them: they
+are sent to the host (:class:`~fastdit.cache.policy.PendingDrift`) and read at the next step, whose decision takes
+the change they carry for its own and corrects the accumulator with it (:func:`tea_decide_ahead`). Every rank sends
+the same reduction at the same step and reads it at the same later one, so the decisions stay equal across ranks.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastdit.cache.policy import Reducer, relative_l1
+from fastdit.cache.policy import PendingDrift, Reducer, l1_sums, relative_l1
 from fastdit.cache.spectral import latent_axes, noise_to_signal, spectral_estimate, timestep_sigma
 from fastdit.cache.state import BranchState
 from fastdit.cache.whole_step import WholeStepEngine, segment_residuals
@@ -57,6 +62,7 @@ __all__ = [
     "retained_steps",
     "save_calibration",
     "tea_decide",
+    "tea_decide_ahead",
     "video_reference_calibration",
     "video_reference_calibration_path",
 ]
@@ -83,6 +89,11 @@ class TeaAccumulator:
     # Calibration: the residual segments of the last computed step and the (x, y) pairs recorded so far.
     residuals: list[torch.Tensor] = field(default_factory=list)
     pairs: list[tuple[float, float]] = field(default_factory=list)
+    # decide_ahead: the change sent to the host at the step it was measured (read at the next step), the previous
+    # step's change as this step read it (None when none was measured), and the estimate this step decided on.
+    pending: PendingDrift | None = None
+    lagged: float | None = None
+    estimate: float | None = None
 
     def restart(self) -> None:
         """Start accumulating afresh (after a computed step)."""
@@ -99,6 +110,22 @@ def rescaled(config: TeaCache, distance: float) -> float:
     return distance if config.calibration is None else config.calibration.rescale(distance)
 
 
+def _forced(config: TeaCache, acc: TeaAccumulator, step: int, distance: float | None, has_cache: bool) -> bool:
+    """Whether step ``step`` computes whatever the accumulator holds (``distance``: the change it would add)."""
+    num_steps = acc.num_steps
+    return (
+        not has_cache
+        or config.threshold == 0  # the no-op setting: never skip
+        or (config.calibration is None and config.signal == "input")
+        or distance is None
+        or not math.isfinite(distance)  # the previous input was all zeros: nothing to compare with
+        or (num_steps is not None and step < retained_steps(config, num_steps))
+        # The scheduler's count may fall short of the steps taken (second-order samplers): without final steps to
+        # keep, the steps past it decide like any other.
+        or (num_steps is not None and config.final_steps > 0 and step >= num_steps - config.final_steps)
+    )
+
+
 def tea_decide(config: TeaCache, acc: TeaAccumulator, step: int, distance: float | None, has_cache: bool) -> bool:
     """Whether step ``step`` computes (``True``) or reuses the cached residual; updates ``acc``.
 
@@ -110,22 +137,40 @@ def tea_decide(config: TeaCache, acc: TeaAccumulator, step: int, distance: float
             (``None`` at the first step).
         has_cache: Whether a residual of an earlier computed step is there to reuse.
     """
-    num_steps = acc.num_steps
-    forced = (
-        not has_cache
-        or config.threshold == 0  # the no-op setting: never skip
-        or (config.calibration is None and config.signal == "input")
-        or distance is None
-        or not math.isfinite(distance)  # the previous input was all zeros: nothing to compare with
-        or (num_steps is not None and step < retained_steps(config, num_steps))
-        # The scheduler's count may fall short of the steps taken (second-order samplers): without final steps to
-        # keep, the steps past it decide like any other.
-        or (num_steps is not None and config.final_steps > 0 and step >= num_steps - config.final_steps)
-    )
-    if not forced:
+    if not _forced(config, acc, step, distance, has_cache):
         acc.accumulated += rescaled(config, distance)
         acc.skipped += 1
         if acc.accumulated < config.threshold and acc.skipped <= config.max_skip_steps:
+            return False
+    acc.restart()
+    return True
+
+
+def tea_decide_ahead(config: TeaCache, acc: TeaAccumulator, step: int, lagged: float | None, has_cache: bool) -> bool:
+    """:func:`tea_decide` for :attr:`TeaCache.decide_ahead`: step ``step`` decided before its own change is read.
+
+    ``acc.accumulated`` holds the exact sum of the rescaled changes since the last computed step, through step
+    ``step − 1``: the previous step's change, arriving now, first takes its place there if that step was skipped (a
+    computed step restarts the sum, as without deciding ahead). The same change then stands in for this step's own,
+    so the decision compares ``accumulated + rescaled(lagged)`` with the threshold, and stores it in
+    ``acc.estimate``. Each estimate is replaced by the true value a step later, so the lag never compounds: a
+    decision differs from :func:`tea_decide`'s only where this step's change differs from the previous one.
+
+    Args:
+        config: As for :func:`tea_decide`.
+        acc: As for :func:`tea_decide`; ``acc.skipped > 0`` tells that the previous step was skipped.
+        step: 0-based step index.
+        lagged: The relative L1 change measured at step ``step − 1`` (against step ``step − 2``), reduced over the
+            ranks; ``None`` when none was (the first two steps).
+        has_cache: Whether a residual of an earlier computed step is there to reuse.
+    """
+    if acc.skipped > 0 and lagged is not None:
+        acc.accumulated += rescaled(config, lagged)
+    acc.estimate = None
+    if not _forced(config, acc, step, lagged, has_cache):
+        acc.estimate = acc.accumulated + rescaled(config, lagged)
+        acc.skipped += 1
+        if acc.estimate < config.threshold and acc.skipped <= config.max_skip_steps:
             return False
     acc.restart()
     return True
@@ -181,7 +226,12 @@ class TeaCacheEngine(WholeStepEngine):
         state.blocks_total += self.num_blocks
         if state.step == 0 or state.policy is None:
             state.policy = TeaAccumulator(num_steps=self._run_length())
-        state.policy.distance = None
+        acc = state.policy
+        acc.distance = None
+        # Read before this step sends its own change (into the same pinned buffer): the previous step's kernels
+        # were issued a whole step ago, so on a GPU the read finds them done.
+        pending = acc.pending
+        acc.lagged = pending.drift() if self._ahead and pending is not None and pending.step == state.step - 1 else None
         state.computing = True
 
     def _run_length(self) -> int | None:
@@ -195,6 +245,21 @@ class TeaCacheEngine(WholeStepEngine):
     def reads_latent(self) -> bool:
         """Whether the signal is the spectral one (measured on each call's noisy latent)."""
         return self.config.signal == "spectral"
+
+    @property
+    def _ahead(self) -> bool:
+        # A calibration run computes every step and records each step's own change: nothing to decide ahead.
+        return self.config.decide_ahead and not self.config.calibrate
+
+    def _measure(self, state: BranchState, current: torch.Tensor, previous: torch.Tensor) -> None:
+        """This step's change of the signal: read now, or (deciding ahead) sent to the host to be read next step."""
+        acc = state.policy
+        if self._ahead:
+            # Reduced now, at the same step on every rank, so that every rank reads the same float next step.
+            sums = l1_sums(current, previous, self.reducer)
+            acc.pending = PendingDrift.launch(sums, state.step, state.step - 1, acc.pending)
+        else:
+            acc.distance = relative_l1(current, previous, self.reducer)  # reduced: the same float on every rank
 
     def _measures(self) -> bool:
         config = self.config
@@ -226,7 +291,7 @@ class TeaCacheEngine(WholeStepEngine):
         )
         previous = acc.previous_input
         if previous is not None and previous.shape == estimate.shape:
-            acc.distance = relative_l1(estimate, previous, self.reducer)  # reduced: the same float on every rank
+            self._measure(state, estimate, previous)
         acc.previous_input = estimate
 
     def _noise_to_signal(self, state: BranchState) -> float:
@@ -247,21 +312,28 @@ class TeaCacheEngine(WholeStepEngine):
     def enter_stack(self, state: BranchState, hidden: torch.Tensor) -> None:
         """Measure the input change since the previous step and decide whether this step computes.
 
-        With the spectral signal the change was measured when the call began (:meth:`observe_latent`).
+        With the spectral signal the change was measured when the call began (:meth:`observe_latent`). Deciding
+        ahead (:attr:`TeaCache.decide_ahead`), this step's change is only sent on its way, and the previous step's
+        (read in :meth:`begin_call`) decides (:func:`tea_decide_ahead`).
         """
         acc = state.policy
         measure = self._measures()
         if self.config.signal == "input":
             previous = acc.previous_input
-            distance = None
             if measure and previous is not None and previous.shape == hidden.shape:
-                distance = relative_l1(hidden, previous, self.reducer)  # reduced: the same float on every rank
+                self._measure(state, hidden, previous)
             # A copy: the step's input must survive whatever the model's loop does to the tensor in place.
             acc.previous_input = hidden.detach().clone() if measure else None
-            acc.distance = distance
-        distance = acc.distance
-        compute = True if self.config.calibrate else tea_decide(self.config, acc, state.step, distance, state.has_cache)
-        self.settle(state, compute, acc.accumulated)
+        config = self.config
+        if config.calibrate:
+            compute, statistic = True, acc.accumulated
+        elif self._ahead:
+            compute = tea_decide_ahead(config, acc, state.step, acc.lagged, state.has_cache)
+            statistic = acc.estimate
+        else:
+            compute = tea_decide(config, acc, state.step, acc.distance, state.has_cache)
+            statistic = acc.accumulated
+        self.settle(state, compute, statistic)
 
     def _record(self, state: BranchState) -> None:
         acc = state.policy

@@ -46,6 +46,7 @@ from fastdit.config import (
     Quantize,
     StepMask,
     TaylorSeer,
+    TeaCache,
     config_fields,
 )
 from fastdit.errors import FieldError, FieldsError
@@ -207,7 +208,11 @@ def _nested_flags(name: str, owners: tuple[str, ...]) -> list[CacheFlag]:
 
 @cache
 def cache_flags() -> tuple[CacheFlag, ...]:
-    """One flag per field of DBCache and DBPrune (shared fields get one flag) and per field of their nested configs."""
+    """One flag per field of DBCache and DBPrune (shared fields get one flag) and per field of their nested configs.
+
+    A flag also sets the TeaCache field of its name (``--cache video --cache-decide-ahead true``), so TeaCache is
+    among its owners: its help does not call it another class's only, and a value TeaCache refuses blames the flag.
+    """
     hints = {cls: typing.get_type_hints(cls) for cls in (DBCache, DBPrune)}
     docs: dict[str, str] = {}
     owners: dict[str, list[str]] = {}
@@ -215,6 +220,9 @@ def cache_flags() -> tuple[CacheFlag, ...]:
         for name, _default, doc in config_fields(cls):
             docs.setdefault(name, doc)
             owners.setdefault(name, []).append(cls.__name__)
+    for name, _default, _doc in config_fields(TeaCache):
+        if name in owners:
+            owners[name].append(TeaCache.__name__)
     flags: list[CacheFlag] = []
     for name, doc in docs.items():
         flag = _NESTED[name][0] if name in _NESTED else f"--cache-{name.replace('_', '-')}"
