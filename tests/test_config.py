@@ -13,6 +13,7 @@ import pytest
 
 import fastdit
 from fastdit.config import (
+    ActivationScales,
     Attention,
     Compile,
     DBCache,
@@ -37,6 +38,7 @@ CONFIG_CLASSES: tuple[type, ...] = (
     Attention,
     Loading,
     Quantize,
+    ActivationScales,
     Offload,
 )
 FIELDS = [(cls, f.name) for cls in CONFIG_CLASSES for f in dataclasses.fields(cls)]
@@ -84,7 +86,7 @@ def test_fbcache_is_f1b0() -> None:
 def test_every_field_is_documented() -> None:
     for cls in (fastdit.DBCache, fastdit.DBPrune, fastdit.TaylorSeer, fastdit.StepMask, fastdit.Parallel,
                 fastdit.Compile, fastdit.Attention, fastdit.Loading, fastdit.Quantize,
-                fastdit.Offload):  # fmt: skip
+                fastdit.ActivationScales, fastdit.Offload):  # fmt: skip
         for name, _, doc in config_fields(cls):
             assert doc, f"{cls.__name__}.{name} has no doc"
 
@@ -116,8 +118,12 @@ def _wrong_values(hint: Any) -> list[Any]:
         return [*wrong, 1, b"sdpa"]
     if typing.get_origin(base) is tuple and typing.get_args(base)[0] is str:  # patterns; one string is one pattern
         return [*wrong, (1.0,), (True,), ("",), ("a", None), 3, b"a"]
+    if typing.get_origin(base) is tuple and typing.get_args(base)[0] is float:  # maxima: finite, not negative
+        return [*wrong, ("1",), (True,), (math.nan,), (-1.0,), 3]
     if typing.get_origin(base) is tuple:
         return [*wrong, (1.0,), (True,), ("0",), "01", 3]
+    if base is ActivationScales:
+        return [*wrong, 1, "scales.json", {"transformer.proj": 1.0}]
     if base in (TaylorSeer, StepMask):
         other = StepMask() if base is TaylorSeer else TaylorSeer()
         return [*wrong, 1, "1", {"order": 1}, other]

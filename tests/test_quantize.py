@@ -125,7 +125,8 @@ def test_quantizing_leaves_inductor_settings_alone(mode: str) -> None:
 
     from fastdit.quantize import torchao_config
 
-    assert all(torchao_config(m).set_inductor_config is False for m in fastdit.config.QUANTIZE_MODES)
+    shared = [m for m in fastdit.config.QUANTIZE_MODES if m not in fastdit.config.STATIC_FP8_MODES]
+    assert all(torchao_config(m).set_inductor_config is False for m in shared)  # static: one config per layer
     names = ("coordinate_descent_tuning", "coordinate_descent_check_all_directions", "force_fuse_int_mm_with_mul")
     before = {name: getattr(inductor_config, name) for name in names}
     applied = apply_quantize(Toy(), Quantize(mode=mode), ("blocks",))

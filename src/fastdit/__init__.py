@@ -21,6 +21,7 @@ _EXPORTS = {
     "disable": "fastdit.api",
     "reset": "fastdit.api",
     "summary": "fastdit.api",
+    "ActivationScales": "fastdit.config",
     "Attention": "fastdit.config",
     "Compile": "fastdit.config",
     "CudaGraph": "fastdit.config",
@@ -45,6 +46,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "ActivationScales",
     "Attention",
     "BlockGroup",
     "Compile",
@@ -77,6 +79,7 @@ __all__ = [
 if TYPE_CHECKING:
     from fastdit.api import Summary, accelerate, disable, reset, summary
     from fastdit.config import (
+        ActivationScales,
         Attention,
         Compile,
         CudaGraph,

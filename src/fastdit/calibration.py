@@ -1,5 +1,5 @@
-"""Calibration runs of the calibrated whole-step caches (MagCache, TeaCache): accelerate a pipeline in calibration
-mode, run it once, read what it recorded, take it off.
+"""Calibration runs: of the calibrated whole-step caches (MagCache, TeaCache) and of static FP8's activation scales.
+Each accelerates a pipeline in calibration mode, runs it, reads what it recorded and takes it off.
 
 This sits above :mod:`fastdit.api` (it applies and removes a technique), so the cache package below never calls
 back into the API.
@@ -16,9 +16,18 @@ from fastdit.api import accelerate, context_of, disable
 from fastdit.cache.magcache import MagCacheEngine, model_name
 from fastdit.cache.runs import scheduled_steps
 from fastdit.cache.teacache import DEFAULT_DEGREE, TeaCacheEngine
-from fastdit.config import MagCache, MagCalibration, MagCalibrations, TeaCache, TeaCalibration
+from fastdit.config import (
+    ActivationScales,
+    MagCache,
+    MagCalibration,
+    MagCalibrations,
+    Parallel,
+    Quantize,
+    TeaCache,
+    TeaCalibration,
+)
 
-__all__ = ["calibrate", "calibration_of"]
+__all__ = ["calibrate", "calibrate_scales", "calibration_of"]
 
 
 def calibration_of(
@@ -114,3 +123,77 @@ def calibrate(
         return calibration_of(pipe, component, degree=degree)
     finally:
         disable(pipe)
+
+
+def calibrate_scales(
+    pipe: Any,
+    run: Callable[[], Any],
+    *,
+    include: tuple[str, ...] = (),
+    exclude: tuple[str, ...] = (),
+    parallel: Parallel | None = None,
+) -> ActivationScales:
+    """Record static FP8's activation scales: every quantizable Linear's largest absolute input over ``run``.
+
+    ``run`` may make several generations (prompts, seeds, resolutions, guidance); the maxima are over all of them,
+    every step and every CFG branch. The model computes in its own dtype meanwhile. Under a process group (context,
+    tensor or CFG parallelism) every process must call this: the maxima are reduced over the group, so every rank
+    gets the same scales.
+
+    Args:
+        pipe: An un-accelerated pipeline (or transformer); under parallelism, each process's.
+        run: Runs the calibration generations, e.g. ``lambda: [pipe(p, num_inference_steps=28) for p in prompts]``.
+        include: The layer patterns the quantization will use (:class:`Quantize` ``include``).
+        exclude: Its ``exclude`` patterns.
+        parallel: Record under this layout (a model that fits only split by tensor parallelism; each rank watches
+            its own part of every input, and the maxima are reduced over the group).
+
+    Returns:
+        The scales, for ``Quantize(mode="fp8_static", scales=...)``; :func:`fastdit.quantize.save_scales` writes them.
+
+    Raises:
+        ImportError: torchao is not installed.
+        ValueError: No layer was called during ``run``.
+    """
+    recording = Quantize(mode="fp8_static", calibrate=True, include=include, exclude=exclude)
+    accelerate(pipe, quantize=recording, parallel=parallel)
+    try:
+        with torch.no_grad():
+            run()
+        context = context_of(pipe)
+        items = [(i.name, i.module) for i in context.components.denoisers]
+        table = [_reduced(name, context.state("quantize", name), _device(module)) for name, module in items]
+    finally:
+        disable(pipe)
+    layers = [(name, amax, ndim) for rows in table for name, amax, ndim in rows]
+    if not layers:
+        raise ValueError(f"{type(pipe).__name__}: no quantizable layer was called during the calibration run")
+    names, amax, ndims = zip(*layers, strict=True)
+    model = "; ".join(model_name(module) for _, module in items)
+    return ActivationScales(layers=names, amax=amax, ndims=ndims, model=model)
+
+
+def _device(module: torch.nn.Module) -> torch.device:
+    parameter = next(module.parameters(), None)
+    return parameter.device if parameter is not None else torch.device("cpu")
+
+
+def _reduced(component: str, recorder: Any, device: torch.device) -> list[tuple[str, float, int]]:
+    """One denoiser's recorded maxima, the largest over the process group; layers no rank called are left out.
+
+    Every rank reduces the same layer list in the same order (the model's) on the denoiser's device, whatever it
+    called itself.
+    """
+    if not recorder.layers:
+        return []
+    missing = torch.tensor(-1.0, device=device)
+    values = torch.stack([recorder.amax.get(n, missing).to(device) for n in recorder.layers])
+    ndims = torch.tensor([recorder.ndims.get(n, 0) for n in recorder.layers], device=device)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
+        torch.distributed.all_reduce(ndims, op=torch.distributed.ReduceOp.MAX)
+    return [
+        (f"{component}.{name}", float(a), int(d))
+        for name, a, d in zip(recorder.layers, values.tolist(), ndims.tolist(), strict=True)
+        if a >= 0
+    ]

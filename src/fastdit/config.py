@@ -19,9 +19,12 @@ from fastdit.errors import FieldError, FieldsError
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "FP8_DYNAMIC_MODES",
+    "FP8_MAX",
     "LOAD_MODES",
     "QUANTIZE_MODES",
+    "STATIC_FP8_MODES",
     "TEA_SIGNALS",
+    "ActivationScales",
     "Attention",
     "Compile",
     "CudaGraph",
@@ -953,13 +956,68 @@ class CudaGraph:
         return cls(scope=compile.graph_scope, warmup=compile.graph_warmup, max_graphs=compile.max_graphs)
 
 
-QUANTIZE_MODES = ("fp8", "fp8_tensor", "fp8_weight", "int8_weight", "int8")
+QUANTIZE_MODES = ("fp8", "fp8_static", "fp8_tensor", "fp8_weight", "int8_weight", "int8")
 """The :class:`Quantize` modes: FP8 dynamic activations and weights with per-row (``fp8``) or per-tensor
-(``fp8_tensor``) scales, FP8 or int8 weight-only (``fp8_weight``, ``int8_weight``: for memory), and int8 dynamic
+(``fp8_tensor``) scales, FP8 with static per-tensor activation scales recorded on calibration runs
+(``fp8_static``), FP8 or int8 weight-only (``fp8_weight``, ``int8_weight``: for memory), and int8 dynamic
 activations and weights (``int8``)."""
 
 FP8_DYNAMIC_MODES = ("fp8", "fp8_tensor")
-"""The modes whose matmuls run in FP8 (CUDA compute capability 8.9 or newer)."""
+"""The modes whose matmuls run in FP8 with scales computed from each activation (CUDA compute capability 8.9 or
+newer: torchao's dynamic FP8 refuses other devices)."""
+
+STATIC_FP8_MODES = ("fp8_static",)
+"""The modes whose matmuls run in FP8 with activation scales fixed by a calibration (:class:`ActivationScales`)."""
+
+FP8_MAX = 448.0
+"""The largest finite value of ``float8_e4m3fn``: a static scale maps a layer's recorded maximum to it."""
+
+
+_LAYER_NAMES = _Rule(
+    lambda v: isinstance(v, tuple) and all(isinstance(n, str) and n for n in v) and len(set(v)) == len(v),
+    "a tuple of unique non-empty layer names",
+)
+_MAXIMA = _Rule(
+    lambda v: isinstance(v, tuple) and all(_is_number(a) and a >= 0 for a in v), "a tuple of finite numbers >= 0"
+)
+_RANKS = _Rule(lambda v: isinstance(v, tuple) and all(_is_int(d) and d >= 2 for d in v), "a tuple of integers >= 2")
+
+
+@dataclass(frozen=True, kw_only=True, repr=False)
+class ActivationScales:
+    """The largest absolute input each Linear layer saw on calibration runs: ``Quantize(mode="fp8_static")`` fixes
+    every layer's activation scale to ``amax * headroom / 448`` (448: e4m3's largest value).
+
+    Record them with :func:`fastdit.calibration.calibrate_scales` (or ``fastdit calibrate MODEL --scales PATH``);
+    a layer's name is its denoiser's name in the pipeline and its path there
+    (``transformer.single_transformer_blocks.0.proj_out``). Under context or tensor parallelism every rank records
+    the maximum over all ranks, so every rank quantizes with the same scales.
+    """
+
+    layers: tuple[str, ...] = _doc("Layer names, '<denoiser>.<path in the denoiser>'.", ())
+    amax: tuple[float, ...] = _doc("The largest absolute input of each layer, in the order of layers.", ())
+    ndims: tuple[int, ...] = _doc("The number of dimensions of each layer's input (the shape of its scale).", ())
+    model: str = _doc("What was calibrated (the denoisers' classes), for messages.", "unknown")
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "amax", "ndims"):
+            value = getattr(self, name)
+            if isinstance(value, list):  # JSON gives lists; the frozen config keeps tuples
+                object.__setattr__(self, name, tuple(value))
+        _check_fields(self, layers=_LAYER_NAMES, amax=_MAXIMA, ndims=_RANKS, model=_TEXT)
+        if not len(self.layers) == len(self.amax) == len(self.ndims):
+            raise FieldsError(
+                "ActivationScales",
+                {"layers": len(self.layers), "amax": len(self.amax), "ndims": len(self.ndims)},
+                "needs one amax and one input rank per layer",
+            )
+
+    def __repr__(self) -> str:  # the full table would drown every message that shows a Quantize
+        return f"ActivationScales(model={self.model!r}, {len(self.layers)} layers)"
+
+    def lookup(self) -> dict[str, tuple[float, int]]:
+        """Layer name → (amax, input rank)."""
+        return {name: (a, d) for name, a, d in zip(self.layers, self.amax, self.ndims, strict=True)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -973,8 +1031,9 @@ class Quantize:
 
     mode: str = _doc(
         "'fp8': FP8 activations and weights, per-row scales (CUDA, compute capability >= 8.9); 'fp8_tensor': the "
-        "same with per-tensor scales; 'fp8_weight' / 'int8_weight': weights only (memory; any device); 'int8': "
-        "int8 activations and weights.",
+        "same with per-tensor scales; 'fp8_static': FP8 with per-tensor activation scales fixed by a calibration "
+        "(scales=; no reduction over the activations at run time); 'fp8_weight' / 'int8_weight': weights only "
+        "(memory; any device); 'int8': int8 activations and weights.",
         "fp8",
     )
     include: tuple[str, ...] = _doc(
@@ -986,6 +1045,21 @@ class Quantize:
         "Layer-name patterns never quantized, even when included (e.g. '*.norm1.linear' keeps AdaLN modulation).", ()
     )
     min_size: int = _doc("Linear layers with fewer weight elements than this stay unquantized.", 0)
+    scales: ActivationScales | None = _doc(
+        "mode='fp8_static': the recorded input maxima (fastdit.calibration.calibrate_scales; on the command line "
+        "scales=PATH, a file fastdit calibrate --scales wrote).",
+        None,
+    )
+    headroom: float = _doc(
+        "mode='fp8_static': each scale is the recorded maximum times this over 448, so inputs up to this many "
+        "times larger than any calibration input are not clipped (e4m3 keeps its relative precision at any scale).",
+        1.0,
+    )
+    calibrate: bool = _doc(
+        "mode='fp8_static': record the input maxima instead of quantizing (the model computes in its own dtype; "
+        "fastdit.calibration.calibrate_scales reads them).",
+        False,
+    )
 
     def __post_init__(self) -> None:
         for name in ("include", "exclude"):
@@ -994,9 +1068,35 @@ class Quantize:
                 object.__setattr__(self, name, (value,))
             elif isinstance(value, Iterable) and not isinstance(value, bytes):
                 object.__setattr__(self, name, tuple(value))
-        _check_fields(self, mode=_one_of(*QUANTIZE_MODES), include=_PATTERNS, exclude=_PATTERNS, min_size=_integer(0))
+        _check_fields(
+            self,
+            mode=_one_of(*QUANTIZE_MODES),
+            include=_PATTERNS,
+            exclude=_PATTERNS,
+            min_size=_integer(0),
+            scales=_optional(_instance(ActivationScales)),
+            headroom=_number(1.0, 1024.0),
+            calibrate=_BOOL,
+        )
+        static = self.mode in STATIC_FP8_MODES
+        if not static and (self.scales is not None or self.calibrate or self.headroom != 1.0):
+            given = {"mode": self.mode, "scales": self.scales, "headroom": self.headroom, "calibrate": self.calibrate}
+            raise FieldsError("Quantize", given, "scales, headroom and calibrate belong to mode='fp8_static'")
+        if static and self.scales is None and not self.calibrate:
+            raise FieldsError(
+                "Quantize",
+                {"mode": self.mode, "scales": None},
+                "needs the activation scales of a calibration: record them with "
+                "fastdit.calibration.calibrate_scales(pipe, run) (or `fastdit calibrate MODEL --scales PATH`) and "
+                "pass scales=",
+            )
 
     @property
     def dynamic_fp8(self) -> bool:
-        """Whether the matmuls run in FP8 (the mode needs a GPU of compute capability 8.9 or newer)."""
+        """Whether the matmuls run in FP8 with dynamic scales (a GPU of compute capability 8.9 or newer)."""
         return self.mode in FP8_DYNAMIC_MODES
+
+    @property
+    def fp8_matmuls(self) -> bool:
+        """Whether the matmuls run in FP8 (dynamic or static scales: both dims of a weight a multiple of 16)."""
+        return self.mode in FP8_DYNAMIC_MODES or self.mode in STATIC_FP8_MODES

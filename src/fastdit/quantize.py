@@ -18,9 +18,12 @@ so quantizing saves device memory — and put back, the same objects with the sa
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fnmatch
 import importlib
+import json
 import logging
+import os
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -30,16 +33,34 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from fastdit.config import Quantize
+from fastdit.config import FP8_MAX, ActivationScales, Quantize
+from fastdit.errors import FieldError
 from fastdit.hooks.state import Applied
 
-__all__ = ["QuantizeState", "apply_quantize", "check_quantize", "import_torchao", "plan_layers", "tensor_bytes"]
+__all__ = [
+    "QuantizeState",
+    "ScaleRecorder",
+    "apply_quantize",
+    "check_quantize",
+    "import_torchao",
+    "load_scales",
+    "plan_layers",
+    "save_scales",
+    "static_coverage",
+    "tensor_bytes",
+]
 
 TORCHAO_REQUIREMENT = "torchao>=0.18,<0.19"
 """The torchao releases fastdit is tested with (``pip install 'fastdit[quant]'``)."""
 
+SCALES_FORMAT = "fastdit-scales/1"
+"""The ``format`` entry of the activation-scale files this version writes and reads."""
+
 # torch._scaled_mm needs both matrix dims of an FP8 matmul divisible by 16.
 _FP8_MULTIPLE = 16
+# torchao 0.18 tells blockwise from per-tensor scaling by the block size alone, so the one per-tensor block of a
+# 128x128 weight passes for a 128x128 block and its matmul then asserts on the input's scaling.
+_BLOCK_SHAPE = (128, 128)
 
 Undo = Callable[[], None]
 
@@ -95,7 +116,21 @@ def torchao_config(mode: str) -> Any:
         return ao.Int8WeightOnlyConfig(**quiet)
     if mode == "int8":
         return ao.Int8DynamicActivationInt8WeightConfig(**quiet)
-    raise ValueError(f"unknown quantization mode {mode!r}")
+    raise ValueError(f"unknown quantization mode {mode!r} (fp8_static is configured per layer: static_config)")
+
+
+def static_config(amax: float, ndim: int, headroom: float, device: torch.device) -> Any:
+    """torchao's config quantizing one layer with a fixed per-tensor activation scale (``mode='fp8_static'``).
+
+    The scale maps ``amax * headroom`` to e4m3's largest value; it has the input's rank (torchao divides the input
+    by it as is). A layer whose inputs were all zero gets the smallest normal float32 as its scale.
+    """
+    ao = import_torchao()
+    value = max(amax * headroom / FP8_MAX, torch.finfo(torch.float32).tiny)
+    scale = torch.full((1,) * ndim, value, dtype=torch.float32, device=device)
+    return ao.Float8StaticActivationFloat8WeightConfig(
+        act_quant_scale=scale, granularity=ao.PerTensor(), set_inductor_config=False
+    )
 
 
 def check_quantize(config: Quantize, device: torch.device, dtype: torch.dtype | None = None) -> None:
@@ -109,15 +144,17 @@ def check_quantize(config: Quantize, device: torch.device, dtype: torch.dtype | 
     Raises:
         ImportError: torchao is not installed.
         ValueError: an FP8 dynamic mode on a device other than a CUDA GPU of compute capability 8.9 or newer (what
-            torchao's float8 matmul needs: it refuses the CPU), or per-row FP8 of weights that are not bfloat16.
+            torchao's float8 matmul needs: it refuses the CPU), static FP8 on a CUDA GPU older than 8.9, or per-row
+            FP8 of weights that are not bfloat16.
     """
     import_torchao()
-    if not config.dynamic_fp8:
+    if not config.fp8_matmuls or config.calibrate:
         return
     from fastdit.process import require_cuda_capability
 
     fallback = "use mode='fp8_weight' or 'int8_weight' (weight-only, any device)"
-    require_cuda_capability(device, (8, 9), f"mode={config.mode!r} computes its matmuls in FP8", fallback)
+    if config.dynamic_fp8 or device.type == "cuda":  # static scales also run on the CPU (torch._scaled_mm there)
+        require_cuda_capability(device, (8, 9), f"mode={config.mode!r} computes its matmuls in FP8", fallback)
     if config.mode == "fp8" and dtype is not None and dtype != torch.bfloat16:
         raise ValueError(
             f"mode='fp8' (per-row scales) quantizes bfloat16 weights only (torchao); the transformer's are "
@@ -166,8 +203,11 @@ def _skip_reason(name: str, module: torch.nn.Linear, config: Quantize, block_pat
     if not module.weight.is_floating_point():
         return f"weight dtype {module.weight.dtype} is not floating point"
     shape = _weight_shape(module)
-    if config.dynamic_fp8 and any(size % _FP8_MULTIPLE for size in shape):
+    # Calibration records every candidate whatever its local shape, so all ranks record the same layers.
+    if config.fp8_matmuls and not config.calibrate and any(size % _FP8_MULTIPLE for size in shape):
         return f"local weight {list(shape)}: FP8 matmuls need both dims divisible by {_FP8_MULTIPLE}"
+    if config.mode == "fp8_static" and shape == _BLOCK_SHAPE:
+        return f"weight {list(shape)}: torchao reads a per-tensor scale of a 128x128 weight as 128x128 blockwise"
     return None
 
 
@@ -311,21 +351,111 @@ def _quantize_split(module: torch.nn.Linear, ao_config: Any) -> Undo | None:
     return undo
 
 
-def apply_quantize(transformer: torch.nn.Module, config: Quantize, block_paths: tuple[str, ...]) -> Applied:
-    """Quantize the chosen Linear layers of ``transformer`` in place.
+@dataclass
+class ScaleRecorder:
+    """The input maxima of the layers ``Quantize(mode="fp8_static", calibrate=True)`` watches on one transformer.
+
+    Attributes:
+        layers: The watched layers' names, in module order (the same on every rank).
+        amax: Name → the largest absolute input so far (a 0-dim float32 tensor on the input's device; absent:
+            never called).
+        ndims: Name → the input's rank.
+    """
+
+    layers: list[str] = field(default_factory=list)
+    amax: dict[str, torch.Tensor] = field(default_factory=dict)
+    ndims: dict[str, int] = field(default_factory=dict)
+
+    def hook(self, name: str) -> Callable[[Any, tuple[Any, ...]], None]:
+        """A forward pre-hook recording the maximum of the layer's input (on the device: no synchronisation)."""
+
+        def record(_module: Any, args: tuple[Any, ...]) -> None:
+            x = args[0]
+            local = x.to_local() if isinstance(x, DTensor) else x  # this rank's part; ranks are reduced later
+            amax = local.detach().abs().amax().float()
+            seen = self.amax.get(name)
+            self.amax[name] = amax if seen is None else torch.maximum(seen, amax)
+            self.ndims[name] = x.dim()
+
+        return record
+
+    def stats(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {"mode": "fp8_static", "calibrating": True, "num_layers": len(self.layers), "num_seen": len(self.amax)}
+
+
+def _record(choices: list[LayerChoice]) -> Applied:
+    recorder = ScaleRecorder()
+    handles = []
+    for choice in choices:
+        if choice.reason is None:
+            recorder.layers.append(choice.name)
+            handles.append(choice.module.register_forward_pre_hook(recorder.hook(choice.name)))
+
+    def undo() -> None:
+        for handle in handles:
+            handle.remove()
+
+    return Applied(undo, recorder)
+
+
+def static_coverage(
+    transformer: torch.nn.Module, config: Quantize, block_paths: tuple[str, ...], component: str
+) -> tuple[list[str], list[str]]:
+    """The layers a calibration of ``transformer`` records that have a scale in ``config``, and those that have none.
+
+    Args:
+        transformer: The denoiser.
+        config: A ``mode='fp8_static'`` request with its scales.
+        block_paths: Its block lists' paths.
+        component: Its name in the pipeline (the prefix of its layers in the scales).
+    """
+    table = config.scales.lookup() if config.scales is not None else {}
+    # The layers a calibration records (shapes aside): what decides whether the scales are this model's.
+    recording = dataclasses.replace(config, scales=None, calibrate=True)
+    chosen = [c.name for c in plan_layers(transformer, recording, block_paths) if c.reason is None]
+    covered = [name for name in chosen if f"{component}.{name}" in table]
+    return covered, [name for name in chosen if f"{component}.{name}" not in table]
+
+
+def _layer_config(
+    config: Quantize, key: str, module: torch.nn.Linear, shared: Any, table: dict[str, tuple[float, int]]
+) -> Any:
+    """The torchao config of one layer: ``shared`` for the dynamic and weight-only modes, or the static scale of
+    ``key`` in ``table`` (``None``: static FP8 and no recorded scale)."""
+    if config.mode != "fp8_static":
+        return shared
+    entry = table.get(key)
+    if entry is None:
+        return None
+    weight = module.weight
+    device = (weight.to_local() if isinstance(weight, DTensor) else weight).device
+    return static_config(entry[0], entry[1], config.headroom, device)
+
+
+def apply_quantize(
+    transformer: torch.nn.Module, config: Quantize, block_paths: tuple[str, ...], component: str = "transformer"
+) -> Applied:
+    """Quantize the chosen Linear layers of ``transformer`` in place (or, with ``calibrate``, watch their inputs).
 
     Args:
         transformer: The transformer (possibly split by tensor parallelism).
         config: The mode and the layer choice.
         block_paths: Dotted paths of its block lists (the default scope).
+        component: Its name in the pipeline: the prefix of its layers in static FP8's scales.
 
     Returns:
-        The undo (restores the original weights, bit for bit) and a :class:`QuantizeState`.
+        The undo (restores the original weights, bit for bit) and a :class:`QuantizeState` (a
+        :class:`ScaleRecorder` when calibrating).
 
     Raises:
         ImportError: torchao is not installed.
     """
-    ao_config = torchao_config(config.mode)
+    choices = plan_layers(transformer, config, block_paths)
+    if config.calibrate:
+        return _record(choices)
+    shared = None if config.mode == "fp8_static" else torchao_config(config.mode)
+    table = config.scales.lookup() if config.scales is not None else {}
     state = QuantizeState(mode=config.mode)
     undos: list[Undo] = []
 
@@ -334,11 +464,15 @@ def apply_quantize(transformer: torch.nn.Module, config: Quantize, block_paths: 
             undos.pop()()
 
     try:
-        for choice in plan_layers(transformer, config, block_paths):
+        for choice in choices:
             if choice.reason is not None:
                 state.skipped[choice.name] = choice.reason
                 continue
             module = choice.module
+            ao_config = _layer_config(config, f"{component}.{choice.name}", module, shared, table)
+            if ao_config is None:
+                state.skipped[choice.name] = "no recorded activation scale (not called on the calibration runs)"
+                continue
             before = tensor_bytes(module.weight)
             split = isinstance(module.weight, DTensor)
             undo = (_quantize_split if split else _quantize_plain)(module, ao_config)
@@ -353,3 +487,50 @@ def apply_quantize(transformer: torch.nn.Module, config: Quantize, block_paths: 
         undo_all()
         raise
     return Applied(undo_all, state)
+
+
+def save_scales(
+    path: str | os.PathLike[str], scales: ActivationScales, *, provenance: dict[str, Any] | None = None
+) -> None:
+    """Write ``scales`` to ``path`` as JSON, atomically.
+
+    The file is ``{"format": "fastdit-scales/1", "model": ..., "layers": {name: {"amax": ..., "ndim": ...}},
+    "provenance": {...}}``; ``provenance`` (JSON-ready: what the scales were recorded and checked on) is kept as
+    given and not read back.
+    """
+    from fastdit.io import write_json
+
+    layers = {name: {"amax": amax, "ndim": ndim} for name, (amax, ndim) in scales.lookup().items()}
+    data = {"format": SCALES_FORMAT, "model": scales.model, "layers": layers}
+    write_json(path, data if provenance is None else {**data, "provenance": provenance})
+
+
+def load_scales(path: str | os.PathLike[str]) -> ActivationScales:
+    """Read a file :func:`save_scales` wrote.
+
+    Raises:
+        FileNotFoundError: No such file.
+        ValueError: Not JSON, another format, or values :class:`ActivationScales` refuses (named in the message).
+    """
+    with open(path, encoding="utf-8") as handle:
+        try:
+            data = json.load(handle)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}: not a scales file (not JSON: {error})") from None
+    if not isinstance(data, dict) or data.get("format") != SCALES_FORMAT:
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise ValueError(
+            f"{path}: format {found!r}, expected {SCALES_FORMAT!r} (written by fastdit calibrate --scales)"
+        )
+    layers = data.get("layers")
+    if not isinstance(layers, dict) or not all(isinstance(v, dict) for v in layers.values()):
+        raise ValueError(f"{path}: 'layers' must map layer names to {{'amax': ..., 'ndim': ...}}")
+    try:
+        return ActivationScales(
+            layers=tuple(layers),
+            amax=tuple(v.get("amax") for v in layers.values()),
+            ndims=tuple(v.get("ndim") for v in layers.values()),
+            model=data.get("model", "unknown"),
+        )
+    except FieldError as error:
+        raise ValueError(f"{path}: {error}") from None

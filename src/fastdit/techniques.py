@@ -24,7 +24,7 @@ from fastdit.components.vae_technique import VaeParallel
 from fastdit.errors import ArgumentError
 
 if TYPE_CHECKING:
-    from fastdit.components import Components
+    from fastdit.components import Component, Components
     from fastdit.context import Context, Request
 
 __all__ = ["TECHNIQUES", "Technique", "check_all", "check_request", "technique_names"]
@@ -122,22 +122,62 @@ class _Quantize:
                 "quantized ones are torchao tensors it does not copy; use one of them (weight-only quantization "
                 "also saves memory)",
             )
+        if request.quantize.calibrate:
+            self._check_calibration(request)
         for item in components.denoisers:
             dtype = next((p.dtype for p in item.module.parameters() if p.is_floating_point()), None)
             try:
                 check_quantize(request.quantize, _run_device(request, item.module), dtype)
             except ValueError as error:
                 raise ArgumentError("accelerate", "quantize", request.quantize, f"{item.name}: {error}") from error
+            if request.quantize.scales is not None:
+                self._check_scales(request, item)
+
+    @staticmethod
+    def _check_calibration(request: Request) -> None:
+        # Replayed graphs and compiled code would not call the recording hooks every step; a cache skips blocks.
+        others = {"compile": request.compile, "cuda_graph": request.cuda_graph, "cache": request.cache}
+        given = [f"{name}={value!r}" for name, value in others.items() if value is not None]
+        if given:
+            raise ArgumentError(
+                "accelerate",
+                "quantize",
+                request.quantize,
+                f"calibrate=True records every layer's input on plain eager calls; with {', '.join(given)} some "
+                "calls would not be recorded: calibrate without them",
+            )
+
+    @staticmethod
+    def _check_scales(request: Request, item: Component) -> None:
+        from fastdit.cache.magcache import model_name
+        from fastdit.quantize import static_coverage
+
+        scales = request.quantize.scales
+        model = model_name(item.module)
+        covered, _missing = static_coverage(item.module, request.quantize, _block_paths(item), item.name)
+        if model not in scales.model.split("; ") or not covered:
+            raise ArgumentError(
+                "accelerate",
+                "quantize",
+                request.quantize,
+                f"{item.name} is {model}, and the scales were recorded on {scales.model} "
+                f"({len(covered)} of their layers are its): record them on this model",
+            )
 
     def apply(self, context: Context) -> None:
-        from fastdit.models.validate import concrete_groups
         from fastdit.quantize import apply_quantize
 
         for item in context.components.denoisers:
-            groups = concrete_groups(item.module, item.adapter.block_groups)  # '*' paths made concrete
-            paths = tuple(g.path for g in groups) + tuple(g.interleaved.path for g in groups if g.interleaved)
-            applied = apply_quantize(item.module, context.request.quantize, paths)
+            applied = apply_quantize(item.module, context.request.quantize, _block_paths(item), item.name)
             context.add(self.name, item.name, applied.undo, applied.state)
+
+
+def _block_paths(item: Component) -> tuple[str, ...]:
+    """The dotted paths of a denoiser's block lists ('*' paths made concrete; interleaved lists too)."""
+    from fastdit.models.validate import concrete_groups
+
+    groups = concrete_groups(item.module, item.adapter.block_groups)
+    return tuple(g.path for g in groups) + tuple(g.interleaved.path for g in groups if g.interleaved)
 
 
 class _AttentionBackend:

@@ -146,3 +146,43 @@ def test_file_specs_take_field_overrides(tmp_path: Path) -> None:
         cache_from_spec(f"from:{tmp_path / 'missing.json'}", 28)
     with pytest.raises(CLIError, match="needs a path"):
         cache_from_spec("from:", 28)
+
+
+def test_calibrate_scales_then_generate_with_them(tmp_path: Path, capsys: Any) -> None:
+    path = tmp_path / "scales.json"
+    assert main(["calibrate", "--scales", str(path), *SMALL, "--json"]) == 0
+    captured = capsys.readouterr()
+    payload = _last_json(captured.out)
+    assert payload["path"] == str(path) and "| heldout |" in captured.err and "| calibration |" in captured.err
+    from fastdit.quantize import load_scales
+
+    scales = load_scales(path)
+    assert scales.layers and all(name.startswith("transformer.") for name in scales.layers)
+    provenance = json.loads(path.read_text())["provenance"]
+    for part in ("calibration", "heldout"):  # static FP8 of the reference model, on both parts of the split
+        assert provenance[part]["psnr_min"] >= 35 and provenance[part]["ssim_min"] >= 0.99, provenance[part]
+    assert provenance["heldout_seeds"] == [101] and provenance["headroom"] == 1.0
+
+    spec = f"fp8_static,scales={path}"
+    assert main(["generate", "--steps", "12", "--quantize", spec, "--json", "--out", str(tmp_path / "x.png")]) == 0
+    out = _last_json(capsys.readouterr().out)
+    assert out["quantized"]["transformer"]["mode"] == "fp8_static"
+    assert out["quantized"]["transformer"]["num_quantized"] == len(scales.layers)
+    assert out["acceleration"]["quantize"]["scales"] == {
+        "type": "ActivationScales", "model": scales.model, "num_layers": len(scales.layers)
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--scales", "x.json", "--out", "y.json"], "argument --out y.json: with --scales the file is --scales x.json"),
+        (["--scales", "x.json", "--headroom", "0.5"], "argument --headroom 0.5: Quantize.headroom=0.5"),
+        (["--scales", "x.json", "--target-psnr", "30"], "not allowed with argument"),
+    ],
+)
+def test_calibrate_scales_refusals(tmp_path: Path, capsys: Any, monkeypatch: Any, args: list[str], needle: str) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["calibrate", *args, *SMALL]) == 2
+    assert needle in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()

@@ -213,12 +213,29 @@ def test_parse_quantize(text: str, expected: Quantize) -> None:
         ("int8,min_size=-1", "argument --quantize min_size=-1: Quantize.min_size=-1"),
         ("int8,min_size=big", "'min_size=big' in 'int8,min_size=big': expected an integer"),
         ("", "empty specification"),
+        ("fp8_static", "needs the activation scales of a calibration"),
+        ("fp8_static,scales=/nonexistent/s.json", "cannot read /nonexistent/s.json: No such file"),
+        ("fp8_static,calibrate=true", "fastdit calibrate MODEL --scales PATH"),
+        ("fp8,headroom=2", "scales, headroom and calibrate belong to mode='fp8_static'"),
     ],
 )
 def test_parse_quantize_rejects(text: str, needle: str) -> None:
     with pytest.raises(CLIError, match="--quantize") as info:
         parse_quantize(text)
     assert needle in str(info.value)
+
+
+def test_parse_quantize_reads_a_scales_file(tmp_path: Path) -> None:
+    from fastdit.config import ActivationScales
+    from fastdit.quantize import save_scales
+
+    scales = ActivationScales(layers=("transformer.a", "transformer.b"), amax=(1.5, 2.0), ndims=(3, 2), model="M")
+    save_scales(tmp_path / "s.json", scales)
+    expected = Quantize(mode="fp8_static", scales=scales, headroom=2.0)
+    assert parse_quantize(f"fp8_static,scales={tmp_path / 's.json'},headroom=2") == expected
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(CLIError, match="format None, expected 'fastdit-scales/1'"):
+        parse_quantize(f"fp8_static,scales={tmp_path / 'bad.json'}")
 
 
 def test_compile_vae_flag_compiles_blocks_and_decoder() -> None:

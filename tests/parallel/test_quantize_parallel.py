@@ -87,3 +87,42 @@ def test_tensor_parallel_with_compiled_blocks_and_cache(dist2: WorkerPool) -> No
         assert result["report"]["techniques"] == ["tensor_parallel", "quantize", "input_check", "cache", "compile"]
         assert result["report"]["cache"]["num_cached_steps"] > 0
         np.testing.assert_allclose(result["out"], expected["out"], atol=1e-5)
+
+
+# --- static FP8: the scales recorded under parallelism, and quantizing with them ---
+
+
+def _static(rank: int, world_size: int, family: str, layout: dict[str, int] | None) -> dict[str, Any]:
+    from fastdit.calibration import calibrate_scales
+
+    pipe, tiny = _built(family)
+    parallel = None if layout is None else fastdit.Parallel(**layout)
+    scales = calibrate_scales(pipe, lambda: run_tiny(pipe, tiny), parallel=parallel)
+    fastdit.accelerate(pipe, quantize=fastdit.Quantize(mode="fp8_static", scales=scales), parallel=parallel)
+    try:
+        out = run_tiny(pipe, tiny, output_type="latent")
+        report = fastdit.summary(pipe).transformers["transformer"]["quantize"]
+    finally:
+        fastdit.disable(pipe)
+    return {"scales": scales, "out": out, "report": report}
+
+
+@pytest.mark.parametrize("layout", [{"ulysses": 2}, {"ring": 2}, {"tp": 2}], ids=["ulysses", "ring", "tp"])
+def test_static_scales_recorded_split_equal_one_process(dist2: WorkerPool, layout: dict[str, int]) -> None:
+    # Each rank watches its part of every input (its tokens; under TP a row-split layer's half of the features);
+    # the reduction over the group gives every rank the maxima of one process.
+    one = _static(0, 1, "flux", None)
+    pipe, tiny = _built("flux")
+    plain = run_tiny(pipe, tiny, output_type="latent")
+    noise = np.abs(one["out"] - plain).max()  # what quantizing changes
+    results = dist2.run(_static, "flux", layout, timeout=240)
+    for result in results:
+        scales = result["scales"]
+        assert scales.layers == one["scales"].layers and scales.ndims == one["scales"].ndims
+        np.testing.assert_allclose(scales.amax, one["scales"].amax, rtol=1e-5)
+        assert result["report"]["quantized"] == one["report"]["quantized"]
+        if "tp" in layout:  # each rank's slices quantized with the whole layer's scale: close to one process
+            assert np.abs(result["out"] - one["out"]).max() < noise
+        else:  # the same weights and scales for every token
+            np.testing.assert_allclose(result["out"], one["out"], atol=1e-5)
+    assert results[0]["scales"] == results[1]["scales"], "the ranks hold different scales"

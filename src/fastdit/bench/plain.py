@@ -11,10 +11,21 @@ __all__ = ["json_ready", "plain", "plain_options"]
 
 
 def plain(config: Any) -> dict[str, Any] | None:
-    """A config dataclass as ``{"type": <class name>, <field>: <value>, ...}`` (``None`` stays ``None``)."""
+    """A config dataclass as ``{"type": <class name>, <field>: <value>, ...}`` (``None`` stays ``None``).
+
+    Static FP8's :class:`~fastdit.config.ActivationScales` inside a config are summarised (the model and the number
+    of layers): hundreds of per-layer maxima would drown every report that shows the configuration.
+    """
+    from fastdit.config import ActivationScales
+
     if config is None:
         return None
-    return {"type": type(config).__name__, **dataclasses.asdict(config)}
+    data = dataclasses.asdict(config)
+    for name in list(data):
+        scales = getattr(config, name)
+        if isinstance(scales, ActivationScales):
+            data[name] = {"type": "ActivationScales", "model": scales.model, "num_layers": len(scales.layers)}
+    return {"type": type(config).__name__, **data}
 
 
 def plain_options(options: Mapping[str, Any]) -> dict[str, Any]:

@@ -11,6 +11,9 @@ held-out seeds, which the search never saw, and both figures are printed side by
 The file (``--out``, by default one per model and step count under ``$FASTDIT_CALIBRATION_DIR`` or the user cache)
 is read back by ``--cache calibrated`` (that default file) or ``--cache from:PATH`` in ``generate``, ``bench`` and
 ``serve``; ``fastdit bench MODEL --configs "none;from:PATH" --seeds 7,8`` measures it on any other seeds.
+
+``--scales PATH`` records static FP8's activation scales instead (:mod:`fastdit.cli.scales`): every quantizable
+Linear's largest input on the calibration cases, checked with ``--quantize fp8_static`` on both parts of the split.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from fastdit.cli.options import (
     resolve_dtype,
     resolve_source,
 )
-from fastdit.config import MagCache, MagCalibration, MagCalibrations, TeaCache, TeaCalibration
+from fastdit.config import MagCache, MagCalibration, MagCalibrations, Quantize, TeaCache, TeaCalibration
 from fastdit.errors import FieldError
 from fastdit.io import check_writable
 from fastdit.process import process_count
@@ -65,7 +68,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """
     parser = subparsers.add_parser(
         "calibrate",
-        help="choose a cache configuration for a quality or speed target; check it on held-out seeds",
+        help="choose a cache configuration for a quality or speed target, or record static FP8 scales (--scales); "
+        "check either on held-out seeds",
         description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -73,6 +77,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--target-psnr", type=float, metavar="DB", help="lowest PSNR of the worst image (dB)")
     target.add_argument("--target-speedup", type=float, metavar="X", help="block evaluations cut by this factor")
+    target.add_argument(
+        "--scales",
+        metavar="PATH",
+        help="record static FP8 activation scales into PATH instead (for --quantize fp8_static,scales=PATH)",
+    )
+    parser.add_argument(
+        "--headroom",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="with --scales: the Quantize headroom the held-out check runs with (default 1)",
+    )
     parser.add_argument("--ssim-min", type=float, default=0.90, metavar="S", help="lowest SSIM (default 0.90)")
     parser.add_argument(
         "--margin", type=float, default=1.0, metavar="DB", help="with --target-psnr: dB kept above it (default 1)"
@@ -105,7 +121,7 @@ class _Plan:
     kwargs: dict[str, Any]
     num_steps: int | None
     split: Split
-    target: Target
+    target: Target | None
     policies: list[str]
     out: Path
     device: Any
@@ -137,7 +153,8 @@ def _plan(args: argparse.Namespace) -> _Plan:
     check_call_numbers(args)
     check_positive("--prompts", args.prompts)
     check_positive("--batch", args.batch)
-    target, policies = _target(args), _policies(args.policies)
+    target = None if args.scales else _target(args)
+    policies = _policies(args.policies)
     seeds = tuple(parse_seeds("--seeds", args.seeds))
     heldout = tuple(parse_seeds("--heldout-seeds", args.heldout_seeds))
     shared = sorted(set(seeds) & set(heldout))
@@ -155,16 +172,28 @@ def _plan(args: argparse.Namespace) -> _Plan:
     except FieldError as error:
         raise cli_error(error) from None
     num_steps = default_steps(pipeline_class, kwargs)
-    out = output_path(args.out) if args.out else default_cache_file(source.name, num_steps)
+    if args.scales and args.out:
+        raise CLIError(f"argument --out {args.out}: with --scales the file is --scales {args.scales}")
+    option, text = ("--scales", args.scales) if args.scales else ("--out", args.out)
+    out = output_path(text) if text else default_cache_file(source.name, num_steps)
     try:
         check_writable(out)
     except OSError as error:
-        raise CLIError(f"argument --out {out}: {error.filename} {error.strerror}") from None
+        raise CLIError(f"argument {option} {out}: {error.filename} {error.strerror}") from None
+    if args.scales:
+        _check_headroom(args.headroom)
     device = resolve_device(args.device)
     configure_threads(args.threads, reference=source.reference, device=device)
     split = Split(prompts=prompts, calibration_seeds=seeds, heldout_seeds=heldout)
     dtype = resolve_dtype(args.dtype, device)
     return _Plan(source, kwargs, num_steps, split, target, policies, out, device, dtype)
+
+
+def _check_headroom(value: float) -> None:
+    try:
+        Quantize(mode="fp8_static", calibrate=True, headroom=value)
+    except FieldError as error:
+        raise CLIError(f"argument --headroom {value}: {error}") from None
 
 
 def _magcache_calibration(session: Session, plan: _Plan) -> MagCalibration | MagCalibrations | None:
@@ -274,6 +303,13 @@ def run(args: argparse.Namespace) -> int:
     session = Session.load(plan.source, device=plan.device, dtype=plan.dtype, progress=False)
     check_size(session.pipe, plan.kwargs)
     bench = SplitBench(session, plan.split, plan.kwargs, blocks=transformer_blocks(session), batch=args.batch)
+    if plan.target is None:
+        from fastdit.cli.scales import record_scales
+
+        try:
+            return record_scales(session, bench, plan.out, headroom=args.headroom, as_json=args.json)
+        finally:
+            bench.close()
     try:
         policies = list(plan.policies)
         calibration = _magcache_calibration(session, plan) if "magcache" in policies else None

@@ -168,8 +168,9 @@ def add_acceleration_arguments(parser: argparse.ArgumentParser) -> None:
         "--quantize",
         metavar="SPEC",
         help=f"quantize the transformer blocks' linear layers with torchao (pip install 'fastdit[quant]'): MODE "
-        f"({', '.join(QUANTIZE_MODES)}) and optional key=value pairs (keys: include, exclude, min_size), e.g. fp8 "
-        "or int8_weight,exclude=*.norm1.linear; fp8 and fp8_tensor need a CUDA GPU of compute capability >= 8.9",
+        f"({', '.join(QUANTIZE_MODES)}) and optional key=value pairs (keys: include, exclude, min_size, scales, "
+        "headroom), e.g. fp8 or int8_weight,exclude=*.norm1.linear or fp8_static,scales=PATH (a file fastdit "
+        "calibrate --scales wrote); fp8 and fp8_tensor need a CUDA GPU of compute capability >= 8.9",
     )
 
 

@@ -559,13 +559,23 @@ def parse_config_fields(cls: type, text: str, option: str) -> Any:
 def _quantize_value(key: str, text: str) -> Any:
     if key in ("include", "exclude"):  # patterns, comma-separated (a piece without '=' continues the value)
         return tuple(part.strip() for part in text.split(",") if part.strip())
+    if key == "scales":  # a file fastdit calibrate --scales wrote
+        from fastdit.quantize import load_scales
+
+        try:
+            return load_scales(output_path(text))
+        except OSError as error:
+            raise ValueError(f"cannot read {text}: {error.strerror}") from None
+    if key == "calibrate":
+        raise ValueError("recording scales is `fastdit calibrate MODEL --scales PATH`")
     return parse_value(typing.get_type_hints(Quantize)[key], text)
 
 
 def parse_quantize(text: str) -> Quantize:
     """Read ``--quantize MODE[,key=value...]`` or ``--quantize key=value,...`` (keys: :class:`Quantize` fields).
 
-    ``include`` and ``exclude`` take comma-separated patterns (``exclude=*.norm1.linear,*.ff.*``).
+    ``include`` and ``exclude`` take comma-separated patterns (``exclude=*.norm1.linear,*.ff.*``); ``scales``
+    takes the path of a file ``fastdit calibrate --scales`` wrote (``fp8_static,scales=flux.json``).
 
     Raises:
         CLIError: On bad syntax, an unknown or repeated key, or a value :class:`Quantize` refuses.
