@@ -71,7 +71,9 @@ LAYOUTS = ("single", "ulysses", "ring", "usp", "tp", "tp_ulysses", "cfg", "cfg_u
 # calibration, so its steps compute on the schedule they compute on there (28 steps only; whole steps skipped);
 # vae: with compile, the VAE decoder is compiled too (Compile(vae=True)); ahead: the fixed-schedule DBCache decides
 # ahead (DBCache.decide_ahead: its drift statistic is read a step later, so no step waits for the device);
-# outer: with compile, the modules outside the blocks are compiled too (Compile(outer=True)).
+# outer: with compile, the modules outside the blocks are compiled too (Compile(outer=True)); q8s: FP8 with static
+# per-tensor activation scales (Quantize(mode="fp8_static")), recorded once on a call with seed + 1 before any mode
+# runs; cudnnfp8: cuDNN's fused FP8 attention (Attention(backend="cudnn-fp8"), one GPU).
 OPTIONS = (
     "compile",
     "graph",
@@ -90,7 +92,11 @@ OPTIONS = (
     "vae",
     "ahead",
     "outer",
+    "q8s",
+    "cudnnfp8",
 )
+# The static FP8 scales of the q8s option (recorded by run_modes).
+STATIC_SCALES: dict[str, Any] = {}
 ANCHOR_MODES = ("diffusers_ulysses", "cachedit_ulysses", "diffusers_tp", "diffusers_compile")
 # diffusers_compile: one GPU, diffusers' own compile_repeated_blocks(fullgraph=True) of the transformer.
 VAE_FLUX = {"block_out_channels": (128, 256, 512, 512), "layers_per_block": 2}
@@ -240,10 +246,20 @@ def accelerate_mode(pipe: Any, mode: str, world_size: int, steps: int) -> Callab
     cache = cache_for(options, steps)
     graphs = graphs_for(options)
     quantize = fastdit.Quantize(mode="fp8") if "q8" in options else None
-    if parallel is None and compile_config is None and cache is None and graphs is None and quantize is None:
+    if "q8s" in options:
+        quantize = fastdit.Quantize(mode="fp8_static", scales=STATIC_SCALES["scales"])
+    attention = fastdit.Attention(backend="cudnn-fp8") if "cudnnfp8" in options else None
+    requested = (parallel, compile_config, cache, graphs, quantize, attention)
+    if all(option is None for option in requested):
         return lambda: None
     fastdit.accelerate(
-        pipe, parallel=parallel, compile=compile_config, cuda_graph=graphs, cache=cache, quantize=quantize
+        pipe,
+        parallel=parallel,
+        compile=compile_config,
+        cuda_graph=graphs,
+        cache=cache,
+        quantize=quantize,
+        attention=attention,
     )
 
     def undo() -> None:
@@ -354,6 +370,12 @@ def run_modes(
         negative = embeddings(args.tiny, device, dtype, args.seed + 7)
         kwargs.update(true_cfg_scale=4.0, negative_prompt_embeds=negative["prompt_embeds"],
                       negative_pooled_prompt_embeds=negative["pooled_prompt_embeds"])  # fmt: skip
+    if any("q8s" in mode.split("+") for mode in args.modes.split(",")):
+        from fastdit.calibration import calibrate_scales
+
+        # Another seed than the measured one: the static FP8 rows' quality is a held-out figure.
+        scales = calibrate_scales(pipe, functools.partial(generate, pipe, kwargs, args.seed + 1, device))
+        STATIC_SCALES["scales"] = scales
     rows, baseline, profiles = [], None, []
     for mode in args.modes.split(","):
         if (

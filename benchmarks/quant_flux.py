@@ -5,7 +5,9 @@ The model, its random weights (residual outputs scaled so 57 blocks stay finite)
 decode are those of ``cp_flux.py`` (imported from it). A mode is a precision with options joined by ``+``:
 
 - precision: ``bf16`` (no quantization: the model's dtype, bfloat16 on the GPU, float32 on the CPU) or a
-  :class:`fastdit.Quantize` mode (``fp8`` rowwise, ``fp8_tensor``, ``fp8_weight``, ``int8_weight``, ``int8``);
+  :class:`fastdit.Quantize` mode (``fp8`` rowwise, ``fp8_tensor``, ``fp8_static``, ``fp8_weight``, ``int8_weight``,
+  ``int8``); ``fp8_static``'s scales are recorded once, on a call with another seed than the measured one (so its
+  quality is a held-out figure), with the mode's layer choice;
 - options: ``compile`` (inductor blocks), ``graph`` (CUDA graphs of the calls), ``all`` (quantize every Linear,
   embedders and final projection included, as the anchor does), ``noada`` (keep the AdaLN modulation linears in
   bf16), ``fp8attn`` (torchao's FP8 attention, FA3 on Hopper, around the transformer's SDPA calls; reported as
@@ -53,10 +55,10 @@ PRECISIONS = ("bf16", *QUANTIZE_MODES)
 OPTIONS = ("compile", "graph", "all", "noada", "fp8attn", "cudnnfp8")
 ANCHOR = "anchor"
 DEFAULT_MODES = (
-    "bf16+compile,fp8+compile,fp8_tensor+compile,fp8+compile+graph,fp8+compile+noada,fp8+compile+all,"
-    "fp8_weight+compile,int8_weight+compile,int8_weight,fp8+compile+fp8attn,anchor"
+    "bf16+compile,fp8+compile,fp8_tensor+compile,fp8_static+compile,fp8+compile+graph,fp8_static+compile+graph,"
+    "fp8+compile+noada,fp8+compile+all,fp8_weight+compile,int8_weight+compile,int8_weight,fp8+compile+fp8attn,anchor"
 )
-REFERENCE_MODES = "bf16,fp8,fp8_tensor,fp8+noada,fp8_weight,int8_weight,int8,anchor"
+REFERENCE_MODES = "bf16,fp8,fp8_tensor,fp8_static,fp8+noada,fp8_weight,int8_weight,int8,anchor"
 # AdaLN modulation linears of FLUX's double (norm1, norm1_context) and single (norm) blocks.
 ADALN = ("*.norm1.linear", "*.norm1_context.linear", "*.norm.linear")
 
@@ -121,11 +123,21 @@ def time_box(seconds: float) -> Iterator[None]:
 # --- modes ---
 
 
+# Static FP8 scales by layer choice, recorded on first use (``record_scales`` sets the recorder).
+_SCALES: dict[tuple[tuple[str, ...], tuple[str, ...]], Any] = {}
+_RECORDER: dict[str, Callable[[tuple[str, ...], tuple[str, ...]], Any]] = {}
+
+
 def quantize_for(precision: str, options: list[str]) -> fastdit.Quantize | None:
     if precision == "bf16":
         return None
     include = ("*",) if "all" in options else ()
-    return fastdit.Quantize(mode=precision, include=include, exclude=ADALN if "noada" in options else ())
+    exclude = ADALN if "noada" in options else ()
+    if precision != "fp8_static":
+        return fastdit.Quantize(mode=precision, include=include, exclude=exclude)
+    if (include, exclude) not in _SCALES:
+        _SCALES[include, exclude] = _RECORDER["record"](include, exclude)
+    return fastdit.Quantize(mode=precision, include=include, exclude=exclude, scales=_SCALES[include, exclude])
 
 
 Wrap = Callable[[Callable[[], Any]], Callable[[], Any]]
@@ -311,6 +323,16 @@ def main() -> None:
         f"pipeline on {device}")  # fmt: skip
     pipe, kwargs, steps, size = build(args, device)
     call = lambda: generate(pipe, kwargs, args.seed, device)  # noqa: E731
+
+    def record(include: tuple[str, ...], exclude: tuple[str, ...]) -> Any:
+        from fastdit.calibration import calibrate_scales
+
+        log(start, "fp8_static: recording the activation scales on a call with seed + 1")
+        return calibrate_scales(
+            pipe, lambda: generate(pipe, kwargs, args.seed + 1, device), include=include, exclude=exclude
+        )
+
+    _RECORDER["record"] = record
     rows: list[dict[str, Any]] = []
     baseline: dict[str, Any] | None = None
     for mode in args.modes.split(","):

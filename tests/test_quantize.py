@@ -74,6 +74,22 @@ def test_fp8_skips_widths_its_matmul_cannot_take() -> None:
     assert _reasons(Quantize(mode="int8_weight"))["odd.0"] is None
 
 
+@pytest.mark.parametrize("mode", ["fp8_tensor", "fp8_static"])
+def test_per_tensor_fp8_skips_a_128x128_weight(mode: str) -> None:
+    """torchao 0.18 takes the one per-tensor scale of a 128x128 weight for 128x128 blockwise scaling."""
+    toy = torch.nn.Module()
+    toy.blocks = torch.nn.ModuleList([torch.nn.Linear(128, 128), torch.nn.Linear(128, 256)])
+    calibrate = {"calibrate": True} if mode == "fp8_static" else {}
+    recording = {c.name: c.reason for c in plan_layers(toy, Quantize(mode=mode, **calibrate), ("blocks",))}
+    scales = fastdit.ActivationScales(layers=("transformer.blocks.0",), amax=(1.0,), ndims=(2,))
+    config = Quantize(mode=mode, scales=scales) if mode == "fp8_static" else Quantize(mode=mode)
+    reasons = {c.name: c.reason for c in plan_layers(toy, config, ("blocks",))}
+    assert "128x128 blockwise" in reasons["blocks.0"] and reasons["blocks.1"] is None
+    if mode == "fp8_static":  # recording watches every candidate, whatever its shape
+        assert recording["blocks.0"] is None
+    assert {c.name: c.reason for c in plan_layers(toy, Quantize(mode="fp8"), ("blocks",))}["blocks.0"] is None
+
+
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [

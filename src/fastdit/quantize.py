@@ -59,8 +59,10 @@ SCALES_FORMAT = "fastdit-scales/1"
 # torch._scaled_mm needs both matrix dims of an FP8 matmul divisible by 16.
 _FP8_MULTIPLE = 16
 # torchao 0.18 tells blockwise from per-tensor scaling by the block size alone, so the one per-tensor block of a
-# 128x128 weight passes for a 128x128 block and its matmul then asserts on the input's scaling.
+# 128x128 weight passes for a 128x128 block and its matmul then asserts on the input's scaling (both per-tensor
+# modes: on the GPU, dynamic per-tensor FP8 of the reference pipeline failed so).
 _BLOCK_SHAPE = (128, 128)
+_PER_TENSOR_FP8 = ("fp8_tensor", "fp8_static")
 
 Undo = Callable[[], None]
 
@@ -206,7 +208,7 @@ def _skip_reason(name: str, module: torch.nn.Linear, config: Quantize, block_pat
     # Calibration records every candidate whatever its local shape, so all ranks record the same layers.
     if config.fp8_matmuls and not config.calibrate and any(size % _FP8_MULTIPLE for size in shape):
         return f"local weight {list(shape)}: FP8 matmuls need both dims divisible by {_FP8_MULTIPLE}"
-    if config.mode == "fp8_static" and shape == _BLOCK_SHAPE:
+    if config.mode in _PER_TENSOR_FP8 and not config.calibrate and shape == _BLOCK_SHAPE:
         return f"weight {list(shape)}: torchao reads a per-tensor scale of a 128x128 weight as 128x128 blockwise"
     return None
 
