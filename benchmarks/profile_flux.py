@@ -14,7 +14,9 @@ is printed beside its time. Modes are ``+``-joined options:
 - ``cudnn`` / ``flash`` / ``efficient``: every call (compile included) inside ``sdpa_kernel`` of that backend;
 - ``fuseqkv``: diffusers' ``fuse_qkv_projections()`` (one GEMM for Q, K and V);
 - ``autotune``: ``Compile(mode="max-autotune-no-cudagraphs")``; ``cdt``: inductor coordinate-descent tuning;
-- ``fp8`` / ``fp8_tensor``: ``fastdit.Quantize(mode=...)``; ``graph``: CUDA graphs of the calls.
+- ``fp8`` / ``fp8_tensor``: ``fastdit.Quantize(mode=...)``; ``fp8_static``: static FP8, its scales recorded on one
+  eager call with the profiled inputs first; ``cudnnfp8``: ``fastdit.Attention(backend="cudnn-fp8")``; ``graph``:
+  CUDA graphs of the calls.
 
     python benchmarks/profile_flux.py --modes compile,compile+cudnn --out results/<date>_h200_profile/profile.json
     python benchmarks/profile_flux.py --tiny --modes eager,compile    # CPU smoke test
@@ -43,7 +45,7 @@ from fastdit.bench import device_name, json_ready, markdown_table
 from fastdit.io import write_json
 
 OPTIONS = ("eager", "compile", "anchor", "cudnn", "flash", "efficient", "fuseqkv", "autotune", "cdt", "fp8",
-           "fp8_tensor", "graph")  # fmt: skip
+           "fp8_tensor", "fp8_static", "cudnnfp8", "graph")  # fmt: skip
 CATEGORIES = (
     ("communication", r"nccl"),
     ("fp8 quantization", r"^triton_.*(amax|_scaled_mm__to_copy|clamp_div)"),
@@ -104,8 +106,8 @@ def count_flops(transformer: torch.nn.Module, inputs: dict[str, Any]) -> dict[st
     return {"gemm": float(sum(by_op.values()) - attention), "attention": float(attention)}
 
 
-def apply_mode(pipe: Any, options: list[str]) -> Callable[[], None]:
-    """Apply a mode's options to ``pipe``; return the undo."""
+def apply_mode(pipe: Any, options: list[str], inputs: dict[str, Any] | None = None) -> Callable[[], None]:
+    """Apply a mode's options to ``pipe``; return the undo (``inputs``: the call static FP8 records its scales on)."""
     transformer = pipe.transformer
     undo: list[Callable[[], None]] = []
     if "fuseqkv" in options:
@@ -125,12 +127,18 @@ def apply_mode(pipe: Any, options: list[str]) -> Callable[[], None]:
         undo.append(torch._dynamo.reset)
         return lambda: [fn() for fn in reversed(undo)]
     quantize = next((fastdit.Quantize(mode=o) for o in options if o in ("fp8", "fp8_tensor")), None)
+    if "fp8_static" in options:
+        from fastdit.calibration import calibrate_scales
+
+        scales = calibrate_scales(pipe, _caller(transformer, inputs or {}, None))
+        quantize = fastdit.Quantize(mode="fp8_static", scales=scales)
     compile_config = None
     if "compile" in options:
         compile_config = fastdit.Compile(mode="max-autotune-no-cudagraphs" if "autotune" in options else None)
     graphs = fastdit.CudaGraph() if "graph" in options else None
-    if compile_config or quantize or graphs:
-        fastdit.accelerate(pipe, compile=compile_config, quantize=quantize, cuda_graph=graphs)
+    attention = fastdit.Attention(backend="cudnn-fp8") if "cudnnfp8" in options else None
+    if compile_config or quantize or graphs or attention:
+        fastdit.accelerate(pipe, compile=compile_config, quantize=quantize, cuda_graph=graphs, attention=attention)
         undo.append(lambda: fastdit.disable(pipe))
     if compile_config:
         undo.append(torch._dynamo.reset)
@@ -185,7 +193,7 @@ def run_mode(pipe: Any, mode: str, inputs: dict[str, Any], args: argparse.Namesp
     options = mode.split("+")
     row: dict[str, Any] = {"mode": mode}
     try:
-        undo = apply_mode(pipe, options)
+        undo = apply_mode(pipe, options, inputs)
     except Exception as exc:  # a mode that cannot apply is reported; the others still run
         return {**row, "error": f"{type(exc).__name__}: {exc}"}
     try:
