@@ -329,12 +329,20 @@ class Driver:
         Tensor parallelism shards the linear layers a LoRA wraps (and with ``text_encoder`` the text encoders'),
         so a sharded layer would get a whole adapter: refused rather than computed wrong. Quantization would
         quantize an unfused adapter's own small layers too; a fused adapter is merged into the float weights
-        before they are quantized.
+        before they are quantized — except under static FP8, whose activation scales were recorded without the
+        adapter: merged weights change every later layer's inputs, which the scales would clip.
         """
         parallel = self.runner.base.get("parallel")
         if parallel is not None and (parallel.tp > 1 or parallel.text_encoder):
             return "tensor parallelism (--parallel tp=N or text_encoder) shards the layers a LoRA adapts"
-        if self.runner.base.get("quantize") is not None and not fuse:
+        quantize = self.runner.base.get("quantize")
+        if getattr(quantize, "mode", None) == "fp8_static":
+            return (
+                "its layers are quantized with static FP8 scales recorded without this adapter (--quantize "
+                "fp8_static): record scales with the adapter fused (fastdit calibrate --scales) or serve with "
+                "--quantize fp8"
+            )
+        if quantize is not None and not fuse:
             return "its layers are quantized (--quantize): load the adapter with fuse: true (merged, then quantized)"
         from fastdit.serve.lora import lora_support
 
