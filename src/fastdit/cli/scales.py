@@ -4,7 +4,7 @@ The pipeline generates the calibration prompts with the calibration seeds in its
 Linear's largest absolute input is recorded; the scales are then used (``Quantize(mode="fp8_static")``) on the
 calibration cases and on the held-out seeds the recording never saw, each against the unquantized outputs of the same
 cases, and both figures are printed side by side and stored in the file. ``--quantize fp8_static,scales=PATH``
-(``generate``, ``bench``, ``serve``) reads it back.
+(``generate``, ``serve``) reads it back.
 """
 
 from __future__ import annotations
