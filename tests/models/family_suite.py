@@ -34,7 +34,10 @@ class FamilySuite:
     def _pipe(self, built: dict, variant: str):
         key = (self.family, variant)
         if key not in built:
-            built.clear()  # keep one family's pipelines in memory at a time
+            # Keep one family's pipelines in memory at a time, all of its variants: its tests run function by
+            # function, each over every variant, so a cache of one pipeline would rebuild each variant per test.
+            if any(family != self.family for family, _ in built):
+                built.clear()
             built[key] = build_tiny(self.family, variant)
         return built[key]
 

@@ -2,16 +2,16 @@
 
 Plans are discovered from the registry, so a family file that gains ``tp_plan`` is covered here without touching
 this file. The matrix runs through the verify ladder (:mod:`fastdit.diagnostics.family_ladder`) at float32's exact
-threshold. Each pipeline runs split over 2 ranks (per-rank parameter bytes as planned, ``disable`` bit-identical);
-every family's first pipeline (the others in the slow run) also under a step cache that serves steps from the cache
-with and without a back block (against the same cache on one process); FLUX and Wan (every family in the slow run)
+threshold. Every family's first tiny pipeline runs split over 2 ranks (per-rank parameter bytes as planned,
+``disable`` bit-identical, the weights given back) and under a step cache that serves steps from the cache with and
+without a back block (against the same cache on one process); its other pipelines run the same in the slow run.
+FLUX and Wan (every family in the slow run)
 also under TeaCache and under DBCache and MagCache forecasting with FoCa and Hermite; and each plan is checked on the
 ``meta`` device for a degree that divides and one that does not.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import pytest
@@ -20,6 +20,7 @@ import torch
 from fastdit.components import walk
 from fastdit.diagnostics.family_ladder import (
     RungSpec,
+    _built,
     assert_rows,
     cached_call_overrides,
     run_cache_combinations,
@@ -29,7 +30,6 @@ from fastdit.models.registry import all_adapters, get_family
 from fastdit.parallel.plan import match_modules
 from fastdit.parallel.tp_plan import Colwise, parent_of, plan_layers, resolve_tp_plan, segment_sizes
 from fastdit.testing.distributed import WorkerPool
-from fastdit.testing.pipelines import build_tiny
 
 pytestmark = pytest.mark.distributed
 
@@ -43,11 +43,6 @@ IDS = [f"{f}-{v}" for f, v in CASES]
 FAMILIES = sorted({family for family, _ in CASES})
 
 
-@functools.lru_cache(maxsize=4)
-def _built(family: str, variant: str) -> tuple[Any, Any]:
-    return build_tiny(family, variant)
-
-
 def _denoisers(pipe: Any) -> dict[str, torch.nn.Module]:
     return {c.name: c.module for c in walk(pipe).denoisers}
 
@@ -58,7 +53,9 @@ def _num_blocks(family: str, variant: str) -> int:
 
 
 def _ladder_keeping_weights(rank: int, world_size: int, family: str, variant: str, specs: list[RungSpec]) -> dict:
-    """The ladder, and whether every denoiser's state dict is bit-identical after it (``disable`` gave it back)."""
+    """The ladder, and whether every denoiser's state dict is bit-identical after it (``disable`` gave it back).
+
+    The pipeline is the one the ladder runs (:func:`run_family_ladder` builds it once per rank and keeps it)."""
     pipe, _ = _built(family, variant)
     before = {name: {k: v.clone() for k, v in m.state_dict().items()} for name, m in _denoisers(pipe).items()}
     report = run_family_ladder(rank, world_size, family, variant, specs, cached_call_overrides(family, variant))
@@ -81,7 +78,13 @@ def _cached_specs(family: str, variant: str) -> list[RungSpec]:
     ]
 
 
-@pytest.mark.parametrize(("family", "variant"), CASES, ids=IDS)
+# Every family in the default run through its first tiny pipeline; its other pipelines in the slow run.
+FIRST_BY_DEFAULT = [
+    pytest.param(f, v, id=f"{f}-{v}", marks=() if _first_variant(f, v) else pytest.mark.slow) for f, v in CASES
+]
+
+
+@pytest.mark.parametrize(("family", "variant"), FIRST_BY_DEFAULT)
 def test_tp2_matches_single_process_alone_and_under_a_cache(dist2: WorkerPool, family: str, variant: str) -> None:
     specs = [RungSpec("tp2", {"tp": 2}, check_disable=True)]
     if _first_variant(family, variant):
