@@ -187,13 +187,12 @@ def _reduced(component: str, recorder: Any, device: torch.device) -> list[tuple[
     if not recorder.layers:
         return []
     missing = torch.tensor(-1.0, device=device)
-    values = torch.stack([recorder.amax.get(n, missing).to(device) for n in recorder.layers])
-    ndims = torch.tensor([recorder.ndims.get(n, 0) for n in recorder.layers], device=device)
+    maxima = torch.stack([recorder.amax.get(n, missing).to(device) for n in recorder.layers])
+    ranks = torch.tensor([float(recorder.ndims.get(n, 0)) for n in recorder.layers], device=device)
+    table = torch.stack([maxima, ranks])  # one collective for both rows (input ranks are small exact integers)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
-        torch.distributed.all_reduce(ndims, op=torch.distributed.ReduceOp.MAX)
+        torch.distributed.all_reduce(table, op=torch.distributed.ReduceOp.MAX)
+    values, ndims = table.tolist()
     return [
-        (f"{component}.{name}", float(a), int(d))
-        for name, a, d in zip(recorder.layers, values.tolist(), ndims.tolist(), strict=True)
-        if a >= 0
+        (f"{component}.{name}", a, int(d)) for name, a, d in zip(recorder.layers, values, ndims, strict=True) if a >= 0
     ]
