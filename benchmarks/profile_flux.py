@@ -15,8 +15,9 @@ is printed beside its time. Modes are ``+``-joined options:
 - ``fuseqkv``: diffusers' ``fuse_qkv_projections()`` (one GEMM for Q, K and V);
 - ``autotune``: ``Compile(mode="max-autotune-no-cudagraphs")``; ``cdt``: inductor coordinate-descent tuning;
 - ``fp8`` / ``fp8_tensor``: ``fastdit.Quantize(mode=...)``; ``fp8_static``: static FP8, its scales recorded on one
-  eager call with the profiled inputs first; ``cudnnfp8``: ``fastdit.Attention(backend="cudnn-fp8")``; ``graph``:
-  CUDA graphs of the calls.
+  eager call with the profiled inputs first; ``cudnnfp8``: ``fastdit.Attention(backend="cudnn-fp8")``; ``attnfixed``
+  (with ``cudnnfp8``, a speed probe, not a numerics one): Q, K and V cast with one fixed scale instead of their
+  absmax, which bounds what calibrated attention scales would save; ``graph``: CUDA graphs of the calls.
 
     python benchmarks/profile_flux.py --modes compile,compile+cudnn --out results/<date>_h200_profile/profile.json
     python benchmarks/profile_flux.py --tiny --modes eager,compile    # CPU smoke test
@@ -45,7 +46,7 @@ from fastdit.bench import device_name, json_ready, markdown_table
 from fastdit.io import write_json
 
 OPTIONS = ("eager", "compile", "anchor", "cudnn", "flash", "efficient", "fuseqkv", "autotune", "cdt", "fp8",
-           "fp8_tensor", "fp8_static", "cudnnfp8", "graph")  # fmt: skip
+           "fp8_tensor", "fp8_static", "cudnnfp8", "attnfixed", "graph")  # fmt: skip
 CATEGORIES = (
     ("communication", r"nccl"),
     ("fp8 quantization", r"^triton_.*(amax|_scaled_mm__to_copy|clamp_div)"),
@@ -118,6 +119,12 @@ def apply_mode(pipe: Any, options: list[str], inputs: dict[str, Any] | None = No
 
         inductor_config.coordinate_descent_tuning = True
         undo.append(lambda: setattr(inductor_config, "coordinate_descent_tuning", False))
+    if "attnfixed" in options:
+        from fastdit.parallel.attention import cudnn_fp8
+
+        measured = cudnn_fp8.quantize_per_tensor
+        cudnn_fp8.quantize_per_tensor = _fixed_scale_quantize
+        undo.append(lambda: setattr(cudnn_fp8, "quantize_per_tensor", measured))
     if "anchor" in options:
         if "fp8" in options:  # as a diffusers user quantizes: torchao's defaults (its inductor settings included)
             from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
@@ -143,6 +150,12 @@ def apply_mode(pipe: Any, options: list[str], inputs: dict[str, Any] | None = No
     if compile_config:
         undo.append(torch._dynamo.reset)
     return lambda: [fn() for fn in reversed(undo)]
+
+
+def _fixed_scale_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_per_tensor`` with a fixed descale (8 / 448) in place of the absmax: no reduction over ``x``."""
+    descale = torch.full((1, 1, 1, 1), 8.0 / 448.0, dtype=torch.float32, device=x.device)
+    return (x.float() / descale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), descale
 
 
 def category(name: str) -> str:

@@ -17,8 +17,13 @@ Modes are ``cp_flux.py`` modes (``single+compile+graph+cache4`` ...); the first 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import gzip
+import io
 import itertools
 import os
+import pstats
+import shutil
 import statistics
 import sys
 import time
@@ -78,11 +83,23 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help="comma-separated cp_flux.py modes")
     parser.add_argument("--block-repeats", type=int, default=50, help="replays of one block for its reference time")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default $OUT/step_costs.json if OUT is set)")
+    parser.add_argument(
+        "--host-profile",
+        type=Path,
+        default=None,
+        help="folder for a profile of one more call per mode: cProfile (host) and a torch.profiler trace",
+    )
     return parser.parse_args()
 
 
-def measure_mode(pipe: Any, mode: str, kwargs: dict[str, Any], device: torch.device, steps: int) -> dict[str, Any]:
-    """One mode: per-step timeline costs of its second call, split by whether the step computed."""
+def measure_mode(
+    pipe: Any, mode: str, kwargs: dict[str, Any], device: torch.device, steps: int, host_profile: Path | None = None
+) -> dict[str, Any]:
+    """One mode: per-step timeline costs of its second call, split by whether the step computed.
+
+    Beside the device's timeline, the host's: how long the host spends inside each transformer call and from one
+    call's start to the next. A cached step whose host time exceeds its device time leaves the GPU waiting (a run of
+    consecutive cached steps shows it: each costs its host time, not its kernels')."""
     undo = cp_flux.accelerate_mode(pipe, mode, 1, steps)
     try:
         call = lambda: pipe(**kwargs, generator=torch.Generator(device).manual_seed(0), output_type="latent")  # noqa: E731
@@ -90,10 +107,12 @@ def measure_mode(pipe: Any, mode: str, kwargs: dict[str, Any], device: torch.dev
         call()
         first_s = time.perf_counter() - start
         steps_clock, front_clock, end_clock = StreamClock(device), StreamClock(device), StreamClock(device)
+        host_starts: list[float] = []
+        host_ends: list[float] = []
         outer_clocks = {name: StreamClock(device) for name in OUTER_MODULES}
         handles = [
-            pipe.transformer.register_forward_pre_hook(lambda *_: steps_clock.mark()),
-            pipe.transformer.register_forward_hook(lambda *_: end_clock.mark()),
+            pipe.transformer.register_forward_pre_hook(lambda *_: both(steps_clock.mark, host_starts)),
+            pipe.transformer.register_forward_hook(lambda *_: both(end_clock.mark, host_ends)),
             *marks_around(pipe.transformer.transformer_blocks[0], front_clock),
         ]
         for name, clock in outer_clocks.items():
@@ -109,9 +128,13 @@ def measure_mode(pipe: Any, mode: str, kwargs: dict[str, Any], device: torch.dev
             for handle in handles:
                 handle.remove()
         cached = cached_steps(pipe)
+        if host_profile is not None:  # a third call: the profilers' own overhead stays out of the timed one
+            profile_call(pipe, call, host_profile / mode.replace("+", "_"))
     finally:
         undo()
     step_ms = steps_clock.intervals_ms()
+    host_call_ms = [1e3 * (e - s) for s, e in zip(host_starts, host_ends, strict=True)]
+    host_step_ms = [1e3 * (b - a) for a, b in itertools.pairwise(host_starts)]
     front_ms = front_clock.intervals_ms()[::2]  # pre -> post of each call
     starts, ends = steps_clock.marks[:-1], end_clock.marks
     # From a call's end to the next call's start: the scheduler and the pipeline's loop (on the stream's timeline).
@@ -127,10 +150,62 @@ def measure_mode(pipe: Any, mode: str, kwargs: dict[str, Any], device: torch.dev
         "cached_step_ms": median([x for i, x in enumerate(step_ms) if i in cached]),
         "front_block_ms_cached_steps": median([x for i, x in enumerate(front_ms) if i in cached]),
         "between_calls_ms_after_cached": median([x for i, x in enumerate(between) if i in cached]),
+        "host_call_ms": [round(x, 3) for x in host_call_ms],
+        "host_cached_call_ms": median([x for i, x in enumerate(host_call_ms) if i in cached]),
+        "host_step_ms_after_cached": median([x for i, x in enumerate(host_step_ms) if i in cached]),
         "outer_ms_cached_steps": {
             name: median([x for i, x in enumerate(values) if i in cached]) for name, values in outer_ms.items()
         },
     }
+
+
+def both(mark: Callable[[], None], host_marks: list[float]) -> None:
+    """A device mark and a host one (returns ``None``, so a pre-hook leaves the arguments alone)."""
+    host_marks.append(time.perf_counter())
+    mark()
+
+
+def profile_call(pipe: Any, call: Callable[[], Any], folder: Path) -> None:
+    """One more call under cProfile and ``torch.profiler``, each transformer call marked ``call<i>`` in the trace.
+
+    Writes ``host.txt`` (host functions by own time, top 60, and by cumulative time, top 40) and ``trace.json.gz``
+    (host and device timelines, for finding what a cached step launches and where the device waits).
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    marks: list[Any] = []
+
+    def enter(*_: Any) -> None:
+        marks.append(torch.profiler.record_function(f"call{len(marks)}"))
+        marks[-1].__enter__()
+
+    handles = [
+        pipe.transformer.register_forward_pre_hook(enter),
+        pipe.transformer.register_forward_hook(lambda *_: marks[-1].__exit__(None, None, None)),
+    ]
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    host = cProfile.Profile()
+    try:
+        with torch.profiler.profile(activities=activities) as prof:
+            host.enable()
+            call()
+            host.disable()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+    finally:
+        for handle in handles:
+            handle.remove()
+    text = io.StringIO()
+    stats = pstats.Stats(host, stream=text)
+    stats.sort_stats("tottime").print_stats(60)
+    stats.sort_stats("cumulative").print_stats(40)
+    (folder / "host.txt").write_text(text.getvalue())
+    trace = folder / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    with trace.open("rb") as raw, gzip.open(folder / "trace.json.gz", "wb") as packed:
+        shutil.copyfileobj(raw, packed)
+    trace.unlink()
 
 
 def marks_around(module: torch.nn.Module, clock: StreamClock) -> list[Any]:
@@ -199,11 +274,12 @@ def main() -> None:
     kwargs = {**cp_flux.embeddings(args.tiny, device, dtype, 0), "height": size, "width": size,
               "num_inference_steps": args.steps, "guidance_scale": 3.5}  # fmt: skip
     blocks = one_block_ms(pipe, kwargs, device, args.block_repeats)
-    rows = [measure_mode(pipe, mode, kwargs, device, args.steps) for mode in args.modes.split(",")]
+    rows = [measure_mode(pipe, mode, kwargs, device, args.steps, args.host_profile) for mode in args.modes.split(",")]
     print(f"\nFLUX.1-dev-sized ({'tiny' if args.tiny else 'full'}), {size}x{size}, {args.steps} steps, "
           f"{device_name(device)}; one block alone: {blocks}\n")  # fmt: skip
     header = ("mode", "wall s", "cached steps", "computed step ms", "cached step ms", "front block ms (cached steps)",
-              "outer modules ms (cached steps)", "between calls ms")  # fmt: skip
+              "outer modules ms (cached steps)", "between calls ms", "host ms per cached call",
+              "host ms per step after a cached one")  # fmt: skip
     cells = [
         (
             r["mode"],
@@ -214,6 +290,8 @@ def main() -> None:
             r["front_block_ms_cached_steps"],
             sum(v for v in r["outer_ms_cached_steps"].values() if v is not None) if r["cached_steps"] else None,
             r["between_calls_ms_after_cached"],
+            r["host_cached_call_ms"],
+            r["host_step_ms_after_cached"],
         )
         for r in rows
     ]
