@@ -554,24 +554,43 @@ class _CudaGraph:
         return request.cuda_graph is not None
 
     def check(self, request: Request, components: Components) -> None:
-        if request.cuda_graph.scope == "call" and request.cache is not None:
+        from fastdit.cuda_graph import resolve_scope
+
+        config = request.cuda_graph
+        if config.scope == "call" and request.cache is not None:
             raise ArgumentError(
                 "accelerate",
                 "cuda_graph",
-                request.cuda_graph,
+                config,
                 f"with cache={request.cache}: a step cache decides on the host between blocks, which a CUDA graph of "
                 "the whole call cannot do; use scope='blocks' or 'auto'",
             )
+        if resolve_scope(config, request.cache is not None) != "call":
+            return
+        for item in components.denoisers:
+            reading = item.adapter.host_reading_modules
+            if reading:
+                raise ArgumentError(
+                    "accelerate",
+                    "cuda_graph",
+                    config,
+                    f"{item.name} ({item.adapter.family}): its {', '.join(reading)} read tensor values on the host "
+                    "at every call, which a CUDA graph of the whole call would freeze; use scope='blocks' (each "
+                    "block graphed, those modules eager)",
+                )
 
     def apply(self, context: Context) -> None:
-        from fastdit.cuda_graph import apply_cuda_graph
+        from fastdit.cuda_graph import apply_cuda_graph, graphable_outer
 
+        config = context.request.cuda_graph
         for item in context.components.denoisers:
             layout = context.state("context_parallel", item.name)
+            blocks = item.blocks()
             applied = apply_cuda_graph(
                 item.module,
-                context.request.cuda_graph,
-                blocks=item.blocks(),
+                config,
+                blocks=blocks,
+                outer=graphable_outer(item) if config.outer else (),
                 cached=context.request.cache is not None,
                 context_key=None if layout is None else layout.signature,
             )

@@ -325,6 +325,10 @@ class ModelAdapter:
         example: ``module.path:function`` giving a small transformer and one call of it, ``(model, kwargs)``, for
             ``fastdit inspect`` of a family without a tiny pipeline (one served by a pipeline fastdit does not build,
             e.g. a diffusers ModularPipeline); ``""``: the first tiny pipeline's first transformer call is used.
+        host_reading_modules: Names of the transformer's modules outside its blocks that read tensor values on the
+            host and size their outputs by them (Lumina 2's RoPE embedder turns the prompt mask's lengths into
+            Python lists): a CUDA graph would freeze those values, so ``CudaGraph(outer=True)`` leaves these modules
+            eager and a whole-call graph is refused up front.
     """
 
     family: str
@@ -345,6 +349,7 @@ class ModelAdapter:
     timestep_reduce: str = "max"
     latent: LatentLayout | None = None
     example: str = ""
+    host_reading_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.family:

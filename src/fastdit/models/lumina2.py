@@ -136,6 +136,8 @@ ADAPTER = register(
         cfg_pairs_by_timestep=True,
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="layers", pattern=ForwardPattern.P3),),
+        # The RoPE embedder reads the prompt mask's lengths on the host (.tolist()) to lay out the positions.
+        host_reading_modules=("rope_embedder",),
         cp_plan=CP_PLAN,
         tp_plan=TP_PLAN,
         tiny_pipelines=(

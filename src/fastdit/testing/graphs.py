@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch.utils import _pytree as pytree
 
 __all__ = ["RecordingGraph"]
@@ -23,6 +24,16 @@ class RecordingGraph:
         return self.outputs
 
     def replay(self) -> None:
-        """Recompute and write into the captured outputs."""
+        """Recompute and write into the captured outputs.
+
+        Raises:
+            AssertionError: an output that is not a tensor (a size, ``None``) differs from the captured one: a real
+                graph would hand out the captured value, so it must be fixed by the call's signature.
+        """
         for kept, fresh in zip(pytree.tree_leaves(self.outputs), pytree.tree_leaves(self.fn()), strict=True):
-            kept.copy_(fresh)
+            if isinstance(kept, torch.Tensor):
+                kept.copy_(fresh)
+            else:
+                assert kept == fresh, (
+                    f"a non-tensor output changed between calls of one signature: {kept!r} -> {fresh!r}"
+                )
