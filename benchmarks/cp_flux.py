@@ -73,8 +73,7 @@ LAYOUTS = ("single", "ulysses", "ring", "usp", "tp", "tp_ulysses", "cfg", "cfg_u
 # ahead (DBCache.decide_ahead: its drift statistic is read a step later, so no step waits for the device);
 # outer: with compile, the modules outside the blocks are compiled too (Compile(outer=True)); q8s: FP8 with static
 # per-tensor activation scales (Quantize(mode="fp8_static")), recorded once on a call with seed + 1 before any mode
-# runs; cudnnfp8: cuDNN's fused FP8 attention (Attention(backend="cudnn-fp8"), one GPU); gouter: with graphs per
-# block, the modules outside the blocks are graphed too (CudaGraph(outer=True)).
+# runs; cudnnfp8: cuDNN's fused FP8 attention (Attention(backend="cudnn-fp8"), one GPU).
 OPTIONS = (
     "compile",
     "graph",
@@ -95,7 +94,6 @@ OPTIONS = (
     "outer",
     "q8s",
     "cudnnfp8",
-    "gouter",
 )
 # The static FP8 scales of the q8s option (recorded by run_modes).
 STATIC_SCALES: dict[str, Any] = {}
@@ -285,7 +283,7 @@ def graphs_for(options: list[str]) -> fastdit.CudaGraph | None:
     """The CudaGraph config of a mode's options."""
     if not {"graph", "blockgraph"} & set(options):
         return None
-    return fastdit.CudaGraph(scope="blocks" if "blockgraph" in options else "auto", outer="gouter" in options)
+    return fastdit.CudaGraph(scope="blocks" if "blockgraph" in options else "auto")
 
 
 def accelerate_anchor(pipe: Any, mode: str, world_size: int) -> Callable[[], None]:

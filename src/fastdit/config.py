@@ -944,26 +944,16 @@ class CudaGraph:
     max_graphs: int = _doc(
         "Input signatures captured per transformer (or block); later new ones run without a graph.", 8
     )
-    outer: bool = _doc(
-        "With graphs per block, also graph each of the transformer's modules outside its blocks (patch, time and "
-        "text embedders, RoPE tables, the final norm and projection) on its own: a step a cache skips launches "
-        "little else, so launching them from Python can cost more host time than the step's kernels take. With "
-        "scope 'call' the whole call is one graph already.",
-        False,
-    )
 
     def __post_init__(self) -> None:
-        _check_fields(self, scope=_one_of(*GRAPH_SCOPES), warmup=_integer(1), max_graphs=_integer(1), outer=_BOOL)
+        _check_fields(self, scope=_one_of(*GRAPH_SCOPES), warmup=_integer(1), max_graphs=_integer(1))
 
     @classmethod
     def from_compile(cls, compile: Compile) -> CudaGraph | None:
-        """The graphs a ``Compile(cuda_graph=True, graph_*=...)`` asks for (``None`` without ``cuda_graph``); with
-        ``Compile(outer=True)`` the compiled outer modules are graphed too."""
+        """The graphs a ``Compile(cuda_graph=True, graph_*=...)`` asks for (``None`` without ``cuda_graph``)."""
         if not compile.cuda_graph:
             return None
-        return cls(
-            scope=compile.graph_scope, warmup=compile.graph_warmup, max_graphs=compile.max_graphs, outer=compile.outer
-        )
+        return cls(scope=compile.graph_scope, warmup=compile.graph_warmup, max_graphs=compile.max_graphs)
 
 
 QUANTIZE_MODES = ("fp8", "fp8_static", "fp8_tensor", "fp8_weight", "int8_weight", "int8")

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextvars
 import logging
 from collections.abc import Callable, Hashable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch.utils import _pytree as pytree
@@ -43,12 +43,8 @@ __all__ = [
     "GraphedCalls",
     "apply_cuda_graph",
     "current_call_signature",
-    "graphable_outer",
     "resolve_scope",
 ]
-
-if TYPE_CHECKING:
-    from fastdit.components import Component
 
 logger = logging.getLogger(__name__)
 
@@ -254,7 +250,6 @@ def apply_cuda_graph(
     config: CudaGraph,
     *,
     blocks: Sequence[tuple[str, torch.nn.Module]] | None = None,
-    outer: Sequence[tuple[str, torch.nn.Module]] = (),
     cached: bool = False,
     context_key: Callable[[], Hashable] | None = None,
     new_graph: Callable[[], CapturedGraph] | None = None,
@@ -270,8 +265,6 @@ def apply_cuda_graph(
         transformer: A transformer whose parameters live on a CUDA device.
         config: Scope, warm-up count and graph limit.
         blocks: ``(name, block)`` of every block (needed for scope ``"blocks"``).
-        outer: ``(name, module)`` of modules outside the blocks to graph the same way with scope ``"blocks"``
-            (:attr:`CudaGraph.outer`; ignored with scope ``"call"``, whose graph records them already).
         cached: Whether a step cache is installed on ``transformer``.
         context_key: For block graphs, a function giving state that is equal on every rank and determines the
             blocks' local shapes (the context-parallel split layout): added to each block call's signature, so all
@@ -290,7 +283,7 @@ def apply_cuda_graph(
         raise ValueError(
             "CudaGraph.scope='call' with a cache: the cache decides on the host between blocks; use 'blocks'"
         )
-    if scope == "blocks" and not blocks and not outer:
+    if scope == "blocks" and not blocks:
         raise ValueError("CudaGraph.scope='blocks': the transformer's blocks are needed")
     new_graph = new_graph or _cuda_graph_factory(transformer)
     graphs = GraphSet()
@@ -299,28 +292,16 @@ def apply_cuda_graph(
         graphs.append(GraphedCalls(config, new_graph, "transformer"))
         undo.append(layers.install(transformer, layers.Layer.GRAPH, GRAPH_HOOK, CudaGraphHook(graphs[0])))
     else:
-        sites = [(f"block {name}", block) for name, block in blocks]
-        sites += [(f"module {name}", module) for name, module in outer]
-        for what, module in sites:
-            calls = GraphedCalls(config, new_graph, what, context_key)
+        for name, block in blocks:
+            calls = GraphedCalls(config, new_graph, f"block {name}", context_key)
             graphs.append(calls)
-            undo.append(block_runner.set_stage(module, "graphs", calls))
+            undo.append(block_runner.set_stage(block, "graphs", calls))
 
     def remove() -> None:
         for fn in reversed(undo):
             fn()
 
     return Applied(remove, graphs)
-
-
-def graphable_outer(denoiser: Component) -> list[tuple[str, torch.nn.Module]]:
-    """``(name, module)`` of the denoiser's modules outside its blocks that a CUDA graph may record: all of them but
-    those its adapter declares reading tensor values on the host (:attr:`ModelAdapter.host_reading_modules`)."""
-    from fastdit.compile import outer_modules
-
-    reading = set(denoiser.adapter.host_reading_modules)
-    modules = outer_modules(denoiser.module, [name for name, _ in denoiser.blocks()])
-    return [(name, module) for name, module in modules if name not in reading]
 
 
 def _cuda_graph_factory(transformer: torch.nn.Module) -> Callable[[], CapturedGraph]:

@@ -580,17 +580,14 @@ class _CudaGraph:
                 )
 
     def apply(self, context: Context) -> None:
-        from fastdit.cuda_graph import apply_cuda_graph, graphable_outer
+        from fastdit.cuda_graph import apply_cuda_graph
 
-        config = context.request.cuda_graph
         for item in context.components.denoisers:
             layout = context.state("context_parallel", item.name)
-            blocks = item.blocks()
             applied = apply_cuda_graph(
                 item.module,
-                config,
-                blocks=blocks,
-                outer=graphable_outer(item) if config.outer else (),
+                context.request.cuda_graph,
+                blocks=item.blocks(),
                 cached=context.request.cache is not None,
                 context_key=None if layout is None else layout.signature,
             )

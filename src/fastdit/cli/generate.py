@@ -152,8 +152,7 @@ def add_acceleration_arguments(parser: argparse.ArgumentParser) -> None:
         "--cuda-graph",
         action="store_true",
         help="replay transformer calls as CUDA graphs (CUDA only; with --cache each block is graphed and the cache "
-        "decides between blocks, and with --compile-outer so is each module outside the blocks; with --compile the "
-        "compiled kernels are graphed)",
+        "decides between blocks; with --compile the compiled kernels are graphed)",
     )
     group.add_argument("--attention", metavar="BACKEND", help=f"attention backend: {', '.join(ATTENTION_BACKENDS)}")
     group.add_argument(
@@ -296,8 +295,8 @@ def acceleration_options(args: argparse.Namespace, num_steps: int | None, model:
         with_timeout(args, None)  # refuses --dist-timeout alone
     if args.compile or args.compile_vae or args.compile_outer:
         options["compile"] = Compile(vae=args.compile_vae, outer=args.compile_outer)
-    if args.cuda_graph:  # graphs without dynamo unless --compile is given too; compiled outer modules graphed too
-        options["cuda_graph"] = CudaGraph(outer=args.compile_outer)
+    if args.cuda_graph:  # graphs without dynamo unless --compile is given too
+        options["cuda_graph"] = CudaGraph()
     if args.quantize is not None:
         options["quantize"] = parse_quantize(args.quantize)
     if args.attention is not None:

@@ -619,7 +619,6 @@ _ACCELERATION_FIELD_FLAGS: Mapping[tuple[str, str], str] = MappingProxyType(
         ("Compile", "vae"): "--compile-vae",
         ("Compile", "outer"): "--compile-outer",
         **{("CudaGraph", name): "--cuda-graph" for name in ("device", "scope", "warmup", "max_graphs")},
-        ("CudaGraph", "outer"): "--compile-outer",
         ("Attention", "backend"): "--attention",
         **{("Offload", name): "--offload" for name, _default, _doc in config_fields(Offload)},
         **{("Quantize", name): "--quantize" for name, _default, _doc in config_fields(Quantize)},

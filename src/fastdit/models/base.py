@@ -327,8 +327,8 @@ class ModelAdapter:
             e.g. a diffusers ModularPipeline); ``""``: the first tiny pipeline's first transformer call is used.
         host_reading_modules: Names of the transformer's modules outside its blocks that read tensor values on the
             host and size their outputs by them (Lumina 2's RoPE embedder turns the prompt mask's lengths into
-            Python lists): a CUDA graph would freeze those values, so ``CudaGraph(outer=True)`` leaves these modules
-            eager and a whole-call graph is refused up front.
+            Python lists): a CUDA graph would freeze those values, so a graph of the whole call is refused up front
+            (graphs per block leave these modules eager).
     """
 
     family: str
