@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 
 import fastdit
@@ -24,7 +25,7 @@ class TestWanAnimate2(FamilySuite):
 
 @functools.cache
 def _model() -> torch.nn.Module:
-    # One instance for the module: its first call builds (and compiles) the flex BlockMask, the slow part.
+    # One instance for the module: it keeps the flex BlockMasks its first call builds.
     return tiny_transformer()
 
 
@@ -41,6 +42,28 @@ def _counted(model: torch.nn.Module) -> tuple[torch.Tensor, list[int]]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+@pytest.mark.slow
+def test_tiny_block_mask_equals_the_compiled_one() -> None:
+    """The tiny transformer builds its BlockMask eagerly (the class compiles the same mask function with inductor,
+    seconds per process): the mask must be the class's own, tensor for tensor."""
+    from diffusers import WanAnimate2Transformer3DModel
+
+    model = _model()
+    for frames, hw in ((3, 16), (2, 1)):  # the bare transformer's geometry and the tiny pipeline's
+        eager = model.create_mask(frames, hw, "cpu")
+        compiled = WanAnimate2Transformer3DModel.create_mask(model, frames, hw, "cpu")
+        assert eager.shape == compiled.shape
+        for name in (
+            "kv_num_blocks",
+            "kv_indices",
+            "full_kv_num_blocks",
+            "full_kv_indices",
+            "q_num_blocks",
+            "q_indices",
+        ):
+            assert torch.equal(getattr(eager, name), getattr(compiled, name)), name
 
 
 def test_adapter_matches_transformer() -> None:

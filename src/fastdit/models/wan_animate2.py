@@ -26,6 +26,7 @@ bare transformer run :func:`tiny_animate`, the modular loop's calls.
 from __future__ import annotations
 
 import itertools
+import types
 from typing import Any
 
 import torch
@@ -49,12 +50,13 @@ _ORIGIN_LEN = 8  # pixel frames of the segment: (8 // 4 + 1) = 3 generation late
 
 
 def tiny_transformer(seed: int = 0):
-    """A 12-block ``WanAnimate2Transformer3DModel``, 2 heads of 12, with the CLIP image branch."""
+    """A 12-block ``WanAnimate2Transformer3DModel``, 2 heads of 12, with the CLIP image branch; it builds its flex
+    BlockMask eagerly (:func:`_build_masks_eagerly`)."""
     from diffusers import WanAnimate2Transformer3DModel
 
     from fastdit.testing.components.encoders import build
 
-    return build(
+    transformer = build(
         WanAnimate2Transformer3DModel,
         seed=seed,
         patch_size=(1, 2, 2),
@@ -68,6 +70,32 @@ def tiny_transformer(seed: int = 0):
         num_heads=2,
         num_layers=_LAYERS,
     )
+    _build_masks_eagerly(transformer)
+    return transformer
+
+
+def _create_block_mask_eagerly(*args: Any, _compile: bool = False, **kwargs: Any) -> Any:
+    """``create_block_mask`` with the class's ``_compile=True`` dropped."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(*args, **kwargs)
+
+
+def _build_masks_eagerly(transformer: torch.nn.Module) -> None:
+    """Give ``transformer`` the class's ``create_mask`` with ``create_block_mask`` evaluated eagerly.
+
+    The class builds its BlockMask through ``create_block_mask(..., _compile=True)``, an inductor compile of the mask
+    function (C++ on CPU): 5-12 s in every process that first builds one and again for each new mask shape, while
+    evaluating the tiny mask (at most a few hundred tokens a side) eagerly takes milliseconds. The BlockMask is the
+    same either way (flex attention itself runs unfused, uncompiled, on the tiny model in both cases), so the outputs
+    are bit-identical. The class's own code still builds the mask: only the name ``create_block_mask`` it calls is
+    rebound, on this instance alone (a copy of the method over a copy of its module's globals), so nothing global is
+    patched and a transformer loaded with ``from_pretrained`` keeps the compiled path.
+    """
+    method = type(transformer).create_mask
+    namespace = {**method.__globals__, "create_block_mask": _create_block_mask_eagerly}
+    eager = types.FunctionType(method.__code__, namespace, method.__name__, method.__defaults__, method.__closure__)
+    transformer.create_mask = types.MethodType(eager, transformer)
 
 
 def tiny_pipeline() -> Any:
