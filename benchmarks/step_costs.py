@@ -21,9 +21,9 @@ import cProfile
 import gzip
 import io
 import itertools
+import json
 import os
 import pstats
-import shutil
 import statistics
 import sys
 import time
@@ -197,14 +197,16 @@ def profile_call(pipe: Any, call: Callable[[], Any], folder: Path) -> None:
         for handle in handles:
             handle.remove()
     text = io.StringIO()
-    stats = pstats.Stats(host, stream=text)
+    stats = pstats.Stats(host, stream=text).strip_dirs()  # file names only: no install paths in the results
     stats.sort_stats("tottime").print_stats(60)
     stats.sort_stats("cumulative").print_stats(40)
     (folder / "host.txt").write_text(text.getvalue())
     trace = folder / "trace.json"
     prof.export_chrome_trace(str(trace))
-    with trace.open("rb") as raw, gzip.open(folder / "trace.json.gz", "wb") as packed:
-        shutil.copyfileobj(raw, packed)
+    events = json.loads(trace.read_text())
+    events.pop("traceName", None)  # the export's own path
+    with gzip.open(folder / "trace.json.gz", "wt") as packed:
+        json.dump(events, packed)
     trace.unlink()
 
 

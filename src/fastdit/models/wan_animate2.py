@@ -95,6 +95,7 @@ def _build_masks_eagerly(transformer: torch.nn.Module) -> None:
     method = type(transformer).create_mask
     namespace = {**method.__globals__, "create_block_mask": _create_block_mask_eagerly}
     eager = types.FunctionType(method.__code__, namespace, method.__name__, method.__defaults__, method.__closure__)
+    eager.__kwdefaults__ = method.__kwdefaults__  # not taken by the constructor: keyword-only defaults stay too
     transformer.create_mask = types.MethodType(eager, transformer)
 
 
