@@ -73,7 +73,8 @@ LAYOUTS = ("single", "ulysses", "ring", "usp", "tp", "tp_ulysses", "cfg", "cfg_u
 # ahead (DBCache.decide_ahead: its drift statistic is read a step later, so no step waits for the device);
 # outer: with compile, the modules outside the blocks are compiled too (Compile(outer=True)); q8s: FP8 with static
 # per-tensor activation scales (Quantize(mode="fp8_static")), recorded once on a call with seed + 1 before any mode
-# runs; cudnnfp8: cuDNN's fused FP8 attention (Attention(backend="cudnn-fp8"), one GPU).
+# runs; cudnnfp8: cuDNN's fused FP8 attention (Attention(backend="cudnn-fp8"), one GPU); cudnnfp8s: the same with
+# static Q/K/V scales per attention module (Attention(scales=...)), recorded in the same calibration as q8s's.
 OPTIONS = (
     "compile",
     "graph",
@@ -94,6 +95,7 @@ OPTIONS = (
     "outer",
     "q8s",
     "cudnnfp8",
+    "cudnnfp8s",
 )
 # The static FP8 scales of the q8s option (recorded by run_modes).
 STATIC_SCALES: dict[str, Any] = {}
@@ -249,6 +251,8 @@ def accelerate_mode(pipe: Any, mode: str, world_size: int, steps: int) -> Callab
     if "q8s" in options:
         quantize = fastdit.Quantize(mode="fp8_static", scales=STATIC_SCALES["scales"])
     attention = fastdit.Attention(backend="cudnn-fp8") if "cudnnfp8" in options else None
+    if "cudnnfp8s" in options:
+        attention = fastdit.Attention(backend="cudnn-fp8", scales=STATIC_SCALES["scales"])
     requested = (parallel, compile_config, cache, graphs, quantize, attention)
     if all(option is None for option in requested):
         return lambda: None
@@ -370,7 +374,7 @@ def run_modes(
         negative = embeddings(args.tiny, device, dtype, args.seed + 7)
         kwargs.update(true_cfg_scale=4.0, negative_prompt_embeds=negative["prompt_embeds"],
                       negative_pooled_prompt_embeds=negative["pooled_prompt_embeds"])  # fmt: skip
-    if any("q8s" in mode.split("+") for mode in args.modes.split(",")):
+    if any({"q8s", "cudnnfp8s"} & set(mode.split("+")) for mode in args.modes.split(",")):
         from fastdit.calibration import calibrate_scales
 
         # Another seed than the measured one: the static FP8 rows' quality is a held-out figure.

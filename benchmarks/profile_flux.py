@@ -17,7 +17,9 @@ is printed beside its time. Modes are ``+``-joined options:
 - ``fp8`` / ``fp8_tensor``: ``fastdit.Quantize(mode=...)``; ``fp8_static``: static FP8, its scales recorded on one
   eager call with the profiled inputs first; ``cudnnfp8``: ``fastdit.Attention(backend="cudnn-fp8")``; ``attnfixed``
   (with ``cudnnfp8``, a speed probe, not a numerics one): Q, K and V cast with one fixed scale instead of their
-  absmax, which bounds what calibrated attention scales would save; ``graph``: CUDA graphs of the calls.
+  absmax, which bounds what calibrated attention scales would save; ``attnstatic`` (with ``fp8_static`` and
+  ``cudnnfp8``): the attention's Q/K/V scales recorded per module in the same calibration
+  (``Attention(scales=...)``); ``graph``: CUDA graphs of the calls.
 
     python benchmarks/profile_flux.py --modes compile,compile+cudnn --out results/<date>_h200_profile/profile.json
     python benchmarks/profile_flux.py --tiny --modes eager,compile    # CPU smoke test
@@ -46,7 +48,7 @@ from fastdit.bench import device_name, json_ready, markdown_table
 from fastdit.io import write_json
 
 OPTIONS = ("eager", "compile", "anchor", "cudnn", "flash", "efficient", "fuseqkv", "autotune", "cdt", "fp8",
-           "fp8_tensor", "fp8_static", "cudnnfp8", "attnfixed", "graph")  # fmt: skip
+           "fp8_tensor", "fp8_static", "cudnnfp8", "attnfixed", "attnstatic", "graph")  # fmt: skip
 CATEGORIES = (
     ("communication", r"nccl"),
     ("fp8 quantization", r"^triton_.*(amax|_scaled_mm__to_copy|clamp_div)"),
@@ -134,6 +136,7 @@ def apply_mode(pipe: Any, options: list[str], inputs: dict[str, Any] | None = No
         undo.append(torch._dynamo.reset)
         return lambda: [fn() for fn in reversed(undo)]
     quantize = next((fastdit.Quantize(mode=o) for o in options if o in ("fp8", "fp8_tensor")), None)
+    scales = None
     if "fp8_static" in options:
         from fastdit.calibration import calibrate_scales
 
@@ -144,6 +147,10 @@ def apply_mode(pipe: Any, options: list[str], inputs: dict[str, Any] | None = No
         compile_config = fastdit.Compile(mode="max-autotune-no-cudagraphs" if "autotune" in options else None)
     graphs = fastdit.CudaGraph() if "graph" in options else None
     attention = fastdit.Attention(backend="cudnn-fp8") if "cudnnfp8" in options else None
+    if "attnstatic" in options:
+        if scales is None or attention is None:
+            raise SystemExit("attnstatic needs fp8_static (its calibration records the scales) and cudnnfp8")
+        attention = fastdit.Attention(backend="cudnn-fp8", scales=scales)
     if compile_config or quantize or graphs or attention:
         fastdit.accelerate(pipe, compile=compile_config, quantize=quantize, cuda_graph=graphs, attention=attention)
         undo.append(lambda: fastdit.disable(pipe))

@@ -76,7 +76,7 @@ def test_records_the_largest_input_of_every_block_linear() -> None:
         for handle in handles:
             handle.remove()
     scales = _scales("flux")
-    table = scales.lookup()
+    table = {name: entry for name, entry in scales.lookup().items() if ":" not in name}  # attention inputs aside
     assert set(table) == {f"transformer.{name}" for name in seen}  # the blocks' Linears, no embedder
     for name, amax in seen.items():
         assert table[f"transformer.{name}"][0] == pytest.approx(amax, rel=1e-6), name

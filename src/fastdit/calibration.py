@@ -18,6 +18,7 @@ from fastdit.cache.runs import scheduled_steps
 from fastdit.cache.teacache import DEFAULT_DEGREE, TeaCacheEngine
 from fastdit.config import (
     ActivationScales,
+    Attention,
     MagCache,
     MagCalibration,
     MagCalibrations,
@@ -133,12 +134,15 @@ def calibrate_scales(
     exclude: tuple[str, ...] = (),
     parallel: Parallel | None = None,
 ) -> ActivationScales:
-    """Record static FP8's activation scales: every quantizable Linear's largest absolute input over ``run``.
+    """Record static FP8's activation scales: every quantizable Linear's largest absolute input over ``run``, and
+    every attention module's largest |Q|, |K| and |V|.
 
     ``run`` may make several generations (prompts, seeds, resolutions, guidance); the maxima are over all of them,
     every step and every CFG branch. The model computes in its own dtype meanwhile. Under a process group (context,
     tensor or CFG parallelism) every process must call this: the maxima are reduced over the group, so every rank
-    gets the same scales.
+    gets the same scales. The attention inputs are recorded (for ``Attention(backend="cudnn-fp8", scales=...)``)
+    where every denoiser's attention goes through diffusers' dispatch and the sequence is not split by context
+    parallelism.
 
     Args:
         pipe: An un-accelerated pipeline (or transformer); under parallelism, each process's.
@@ -156,13 +160,16 @@ def calibrate_scales(
         ValueError: No layer was called during ``run``.
     """
     recording = Quantize(mode="fp8_static", calibrate=True, include=include, exclude=exclude)
-    accelerate(pipe, quantize=recording, parallel=parallel)
+    attention = Attention(calibrate=True) if _records_attention(pipe, parallel) else None
+    accelerate(pipe, quantize=recording, attention=attention, parallel=parallel)
     try:
         with torch.no_grad():
             run()
         context = context_of(pipe)
         items = [(i.name, i.module) for i in context.components.denoisers]
         table = [_reduced(name, context.state("quantize", name), _device(module)) for name, module in items]
+        if attention is not None:
+            table += [_reduced(n, context.state("attention", n).recorder, _device(m)) for n, m in items]
     finally:
         disable(pipe)
     layers = [(name, amax, ndim) for rows in table for name, amax, ndim in rows]
@@ -171,6 +178,17 @@ def calibrate_scales(
     names, amax, ndims = zip(*layers, strict=True)
     model = "; ".join(model_name(module) for _, module in items)
     return ActivationScales(layers=names, amax=amax, ndims=ndims, model=model)
+
+
+def _records_attention(pipe: Any, parallel: Parallel | None) -> bool:
+    """Whether a calibration of ``pipe`` can record the attention inputs per module (see :func:`calibrate_scales`)."""
+    from fastdit.components import walk
+
+    if parallel is not None and parallel.ulysses * parallel.ring > 1:
+        return False
+    denoisers = walk(pipe).denoisers
+    plans = [item.adapter.cp_plan if item.adapter is not None else None for item in denoisers]
+    return bool(denoisers) and all(plan is not None and plan.attention.modules for plan in plans)
 
 
 def _device(module: torch.nn.Module) -> torch.device:

@@ -912,15 +912,46 @@ class Attention:
     on one device.
 
     ``cudnn-fp8`` runs cuDNN's fused FP8 attention (``nvidia-cudnn-frontend``; CUDA, compute capability >= 9.0)
-    with per-tensor scales; on one device, calls a backend cannot take (masks for the kernels without them, dropout,
-    causal) run the ordinary SDPA.
+    with per-tensor scales: each call's own absmax of Q, K and V, or — with ``scales`` — the maxima a calibration
+    recorded at each attention module (:func:`fastdit.calibration.calibrate_scales` records them beside the Linear
+    layers' inputs), which spares the producers of Q/K/V a reduction over the whole tensor. On one device, calls a
+    backend cannot take (masks for the kernels without them, dropout, causal) run the ordinary SDPA.
     """
 
     backend: str = _doc(f"One of {', '.join(ATTENTION_BACKENDS)}.", "sdpa")
     gqa: Literal["auto", "native", "repeat"] = _doc("GQA: 'native' (enable_gqa), 'repeat' K/V, or 'auto'.", "auto")
+    scales: ActivationScales | None = _doc(
+        "backend='cudnn-fp8': static Q/K/V scales per attention module, from a calibration "
+        "(fastdit.calibration.calibrate_scales; on the command line scales=PATH); modules without a recorded "
+        "scale keep dynamic scales.",
+        None,
+    )
+    headroom: float = _doc(
+        "With scales: each scale is the recorded maximum times this over 448 (larger inputs are clipped to it).", 1.0
+    )
+    calibrate: bool = _doc(
+        "Record every attention module's largest |Q|, |K|, |V| while computing with the backend (any but "
+        "'cudnn-fp8'); fastdit.calibration.calibrate_scales reads them.",
+        False,
+    )
 
     def __post_init__(self) -> None:
-        _check_fields(self, backend=_one_of(*ATTENTION_BACKENDS), gqa=_one_of("auto", "native", "repeat"))
+        _check_fields(
+            self,
+            backend=_one_of(*ATTENTION_BACKENDS),
+            gqa=_one_of("auto", "native", "repeat"),
+            scales=_optional(_instance(ActivationScales)),
+            headroom=_number(1.0, 1024.0),
+            calibrate=_BOOL,
+        )
+        if (self.scales is not None or self.headroom != 1.0) and self.backend != "cudnn-fp8":
+            given = {"backend": self.backend, "scales": self.scales, "headroom": self.headroom}
+            raise FieldsError("Attention", given, "scales and headroom belong to backend='cudnn-fp8'")
+        if self.calibrate and (self.backend == "cudnn-fp8" or self.scales is not None):
+            given = {"backend": self.backend, "scales": self.scales, "calibrate": True}
+            raise FieldsError(
+                "Attention", given, "calibrate records in the model's dtype: use another backend and no scales"
+            )
 
 
 GRAPH_SCOPES = ("auto", "call", "blocks")
@@ -992,6 +1023,10 @@ class ActivationScales:
     a layer's name is its denoiser's name in the pipeline and its path there
     (``transformer.single_transformer_blocks.0.proj_out``). Under context or tensor parallelism every rank records
     the maximum over all ranks, so every rank quantizes with the same scales.
+
+    A calibration also records the attention inputs of each attention module whose processor goes through diffusers'
+    dispatch: ``<denoiser>.<module path>:q`` (``:k``, ``:v``), the largest absolute query, key and value, for
+    ``Attention(backend="cudnn-fp8", scales=...)``.
     """
 
     layers: tuple[str, ...] = _doc("Layer names, '<denoiser>.<path in the denoiser>'.", ())

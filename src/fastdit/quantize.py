@@ -355,7 +355,8 @@ def _quantize_split(module: torch.nn.Linear, ao_config: Any) -> Undo | None:
 
 @dataclass
 class ScaleRecorder:
-    """The input maxima of the layers ``Quantize(mode="fp8_static", calibrate=True)`` watches on one transformer.
+    """The input maxima of the layers ``Quantize(mode="fp8_static", calibrate=True)`` watches on one transformer
+    (and of the attention inputs ``Attention(calibrate=True)`` watches, by ``<module path>:q`` etc.).
 
     Attributes:
         layers: The watched layers' names, in module order (the same on every rank).
@@ -372,14 +373,19 @@ class ScaleRecorder:
         """A forward pre-hook recording the maximum of the layer's input (on the device: no synchronisation)."""
 
         def record(_module: Any, args: tuple[Any, ...]) -> None:
-            x = args[0]
-            local = x.to_local() if isinstance(x, DTensor) else x  # this rank's part; ranks are reduced later
-            amax = local.detach().abs().amax().float()
-            seen = self.amax.get(name)
-            self.amax[name] = amax if seen is None else torch.maximum(seen, amax)
-            self.ndims[name] = x.dim()
+            self.observe(name, args[0])
 
         return record
+
+    def observe(self, name: str, x: torch.Tensor) -> None:
+        """Take ``x``'s largest absolute value into ``name``'s maximum (on the device: no synchronisation)."""
+        local = x.to_local() if isinstance(x, DTensor) else x  # this rank's part; ranks are reduced later
+        if local.numel() == 0:  # nothing to take (an empty shard); amax() of it would raise
+            return
+        amax = local.detach().abs().amax().float()
+        seen = self.amax.get(name)
+        self.amax[name] = amax if seen is None else torch.maximum(seen, amax)
+        self.ndims[name] = x.dim()
 
     def stats(self) -> dict[str, Any]:
         """JSON-ready form."""

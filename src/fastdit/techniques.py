@@ -123,7 +123,7 @@ class _Quantize:
                 "also saves memory)",
             )
         if request.quantize.calibrate:
-            self._check_calibration(request)
+            _check_recording(request, "quantize", request.quantize)
         for item in components.denoisers:
             dtype = next((p.dtype for p in item.module.parameters() if p.is_floating_point()), None)
             try:
@@ -132,20 +132,6 @@ class _Quantize:
                 raise ArgumentError("accelerate", "quantize", request.quantize, f"{item.name}: {error}") from error
             if request.quantize.scales is not None:
                 self._check_scales(request, item)
-
-    @staticmethod
-    def _check_calibration(request: Request) -> None:
-        # Replayed graphs and compiled code would not call the recording hooks every step; a cache skips blocks.
-        others = {"compile": request.compile, "cuda_graph": request.cuda_graph, "cache": request.cache}
-        given = [f"{name}={value!r}" for name, value in others.items() if value is not None]
-        if given:
-            raise ArgumentError(
-                "accelerate",
-                "quantize",
-                request.quantize,
-                f"calibrate=True records every layer's input on plain eager calls; with {', '.join(given)} some "
-                "calls would not be recorded: calibrate without them",
-            )
 
     @staticmethod
     def _check_scales(request: Request, item: Component) -> None:
@@ -172,6 +158,21 @@ class _Quantize:
             context.add(self.name, item.name, applied.undo, applied.state)
 
 
+def _check_recording(request: Request, field: str, value: object) -> None:
+    """Refuse a recording run (``calibrate=True``) beside what would keep calls from being recorded."""
+    # Replayed graphs and compiled code would not call the recording hooks every step; a cache skips blocks.
+    others = {"compile": request.compile, "cuda_graph": request.cuda_graph, "cache": request.cache}
+    given = [f"{name}={other!r}" for name, other in others.items() if other is not None]
+    if given:
+        raise ArgumentError(
+            "accelerate",
+            field,
+            value,
+            f"calibrate=True records every layer's input on plain eager calls; with {', '.join(given)} some "
+            "calls would not be recorded: calibrate without them",
+        )
+
+
 def _block_paths(item: Component) -> tuple[str, ...]:
     """The dotted paths of a denoiser's block lists ('*' paths made concrete; interleaved lists too)."""
     from fastdit.models.validate import concrete_groups
@@ -195,6 +196,8 @@ class _AttentionBackend:
     def check(self, request: Request, components: Components) -> None:
         from fastdit.parallel.attention.single import check_attention_backend
 
+        if request.attention.calibrate:
+            _check_recording(request, "attention", request.attention)
         for item in components.denoisers:
             routing = item.adapter.cp_plan.attention if item.adapter.cp_plan is not None else None
             device = _run_device(request, item.module)
@@ -202,13 +205,37 @@ class _AttentionBackend:
                 check_attention_backend(request.attention, device, routing, compiled=request.compile is not None)
             except ValueError as error:
                 raise ArgumentError("accelerate", "attention", request.attention, f"{item.name}: {error}") from error
+            if request.attention.scales is not None:
+                self._check_scales(request, item)
+
+    @staticmethod
+    def _check_scales(request: Request, item: Component) -> None:
+        from fastdit.cache.magcache import model_name
+        from fastdit.parallel.attention.single import attention_sites
+
+        scales = request.attention.scales
+        table = scales.lookup()
+        covered = [name for name in attention_sites(item.module, item.name) if name in table]
+        model = model_name(item.module)
+        if model not in scales.model.split("; ") or not covered:
+            raise ArgumentError(
+                "accelerate",
+                "attention",
+                request.attention,
+                f"{item.name} is {model}, and the scales were recorded on {scales.model} with "
+                f"{len(covered)} attention inputs of its modules: record them on this model "
+                "(fastdit.calibration.calibrate_scales records the attention inputs beside the Linear layers')",
+            )
 
     def apply(self, context: Context) -> None:
         from fastdit.parallel.attention.single import apply_attention_backend
 
+        request = context.request
         for item in context.components.denoisers:
             routing = item.adapter.cp_plan.attention if item.adapter.cp_plan is not None else None
-            applied = apply_attention_backend(item.module, context.request.attention, routing)
+            applied = apply_attention_backend(
+                item.module, request.attention, routing, component=item.name, device=_run_device(request, item.module)
+            )
             context.add(self.name, item.name, applied.undo, applied.state)
 
 
@@ -222,6 +249,16 @@ class _ContextParallel:
     def check(self, request: Request, components: Components) -> None:
         from fastdit.parallel.plan import validate_plan
 
+        attention = request.attention
+        if attention is not None and (attention.scales is not None or attention.calibrate):
+            raise ArgumentError(
+                "accelerate",
+                "attention",
+                attention,
+                f"with parallel={request.parallel}: static attention scales and their calibration are per attention "
+                "module on one device; under context parallelism the attention of every module runs through one "
+                "exchange with dynamic scales (record the scales, and run them, without context parallelism)",
+            )
         for item in components.denoisers:
             plan = item.adapter.cp_plan
             if plan is None:

@@ -272,7 +272,7 @@ BAD_BEFORE_LOADING = [
         "--step-mask-policy x",
     ),
     (["--model-path", "{tiny}", "--prompt", "a", "--cache", "prune", "--taylorseer", "1"], "--taylorseer 1"),
-    (["--model-path", "{tiny}", "--prompt", "a", "--attention", "warp"], "--attention warp"),
+    (["--model-path", "{tiny}", "--prompt", "a", "--attention", "warp"], "--attention backend=warp"),
     (
         ["--model-path", "{tiny}", "--prompt", "a", "--load", "rank-0"],
         "argument --load rank-0: must be one of 'every-rank', 'rank0', 'node-rank0'",

@@ -14,6 +14,7 @@ from fastdit.cli.options import (
     cache_from_spec,
     check_cache_fits,
     field_error_message,
+    parse_attention,
     parse_parallel,
     parse_quantize,
     parse_value,
@@ -236,6 +237,36 @@ def test_parse_quantize_reads_a_scales_file(tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(CLIError, match="format None, expected 'fastdit-scales/1'"):
         parse_quantize(f"fp8_static,scales={tmp_path / 'bad.json'}")
+
+
+def test_parse_attention_reads_a_backend_and_a_scales_file(tmp_path: Path) -> None:
+    from fastdit.config import ActivationScales, Attention
+    from fastdit.quantize import save_scales
+
+    assert parse_attention("math") == Attention(backend="math")
+    assert parse_attention("cudnn,gqa=repeat") == Attention(backend="cudnn", gqa="repeat")
+    names = ("transformer.attn:q", "transformer.attn:k", "transformer.attn:v")
+    scales = ActivationScales(layers=names, amax=(1.0, 2.0, 3.0), ndims=(4, 4, 4), model="M")
+    save_scales(tmp_path / "s.json", scales)
+    expected = Attention(backend="cudnn-fp8", scales=scales, headroom=1.5)
+    assert parse_attention(f"cudnn-fp8,scales={tmp_path / 's.json'},headroom=1.5") == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("warp", "argument --attention backend=warp: Attention.backend='warp': must be one of 'sdpa'"),
+        ("math,scales=/nonexistent/s.json", "cannot read /nonexistent/s.json: No such file"),
+        ("cudnn-fp8,calibrate=true", "fastdit calibrate MODEL --scales PATH"),
+        ("math,headroom=2", "scales and headroom belong to backend='cudnn-fp8'"),
+        ("math,tiles=2", "'tiles=2' in 'math,tiles=2' is not BACKEND"),
+        ("", "empty specification"),
+    ],
+)
+def test_parse_attention_rejects(text: str, needle: str) -> None:
+    with pytest.raises(CLIError, match="--attention") as info:
+        parse_attention(text)
+    assert needle in str(info.value)
 
 
 def test_compile_vae_flag_compiles_blocks_and_decoder() -> None:

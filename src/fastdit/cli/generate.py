@@ -37,6 +37,7 @@ from fastdit.cli.options import (
     check_size,
     configure_threads,
     output_path,
+    parse_attention,
     parse_config_fields,
     parse_parallel,
     parse_quantize,
@@ -48,7 +49,6 @@ from fastdit.config import (
     ATTENTION_BACKENDS,
     DEFAULT_TIMEOUT_S,
     QUANTIZE_MODES,
-    Attention,
     Compile,
     CudaGraph,
     DBCache,
@@ -154,7 +154,13 @@ def add_acceleration_arguments(parser: argparse.ArgumentParser) -> None:
         help="replay transformer calls as CUDA graphs (CUDA only; with --cache each block is graphed and the cache "
         "decides between blocks; with --compile the compiled kernels are graphed)",
     )
-    group.add_argument("--attention", metavar="BACKEND", help=f"attention backend: {', '.join(ATTENTION_BACKENDS)}")
+    group.add_argument(
+        "--attention",
+        metavar="BACKEND[,key=value]",
+        help=f"attention backend ({', '.join(ATTENTION_BACKENDS)}) and optional key=value pairs (keys: gqa, scales, "
+        "headroom), e.g. cudnn-fp8,scales=PATH (static FP8 attention scales from a file fastdit calibrate --scales "
+        "wrote)",
+    )
     group.add_argument(
         "--offload",
         nargs="?",
@@ -300,10 +306,7 @@ def acceleration_options(args: argparse.Namespace, num_steps: int | None, model:
     if args.quantize is not None:
         options["quantize"] = parse_quantize(args.quantize)
     if args.attention is not None:
-        try:
-            options["attention"] = Attention(backend=args.attention)
-        except ValueError as error:
-            raise CLIError(f"argument --attention {args.attention}: {error}") from None
+        options["attention"] = parse_attention(args.attention)
     if args.offload is not None:
         options["offload"] = parse_config_fields(Offload, args.offload, "--offload")
     return options

@@ -16,7 +16,7 @@ import math
 import os
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from functools import cache
 from pathlib import Path
@@ -37,8 +37,10 @@ from fastdit.cache.presets import (
 from fastdit.cli import CLIError
 from fastdit.cli.fields import CALL_FLAGS, cli_error, field_message
 from fastdit.config import (
+    ATTENTION_BACKENDS,
     QUANTIZE_MODES,
     STEP_MASK_PRESETS,
+    Attention,
     DBCache,
     DBPrune,
     Offload,
@@ -72,6 +74,7 @@ __all__ = [
     "field_error_message",
     "is_file_spec",
     "output_path",
+    "parse_attention",
     "parse_parallel",
     "parse_quantize",
     "parse_seeds",
@@ -556,19 +559,66 @@ def parse_config_fields(cls: type, text: str, option: str) -> Any:
         raise CLIError(f"argument {option} {text}: {error}") from None
 
 
+def _scales_file(text: str) -> Any:
+    """The scales in a file ``fastdit calibrate --scales`` wrote."""
+    from fastdit.quantize import load_scales
+
+    try:
+        return load_scales(output_path(text))
+    except OSError as error:
+        raise ValueError(f"cannot read {text}: {error.strerror}") from None
+
+
 def _quantize_value(key: str, text: str) -> Any:
     if key in ("include", "exclude"):  # patterns, comma-separated (a piece without '=' continues the value)
         return tuple(part.strip() for part in text.split(",") if part.strip())
     if key == "scales":  # a file fastdit calibrate --scales wrote
-        from fastdit.quantize import load_scales
-
-        try:
-            return load_scales(output_path(text))
-        except OSError as error:
-            raise ValueError(f"cannot read {text}: {error.strerror}") from None
+        return _scales_file(text)
     if key == "calibrate":
         raise ValueError("recording scales is `fastdit calibrate MODEL --scales PATH`")
     return parse_value(typing.get_type_hints(Quantize)[key], text)
+
+
+def _attention_value(key: str, text: str) -> Any:
+    if key == "scales":
+        return _scales_file(text)
+    if key == "calibrate":
+        raise ValueError("recording attention scales is `fastdit calibrate MODEL --scales PATH`")
+    return parse_value(typing.get_type_hints(Attention)[key], text)
+
+
+def _parse_spec(
+    cls: type, text: str, option: str, first: str, choices: tuple[str, ...], value: Callable[[str, str], Any]
+) -> Any:
+    """Read ``FIRST[,key=value...]`` or ``key=value,...`` into ``cls`` (``first``: the field a bare first piece
+    sets; ``value(key, text)`` reads one value)."""
+    names = [name for name, _default, _doc in config_fields(cls)]
+    pieces = _assignments(text)
+    if pieces and "=" not in pieces[0]:
+        pieces[0] = f"{first}={pieces[0]}"
+    values: dict[str, Any] = {}
+    given: dict[str, str] = {}
+    for piece in pieces:
+        key, sep, text_value = piece.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in names:
+            raise CLIError(
+                f"argument {option}: {piece!r} in {text!r} is not {first.upper()} ({', '.join(choices)}) first or "
+                f"key=value with a key in: {', '.join(names)}"
+            )
+        if key in values:
+            raise CLIError(f"argument {option}: {piece!r} in {text!r}: {key} is given twice ({given[key]!r})")
+        try:
+            values[key] = value(key, text_value)
+        except ValueError as error:
+            raise CLIError(f"argument {option}: {piece!r} in {text!r}: {error}") from None
+        given[key] = piece
+    if not values:
+        raise CLIError(f"argument {option}: empty specification {text!r}; give a {first}: {', '.join(choices)}")
+    try:
+        return cls(**values)
+    except FieldError as error:
+        raise CLIError(f"argument {option} {given.get(error.field, text)}: {error}") from None
 
 
 def parse_quantize(text: str) -> Quantize:
@@ -580,33 +630,19 @@ def parse_quantize(text: str) -> Quantize:
     Raises:
         CLIError: On bad syntax, an unknown or repeated key, or a value :class:`Quantize` refuses.
     """
-    names = [name for name, _default, _doc in config_fields(Quantize)]
-    pieces = _assignments(text)
-    if pieces and "=" not in pieces[0]:
-        pieces[0] = f"mode={pieces[0]}"
-    values: dict[str, Any] = {}
-    given: dict[str, str] = {}
-    for piece in pieces:
-        key, sep, value = piece.partition("=")
-        key = key.strip().replace("-", "_")
-        if not sep or key not in names:
-            raise CLIError(
-                f"argument --quantize: {piece!r} in {text!r} is not MODE ({', '.join(QUANTIZE_MODES)}) first or "
-                f"key=value with a key in: {', '.join(names)}"
-            )
-        if key in values:
-            raise CLIError(f"argument --quantize: {piece!r} in {text!r}: {key} is given twice ({given[key]!r})")
-        try:
-            values[key] = _quantize_value(key, value)
-        except ValueError as error:
-            raise CLIError(f"argument --quantize: {piece!r} in {text!r}: {error}") from None
-        given[key] = piece
-    if not values:
-        raise CLIError(f"argument --quantize: empty specification {text!r}; give a mode: {', '.join(QUANTIZE_MODES)}")
-    try:
-        return Quantize(**values)
-    except FieldError as error:
-        raise CLIError(f"argument --quantize {given.get(error.field, text)}: {error}") from None
+    return _parse_spec(Quantize, text, "--quantize", "mode", QUANTIZE_MODES, _quantize_value)
+
+
+def parse_attention(text: str) -> Attention:
+    """Read ``--attention BACKEND[,key=value...]`` (keys: :class:`Attention` fields).
+
+    ``scales`` takes the path of a file ``fastdit calibrate --scales`` wrote (``cudnn-fp8,scales=flux.json``: the
+    attention inputs' static FP8 scales recorded there).
+
+    Raises:
+        CLIError: On bad syntax, an unknown or repeated key, or a value :class:`Attention` refuses.
+    """
+    return _parse_spec(Attention, text, "--attention", "backend", ATTENTION_BACKENDS, _attention_value)
 
 
 # Fields set by the acceleration flags of ``generate`` (cli/generate.py builds Compile, CudaGraph and Attention

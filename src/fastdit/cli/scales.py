@@ -57,7 +57,12 @@ def record_scales(session: Session, bench: SplitBench, out: Path, *, headroom: f
     config = Quantize(mode="fp8_static", scales=scales, headroom=headroom)
     variant = Variant("fp8_static", "fastdit", lambda: session.accelerate(quantize=config), session.disable)
     rows = {part: bench.measure_part(variant, part) for part in (CALIBRATION, HELDOUT)}
-    print(f"{len(scales.layers)} layers recorded on {len(cases)} calibration cases ({scales.model})", file=sys.stderr)
+    inputs = sum(":" in name for name in scales.layers)  # attention modules' Q/K/V, for --attention cudnn-fp8
+    print(
+        f"{len(scales.layers) - inputs} layers and {inputs // 3} attention modules recorded on {len(cases)} "
+        f"calibration cases ({scales.model})",
+        file=sys.stderr,
+    )
     print(_table(rows), file=sys.stderr if as_json else sys.stdout)
     provenance = {
         "headroom": headroom,

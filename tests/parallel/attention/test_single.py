@@ -15,15 +15,10 @@ from fastdit.api import context_of
 from fastdit.parallel.attention.cudnn_fp8 import E4M3, cudnn_fp8_attention, quantize_per_tensor
 from fastdit.parallel.attention.single import SingleDeviceAttention, apply_attention_backend
 from fastdit.testing.pipelines import build_tiny, run_tiny
+from tests.parallel.attention.fp8_host import host_fp8_kernel as host_fp8_kernel_registered
+from tests.parallel.attention.fp8_host import math_attention as _math
 
 HAS_FRONTEND = importlib.util.find_spec("cudnn") is not None
-
-
-def _math(q_BSHD, k_BSHD, v_BSHD, attn_mask=None, scale=None):  # noqa: N803 - layout suffixes
-    out = F.scaled_dot_product_attention(
-        q_BSHD.transpose(1, 2), k_BSHD.transpose(1, 2), v_BSHD.transpose(1, 2), attn_mask=attn_mask, scale=scale
-    )
-    return out.transpose(1, 2)
 
 
 def _qkv(heads: int = 4, tokens: int = 64, dim: int = 32) -> tuple[torch.Tensor, ...]:
@@ -90,20 +85,10 @@ def test_unknown_backend_names_the_field() -> None:
 # --- the FP8 path's arithmetic, with a host stand-in for cuDNN's kernel ---
 
 
-def _host_kernel(q8, k8, v8, descale_q, descale_k, descale_v, scale_o, attn_scale):
-    """What the fused kernel computes (probabilities kept in float32): attention of the dequantized operands,
-    written back in e4m3 by ``scale_o``."""
-    q, k, v = (x.float() * d.reshape(()) for x, d in ((q8, descale_q), (k8, descale_k), (v8, descale_v)))
-    out = _math(q, k, v, scale=attn_scale)
-    return (out * scale_o.reshape(())).to(E4M3)
-
-
 @pytest.fixture(scope="module")
 def host_fp8_kernel():
-    library = torch.library.Library("fastdit", "IMPL")  # scoped to this module's tests
-    library.impl("cudnn_sdpa_fp8", _host_kernel, "CPU")
-    yield
-    library._destroy()
+    with host_fp8_kernel_registered():  # scoped to this module's tests
+        yield
 
 
 def test_per_tensor_quantization_round_trips() -> None:

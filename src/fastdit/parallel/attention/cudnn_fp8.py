@@ -11,10 +11,12 @@ keeps what it can fuse:
    it without a graph break, and CUDA graphs capture it: it allocates nothing per call);
 3. the output's dequantization, again plain torch (it fuses into the next layer's input cast).
 
-Scales need no host sync: they stay on the device. The output scale is fixed before the kernel from ``max |V|``,
-because a softmax-weighted average of value rows can never exceed it; the probabilities are scaled by e4m3's
-maximum, since they lie in [0, 1]. On Hopper the fused kernel writes FP8 outputs only (cuDNN 9.13 adds bf16
-outputs on Blackwell), which is why the output carries its own scale.
+Scales need no host sync: they stay on the device. They are each call's absmax of Q, K and V, or fixed per
+attention module by a calibration (:class:`StaticScales`): then step 1 is a multiply, a clamp and a cast, which keeps
+the fused QK-norm + RoPE producers free of a reduction over the whole tensor. The output scale is fixed before the
+kernel from V's scale, because a softmax-weighted average of value rows can never exceed ``max |V|``; the
+probabilities are scaled by e4m3's maximum, since they lie in [0, 1]. On Hopper the fused kernel writes FP8 outputs
+only (cuDNN 9.13 adds bf16 outputs on Blackwell), which is why the output carries its own scale.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ from __future__ import annotations
 import importlib
 import math
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["cudnn_fp8_attention", "import_frontend", "quantize_per_tensor"]
+__all__ = ["StaticScales", "cudnn_fp8_attention", "import_frontend", "quantize_per_tensor", "quantize_static"]
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(E4M3).max)
@@ -51,6 +54,47 @@ def quantize_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = x.detach().abs().amax().float().clamp(min=1e-12)
     x8 = (x.float() * (E4M3_MAX / amax)).to(E4M3)
     return x8, (amax / E4M3_MAX).reshape(1, 1, 1, 1)
+
+
+def quantize_static(x: torch.Tensor, descale: torch.Tensor, inverse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` in e4m3 at a fixed scale (``x * inverse``, clipped to e4m3's range), and its ``descale``."""
+    return (x.float() * inverse).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), descale
+
+
+@dataclass(frozen=True, eq=False)
+class StaticScales:
+    """Fixed per-tensor FP8 scales of one attention module's Q, K and V (from a calibration).
+
+    Attributes:
+        descale: Of Q, K and V: ``amax * headroom / 448``, each a ``(1, 1, 1, 1)`` float32 tensor.
+        inverse: Their reciprocals (what the inputs are multiplied by before the cast).
+    """
+
+    descale: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    inverse: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+    @classmethod
+    def of(cls, amax: Sequence[float], headroom: float, device: torch.device) -> StaticScales:
+        """The scales mapping ``amax[i] * headroom`` (Q, K, V) to e4m3's largest value; a tensor that was all zeros
+        on the calibration gets the smallest normal float32 as its scale."""
+        if len(amax) != 3:
+            raise ValueError(f"StaticScales needs three maxima (Q, K, V), got {len(amax)}")
+        tiny = torch.finfo(torch.float32).tiny
+        values = [max(float(a) * headroom / E4M3_MAX, tiny) for a in amax]
+        descale = tuple(torch.full((1, 1, 1, 1), v, dtype=torch.float32, device=device) for v in values)
+        return cls(descale=descale, inverse=tuple(1.0 / d for d in descale))  # type: ignore[arg-type]
+
+    @property
+    def device(self) -> torch.device:
+        """Where the scales are."""
+        return self.descale[0].device
+
+    def to(self, device: torch.device) -> StaticScales:
+        """The same scales on ``device``."""
+        return StaticScales(
+            descale=tuple(d.to(device) for d in self.descale),  # type: ignore[arg-type]
+            inverse=tuple(i.to(device) for i in self.inverse),  # type: ignore[arg-type]
+        )
 
 
 @dataclass
@@ -178,8 +222,17 @@ def cudnn_fp8_attention(
     v_BSHD: torch.Tensor,
     attn_mask: torch.Tensor | None = None,
     scale: float | None = None,
+    static: StaticScales | None = None,
 ) -> torch.Tensor:
     """Attention of ``BSHD`` tensors in FP8 (per-tensor scales), returned in the inputs' dtype.
+
+    Args:
+        q_BSHD: Queries.
+        k_BSHD: Keys (as many heads as the queries).
+        v_BSHD: Values.
+        attn_mask: Must be ``None``.
+        scale: The softmax scale (default ``1 / sqrt(head_dim)``).
+        static: Fixed scales of Q, K and V (on the inputs' device); ``None``: each tensor's own absmax.
 
     Raises:
         ValueError: a mask was given, or K/V have other head counts than Q (neither is offered by the kernel here).
@@ -192,6 +245,11 @@ def cudnn_fp8_attention(
             f"FP8 attention (cuDNN) needs as many K/V heads as Q heads (got {k_BSHD.shape[2]} and {q_BSHD.shape[2]})"
         )
     attn_scale = float(scale) if scale is not None else 1.0 / math.sqrt(q_BSHD.shape[-1])
-    (q8, dq), (k8, dk), (v8, dv) = (quantize_per_tensor(x) for x in (q_BSHD, k_BSHD, v_BSHD))
+    inputs = (q_BSHD, k_BSHD, v_BSHD)
+    if static is None:
+        (q8, dq), (k8, dk), (v8, dv) = (quantize_per_tensor(x) for x in inputs)
+    else:
+        triples = zip(inputs, static.descale, static.inverse, strict=True)
+        (q8, dq), (k8, dk), (v8, dv) = (quantize_static(x, d, i) for x, d, i in triples)
     out8 = torch.ops.fastdit.cudnn_sdpa_fp8(q8, k8, v8, dq, dk, dv, 1.0 / dv, attn_scale)
     return (out8.float() * dv.reshape(1, 1, 1, 1)).to(q_BSHD.dtype)

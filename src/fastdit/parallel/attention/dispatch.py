@@ -54,6 +54,7 @@ __all__ = [
     "local_attention",
     "mark_attention_modules",
     "mark_processors",
+    "processor_sites",
     "route_modules",
     "route_sdpa_calls",
     "route_sdpa_modules",
@@ -121,10 +122,10 @@ def _cudnn_fp8() -> LocalAttention:
 
     import_frontend()  # a missing package raises now, naming it, not at the first call
 
-    def run(q_BSHD, k_BSHD, v_BSHD, attn_mask=None, scale=None):
+    def run(q_BSHD, k_BSHD, v_BSHD, attn_mask=None, scale=None, static=None):
         # The fused kernel takes equal head counts: grouped K/V heads are repeated to the query's.
         k_BSHD, v_BSHD = _repeat_kv(q_BSHD, k_BSHD), _repeat_kv(q_BSHD, v_BSHD)
-        return cudnn_fp8_attention(q_BSHD, k_BSHD, v_BSHD, attn_mask=attn_mask, scale=scale)
+        return cudnn_fp8_attention(q_BSHD, k_BSHD, v_BSHD, attn_mask=attn_mask, scale=scale, static=static)
 
     return run
 
@@ -657,14 +658,31 @@ def attention_processors(transformer: torch.nn.Module) -> dict[str, Any]:
     return {name: m.processor for name, m in transformer.named_modules() if getattr(m, "processor", None) is not None}
 
 
+def processor_sites(transformer: torch.nn.Module, local: Collection[str] = ()) -> dict[str, Any]:
+    """The attention processors of ``transformer`` outside ``local``, each once, by the first module path using it.
+
+    A processor object several modules share is one call site (its calls cannot be told apart).
+    """
+    sites: dict[str, Any] = {}
+    seen: set[int] = set()
+    for path, processor in attention_processors(transformer).items():
+        if path not in local and id(processor) not in seen:
+            seen.add(id(processor))
+            sites[path] = processor
+    return sites
+
+
 def mark_processors(
-    transformer: torch.nn.Module, marker: RoutedAttention, local: Collection[str] = ()
+    transformer: torch.nn.Module,
+    marker: RoutedAttention | Callable[[str], RoutedAttention],
+    local: Collection[str] = (),
 ) -> Callable[[], None]:
     """Point the attention processors of ``transformer`` at ``marker``, except those of the modules in ``local``.
 
     Args:
         transformer: The denoiser.
-        marker: The context-parallel attention its processors dispatch to.
+        marker: What its processors dispatch to: one object for all, or a function of a processor's site (its
+            first module path, see :func:`processor_sites`) giving each processor its own.
         local: Module paths whose processors stay unmarked (ordinary local attention on what they receive).
 
     Returns:
@@ -684,17 +702,18 @@ def mark_processors(
                 f"context-parallel plan) and {path!r} (context-parallel): give the modules separate processors "
                 "or list both as local"
             )
-    processors = {id(p): p for path, p in by_path.items() if path not in local}.values()
-    for processor in processors:
+    sites = processor_sites(transformer, local)
+    for processor in sites.values():
         current = getattr(processor, "_parallel_config", None)
         if current is not None and not isinstance(current, RoutedAttention):
             raise ValueError(
                 f"{type(processor).__name__} already has a parallel config ({type(current).__name__}): "
                 "disable diffusers' own parallelism before fastdit context parallelism"
             )
-    saved = [(p, p.__dict__.get("_parallel_config", _MISSING)) for p in processors]
-    for processor, _ in saved:
-        processor._parallel_config = marker
+    markers = {path: marker if isinstance(marker, RoutedAttention) else marker(path) for path in sites}
+    saved = [(p, p.__dict__.get("_parallel_config", _MISSING)) for p in sites.values()]
+    for path, processor in sites.items():
+        processor._parallel_config = markers[path]
 
     def undo() -> None:
         for processor, before in saved:
