@@ -3,7 +3,10 @@
 # a trace of one more call per mode), and where static FP8's producer kernels could still save time
 # (benchmarks/profile_flux.py: fixed attention scales, coordinate-descent tuning, max-autotune). Expects the diffusers,
 # torchao and cudnn-frontend wheels in .whl/; writes logs and JSON under $OUT:
-#   bash benchmarks/run_h200_cached_step.sh [steps|fp8|autotune]...   (default: steps fp8)
+#   bash benchmarks/run_h200_cached_step.sh [steps|fp8|autotune|static|static_e2e|tests]...   (default: steps fp8)
+# static: calibrated (static) FP8 attention scales beside the dynamic ones, per call (profile_flux.py); static_e2e: the
+# same end to end (cp_flux.py, bf16 first as the quality baseline); tests: the GPU tests of FP8 attention and static
+# FP8.
 set -uo pipefail
 SITE=$(mktemp -d)
 python3 -m pip install -q --no-index --no-deps --target "$SITE" .whl/*.whl
@@ -22,6 +25,15 @@ for part in ${*:-steps fp8}; do
         | grep -v -e Warning -e "Failed to load" | tee "$OUT/profile_fp8.log" | tail -30 ;;
     autotune) timeout 560 python3 benchmarks/profile_flux.py --modes $Q+autotune --out "$OUT/profile_autotune.json" 2>&1 \
         | grep -v -e Warning -e "Failed to load" | tee "$OUT/profile_autotune.log" | tail -30 ;;
+    static) timeout 300 python3 benchmarks/profile_flux.py --modes $Q,$Q+attnstatic,$Q+attnfixed \
+        --out "$OUT/profile_static_attention.json" 2>&1 | grep -v -e Warning -e "Failed to load" \
+        | tee "$OUT/profile_static_attention.log" | tail -30 ;;
+    static_e2e) E=single+compile+graph+vae+outer
+      timeout 420 python3 benchmarks/cp_flux.py --modes $E,$E+q8s+cudnnfp8,$E+q8s+cudnnfp8s,$E+q8s+cudnnfp8s+magultra \
+        --repeat 3 --out "$OUT/single_static_attention.json" 2>&1 | grep -v -e Warning -e "Failed to load" \
+        | tee "$OUT/single_static_attention.log" | grep "^|" | tail -8 ;;
+    tests) timeout 300 python3 -m pytest -q -m gpu tests/parallel/attention tests/test_quantize_static.py 2>&1 \
+        | tail -15 | tee "$OUT/gpu_tests.log" ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac
 done
