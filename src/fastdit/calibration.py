@@ -183,12 +183,12 @@ def calibrate_scales(
 def _records_attention(pipe: Any, parallel: Parallel | None) -> bool:
     """Whether a calibration of ``pipe`` can record the attention inputs per module (see :func:`calibrate_scales`)."""
     from fastdit.components import walk
+    from fastdit.parallel.attention.single import dispatch_routed
 
     if parallel is not None and parallel.ulysses * parallel.ring > 1:
         return False
-    denoisers = walk(pipe).denoisers
-    plans = [item.adapter.cp_plan if item.adapter is not None else None for item in denoisers]
-    return bool(denoisers) and all(plan is not None and plan.attention.modules for plan in plans)
+    plans = [item.adapter.cp_plan for item in walk(pipe).denoisers]
+    return bool(plans) and all(dispatch_routed(plan.attention if plan is not None else None) for plan in plans)
 
 
 def _device(module: torch.nn.Module) -> torch.device:

@@ -1004,6 +1004,12 @@ FP8_MAX = 448.0
 """The largest finite value of ``float8_e4m3fn``: a static scale maps a layer's recorded maximum to it."""
 
 
+def static_fp8_scale(amax: float, headroom: float) -> float:
+    """The fixed FP8 scale mapping ``amax * headroom`` to e4m3's largest value; an input that was all zeros on the
+    calibration gets the smallest normal float32 (a scale of 0 would divide by zero)."""
+    return max(amax * headroom / FP8_MAX, 1.1754943508222875e-38)  # float32's smallest normal: torch.finfo's tiny
+
+
 _LAYER_NAMES = _Rule(
     lambda v: isinstance(v, tuple) and all(isinstance(n, str) and n for n in v) and len(set(v)) == len(v),
     "a tuple of unique non-empty layer names",

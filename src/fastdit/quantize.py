@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from fastdit.config import FP8_MAX, ActivationScales, Quantize
+from fastdit.config import ActivationScales, Quantize, static_fp8_scale
 from fastdit.errors import FieldError
 from fastdit.hooks.state import Applied
 
@@ -128,8 +128,7 @@ def static_config(amax: float, ndim: int, headroom: float, device: torch.device)
     by it as is). A layer whose inputs were all zero gets the smallest normal float32 as its scale.
     """
     ao = import_torchao()
-    value = max(amax * headroom / FP8_MAX, torch.finfo(torch.float32).tiny)
-    scale = torch.full((1,) * ndim, value, dtype=torch.float32, device=device)
+    scale = torch.full((1,) * ndim, static_fp8_scale(amax, headroom), dtype=torch.float32, device=device)
     return ao.Float8StaticActivationFloat8WeightConfig(
         act_quant_scale=scale, granularity=ao.PerTensor(), set_inductor_config=False
     )

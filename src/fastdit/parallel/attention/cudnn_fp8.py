@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from fastdit.config import static_fp8_scale
+
 __all__ = ["StaticScales", "cudnn_fp8_attention", "import_frontend", "quantize_per_tensor", "quantize_static"]
 
 E4M3 = torch.float8_e4m3fn
@@ -79,8 +81,7 @@ class StaticScales:
         on the calibration gets the smallest normal float32 as its scale."""
         if len(amax) != 3:
             raise ValueError(f"StaticScales needs three maxima (Q, K, V), got {len(amax)}")
-        tiny = torch.finfo(torch.float32).tiny
-        values = [max(float(a) * headroom / E4M3_MAX, tiny) for a in amax]
+        values = [static_fp8_scale(float(a), headroom) for a in amax]
         descale = tuple(torch.full((1, 1, 1, 1), v, dtype=torch.float32, device=device) for v in values)
         return cls(descale=descale, inverse=tuple(1.0 / d for d in descale))  # type: ignore[arg-type]
 

@@ -58,6 +58,7 @@ __all__ = [
     "apply_attention_backend",
     "attention_sites",
     "check_attention_backend",
+    "dispatch_routed",
 ]
 
 # Devices the FP8 kernel runs on (a test registers a host stand-in for the kernel and adds "cpu").
@@ -237,13 +238,13 @@ def check_attention_backend(
             blocks with a family whose attention is not routed through diffusers' dispatch.
     """
     local_attention(attention)  # imports the backend's package: a missing one raises here, naming it
-    if (attention.scales is not None or attention.calibrate) and not _dispatched(routing):
+    if (attention.scales is not None or attention.calibrate) and not dispatch_routed(routing):
         what = "static attention scales" if attention.scales is not None else "calibrate=True"
         raise ValueError(
             f"{what} need each attention module's calls, and this family's attention is not routed through "
             "diffusers' dispatch_attention_fn (its SDPA calls cannot be told apart by module); use dynamic scales"
         )
-    if compiled and not _dispatched(routing):
+    if compiled and not dispatch_routed(routing):
         raise ValueError(
             "this family's attention is not routed through diffusers' dispatch_attention_fn, so the backend takes "
             "every SDPA call of the forward through a torch function mode, which torch.compile cannot trace; run "
@@ -255,7 +256,8 @@ def check_attention_backend(
     require_cuda_capability(device, (9, 0), what)
 
 
-def _dispatched(routing: AttentionRouting | None) -> bool:
+def dispatch_routed(routing: AttentionRouting | None) -> bool:
+    """Whether a family's attention goes through diffusers' dispatch (so each processor's calls can be told apart)."""
     return routing is not None and bool(routing.modules)
 
 
@@ -323,11 +325,11 @@ def apply_attention_backend(
     """
     marker = SingleDeviceAttention(
         backend=attention.backend,
-        route="dispatch" if _dispatched(routing) else "sdpa calls",
+        route="dispatch" if dispatch_routed(routing) else "sdpa calls",
         local=local_attention(attention),
         takes_masks=attention.backend in MASKED_BACKENDS,
     )
-    if not _dispatched(routing):
+    if not dispatch_routed(routing):
         return Applied(route_sdpa_calls(transformer, [""], sdpa=marker.sdpa), marker)
     if device is None:
         param = next(transformer.parameters(), None)
