@@ -270,13 +270,13 @@ def test_local_must_be_a_tuple_of_paths() -> None:
 
 def test_mark_processors_skips_local_modules() -> None:
     from fastdit.models.flux import tiny_transformer
-    from fastdit.parallel.attention.dispatch import attention_processors, mark_processors
+    from fastdit.parallel.attention.dispatch import RoutedAttention, attention_processors, mark_processors
 
     transformer = tiny_transformer(0)
-    marker = object()
+    marker = RoutedAttention()
     local = {name for name in attention_processors(transformer) if name.startswith("single_transformer_blocks.")}
     assert local
-    undo = mark_processors(transformer, marker, local)  # type: ignore[arg-type]
+    undo = mark_processors(transformer, marker, local)
     marked = {name for name, p in attention_processors(transformer).items() if "_parallel_config" in vars(p)}
     assert marked == set(attention_processors(transformer)) - local
     assert all(p._parallel_config is marker for name, p in attention_processors(transformer).items() if name in marked)
@@ -286,15 +286,15 @@ def test_mark_processors_skips_local_modules() -> None:
 
 def test_processor_shared_by_local_and_parallel_module_is_refused() -> None:
     from fastdit.models.flux import tiny_transformer
-    from fastdit.parallel.attention.dispatch import attention_processors, mark_processors
+    from fastdit.parallel.attention.dispatch import RoutedAttention, attention_processors, mark_processors
 
     transformer = tiny_transformer(0)
     transformer.single_transformer_blocks[0].attn.processor = transformer.transformer_blocks[0].attn.processor
     local = {"transformer_blocks.0.attn"}
     with pytest.raises(ValueError, match=r"shared by 'transformer_blocks\.0\.attn'.*'single_transformer_blocks\.0"):
-        mark_processors(transformer, object(), local)  # type: ignore[arg-type]
+        mark_processors(transformer, RoutedAttention(), local)
     assert not any("_parallel_config" in vars(p) for p in attention_processors(transformer).values())
-    mark_processors(transformer, object(), local | {"single_transformer_blocks.0.attn"})()  # type: ignore[arg-type]
+    mark_processors(transformer, RoutedAttention(), local | {"single_transformer_blocks.0.attn"})()
 
 
 # --- the last entry of a module list ---

@@ -117,10 +117,14 @@ def test_static_scales_recorded_split_equal_one_process(dist2: WorkerPool, layou
     plain = run_tiny(pipe, tiny, output_type="latent")
     noise = np.abs(one["out"] - plain).max()  # what quantizing changes
     results = dist2.run(_static, "flux", layout, timeout=240)
+    # Context parallelism records no attention scales (its attention casts per call); one process records both.
+    expected = {n: v for n, v in one["scales"].lookup().items() if "tp" in layout or ":" not in n}
     for result in results:
         scales = result["scales"]
-        assert scales.layers == one["scales"].layers and scales.ndims == one["scales"].ndims
-        np.testing.assert_allclose(scales.amax, one["scales"].amax, rtol=1e-5)
+        assert scales.lookup().keys() == expected.keys()
+        for name, (amax, ndim) in scales.lookup().items():
+            assert ndim == expected[name][1]
+            np.testing.assert_allclose(amax, expected[name][0], rtol=1e-5, err_msg=name)
         assert result["report"]["quantized"] == one["report"]["quantized"]
         if "tp" in layout:  # each rank's slices quantized with the whole layer's scale: close to one process
             assert np.abs(result["out"] - one["out"]).max() < noise
