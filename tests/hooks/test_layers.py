@@ -177,3 +177,56 @@ def test_announce_reaches_the_stack_of_a_module_without_cache_contexts() -> None
     with layers.announce(module, "cond"):  # nothing installed: nothing to announce to
         pass
     assert seen == ["uncond", "default"]
+
+
+class _DiffusersRecorder:
+    """A diffusers ``ModelHook`` that logs its pre- and post-forward (another library's hook on the same module)."""
+
+    def __new__(cls, name: str, log: list[str]) -> Any:
+        from diffusers.hooks import ModelHook
+
+        class Hook(ModelHook):
+            def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+                log.append(f"enter {name}")
+                return args, kwargs
+
+            def post_forward(self, module: torch.nn.Module, output: Any) -> Any:
+                log.append(f"leave {name}")
+                return output
+
+        return Hook()
+
+
+@pytest.mark.parametrize("first", ["fastdit", "diffusers"])
+def test_diffusers_hooks_beside_the_stack_keep_running_as_the_stack_changes(first: str) -> None:
+    """The stack's ``forward`` skips the registry's wrapper around it: a diffusers hook registered on top (or
+    beneath) still runs and nests with layers installed after it; removing both leaves the plain module."""
+    from diffusers.hooks import HookRegistry
+
+    module, log = Linear(), []
+    registry = HookRegistry.check_if_exists_or_initialize(module)
+    if first == "diffusers":
+        registry.register_hook(_DiffusersRecorder("other", log), "other")
+    undo_a = layers.install(module, Layer.TRACK, "a", Recorder("a", log))
+    if first == "fastdit":
+        registry.register_hook(_DiffusersRecorder("other", log), "other")
+    undo_b = layers.install(module, Layer.SKIP, "b", Recorder("b", log))  # a change of the stack after both
+    assert torch.equal(module(torch.zeros(1)), torch.ones(1))
+    inner = ["enter a", "enter b", "leave b", "leave a"]
+    outer = ["enter other", *inner, "leave other"] if first == "fastdit" else None
+    assert log == (outer or ["enter a", "enter b", "enter other", "leave other", "leave b", "leave a"])
+    log.clear()
+    undo_b()
+    module(torch.zeros(1))
+    assert log == (["enter other", "enter a", "leave a", "leave other"] if first == "fastdit"
+                   else ["enter a", "enter other", "leave other", "leave a"])  # fmt: skip
+    if first == "diffusers":
+        return  # removing a hook beneath another one rewires the registry's references wrongly: diffusers' own matter
+    log.clear()
+    registry.remove_hook("other", recurse=False)
+    module(torch.zeros(1))
+    assert log == ["enter a", "leave a"]
+    log.clear()
+    undo_a()
+    assert torch.equal(module(torch.zeros(1)), torch.ones(1)) and log == []
+    assert "forward" not in vars(module)

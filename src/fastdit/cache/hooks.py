@@ -147,6 +147,8 @@ class TransformerCacheHook(layers.LayerHook):
         names = [name for name in (timestep_arg, None if self._latent is None else self._latent.arg) if name]
         self._reader = ForwardArgs(module, names)
         self._unstepped = UnsteppedCalls(module, unstepped)
+        self._marks_unstepped = bool(self._unstepped)
+        self._stack: layers.LayerStack | None = None  # found at the first call (see :meth:`around`)
         self._owner = type(module).__name__
         self._last: Any = None
         self._repeats = 0
@@ -189,16 +191,20 @@ class TransformerCacheHook(layers.LayerHook):
             )
 
     def around(self, inner: Callable[..., Any], module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if self._unstepped and self._unstepped(args, kwargs):
+        if self._marks_unstepped and self._unstepped(args, kwargs):
             # No call begins: the block hooks find no active step and compute, and no step, branch or run counts it.
             return inner(*args, **kwargs)
         # The timestep's own shape is left out: MiniMax-H3 passes the distinct noise levels of its rows, one entry
         # at the first step (all rows at 0) and two after it; every other model's batch shows in its inputs anyway.
         timestep = self._reader.get(self.timestep_arg, args, kwargs) if self.timestep_arg else None
         signature = tuple(
-            tuple(a.shape) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a is not timestep
+            [tuple(a.shape) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a is not timestep]
         )
-        context = layers.announced_context(module)
+        stack = self._stack
+        if stack is None:
+            # The module's stack holds this hook, so it stays the module's stack while the hook is installed.
+            stack = self._stack = layers.stack_of(module)
+        context = "default" if stack is None else stack.probe.name  # :func:`layers.announced_context`
         try:  # a refused call ends too: no block hook may think it runs inside it
             step_time, key = self._timestep(timestep, context)
             self.engine.begin_call(context, step_time, signature, key)
@@ -227,39 +233,74 @@ class BlockCacheHook(layers.LayerHook):
     def __init__(self, engine: CacheEngine, slot: BlockSlot, module: torch.nn.Module) -> None:
         self.engine = engine
         self.slot = slot
-        self._reader = ForwardArgs(module, (slot.group.hidden_arg, slot.group.encoder_arg))
+        group, pattern = slot.group, slot.pattern
+        self._reader = ForwardArgs(module, (group.hidden_arg, group.encoder_arg))
         self._check = FirstCallCheck(slot)
+        # Everything a call asks of the slot, its pattern and the engine, looked up once: a cached step calls the
+        # hook of every block it skips (56 of FLUX's 57), so each lookup is paid ~60 times per transformer call.
+        self._tracker = engine.tracker
+        self._hidden_arg = group.hidden_arg
+        self._hidden_at = self._reader.positions[group.hidden_arg]
+        self._takes_encoder = pattern.takes_encoder
+        self._encoder_arg = group.encoder_arg
+        self._encoder_at = self._reader.positions[group.encoder_arg]
+        self._pack = _packer(pattern)
+        self._passes_through = slot.passes_through
+        self._segment = slot.segment
+        self._index = slot.index
 
     def skip_group(self) -> object | None:
         # Front and back blocks always compute; the middle blocks compute, or pass through, together in one call.
         return self.engine if self.slot.role == "middle" else None
 
     def around(self, inner: Callable[..., Any], module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        state = self.engine.tracker.active
+        state = self._tracker.active
         if state is None:  # called outside a transformer forward: nothing to cache
             return inner(*args, **kwargs)
+        if self._passes_through and not state.computing:
+            memory = state.segments.get(self._segment)
+            if memory is not None and memory.entered_step == state.step:
+                # A cached step, past its segment's first called block (which recorded the segment's input, and
+                # the stack's entry before it): the block's output is its own input, so nothing else is read, set
+                # or decided — what :meth:`_replay` returns for it, without the general path's bookkeeping.
+                name = self._hidden_arg
+                hidden = kwargs[name] if name in kwargs else _positional(args, self._hidden_at)
+                if self._takes_encoder:
+                    name = self._encoder_arg
+                    encoder = kwargs[name] if name in kwargs else _positional(args, self._encoder_at)
+                else:
+                    encoder = memory.encoder_out
+                packed = self._pack(hidden, encoder)
+                extras = state.block_memory.get(self._index)
+                return (*packed, *extras) if extras else packed
+        return self._route(state, inner, module, args, kwargs)
+
+    def _route(
+        self, state: BranchState, inner: Callable[..., Any], module: torch.nn.Module, args: tuple, kwargs: dict
+    ) -> Any:
+        """Every call but a passed-through one in a cached step: by the block's role and the step's decision."""
         slot = self.slot
-        group = slot.group
-        hidden = self._reader.get(group.hidden_arg, args, kwargs)
+        hidden = self._reader.get(self._hidden_arg, args, kwargs)
         if state.stack_entered_step != state.step:  # the first block called in this step, front or middle
             state.stack_entered_step = state.step
             self.engine.enter_stack(state, hidden)
-        if slot.role == "front":
+        role = slot.role
+        if role == "front":
             if state.front_entered_step != state.step:  # first front block called in this step
                 state.front_hidden_in, state.front_entered_step = hidden, state.step
             output = compute_checked(state, self._check, inner, module, args, kwargs)
             if slot.last_front:
                 self._decide(state, output)
             return output
-        if slot.role == "back":
+        if role == "back":
             return compute_checked(state, self._check, inner, module, args, kwargs)
-        encoder = self._reader.get(group.encoder_arg, args, kwargs) if slot.pattern.takes_encoder else None
-        memory = state.segment(slot.segment)
+        encoder = self._reader.get(self._encoder_arg, args, kwargs) if self._takes_encoder else None
+        memory = state.segment(self._segment)
         if memory.entered_step != state.step:  # first middle block of this segment called in this step
             memory.hidden_in, memory.encoder_in, memory.entered_step = hidden, encoder, state.step
         if state.computing:
             output = compute_checked(state, self._check, inner, module, args, kwargs)
-            state.block_memory[slot.index] = slot.pattern.extras(output)
+            state.block_memory[self._index] = slot.pattern.extras(output)
             if slot.last_in_segment:
                 self._remember(state, memory, output)
             return output
@@ -357,6 +398,31 @@ def plan_slots(
     return slots
 
 
+def _positional(args: tuple, position: int | None) -> Any:
+    """The argument at ``position`` (``None``: the parameter is not located), or ``None`` if the call has fewer
+    (:meth:`ForwardArgs.get` for an argument not passed by keyword)."""
+    return args[position] if position is not None and position < len(args) else None
+
+
+def _hidden_only(hidden: torch.Tensor, encoder: torch.Tensor | None) -> Any:
+    return hidden
+
+
+def _hidden_first(hidden: torch.Tensor, encoder: torch.Tensor | None) -> Any:
+    return hidden, encoder
+
+
+def _encoder_first(hidden: torch.Tensor, encoder: torch.Tensor | None) -> Any:
+    return encoder, hidden
+
+
+def _packer(pattern: ForwardPattern) -> Callable[[torch.Tensor, torch.Tensor | None], Any]:
+    """:meth:`ForwardPattern.pack` of ``pattern`` as a plain function (no enum property is read per call)."""
+    if not pattern.returns_encoder:
+        return _hidden_only
+    return _encoder_first if pattern.encoder_first else _hidden_first
+
+
 def _compute(state: BranchState, inner: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     state.blocks_computed += 1
     return inner(*args, **kwargs)
@@ -424,19 +490,24 @@ class InterleavedSkipHook(layers.LayerHook):
         self.group = group
         self.pattern = pattern
         self._reader = ForwardArgs(module, (group.hidden_arg, group.encoder_arg))
+        # Looked up once, not per call (as for :class:`BlockCacheHook`).
+        self._tracker = engine.tracker
+        self._passes_through = slot.passes_through
+        self._takes_encoder = pattern.takes_encoder
+        self._pack = _packer(pattern)
 
     def skip_group(self) -> object | None:
         # Skipped exactly when the cached group's middle blocks pass through: the same decision.
         return self.engine if self.slot.passes_through else None
 
     def around(self, inner: Callable[..., Any], module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        state = self.engine.tracker.active
-        if state is None or state.computing or not self.slot.passes_through:
+        state = self._tracker.active
+        if state is None or state.computing or not self._passes_through:
             return inner(*args, **kwargs)
-        pattern = self.pattern
-        hidden = self._reader.get(self.group.hidden_arg, args, kwargs)
-        encoder = self._reader.get(self.group.encoder_arg, args, kwargs) if pattern.takes_encoder else None
-        return pattern.pack(hidden, encoder)
+        group = self.group
+        hidden = self._reader.get(group.hidden_arg, args, kwargs)
+        encoder = self._reader.get(group.encoder_arg, args, kwargs) if self._takes_encoder else None
+        return self._pack(hidden, encoder)
 
 
 Groups = list[tuple[BlockGroup, torch.nn.ModuleList]]

@@ -93,7 +93,10 @@ class BranchState:
 
     def segment(self, index: int) -> SegmentMemory:
         """The memory of middle segment ``index`` (created on first use)."""
-        return self.segments.setdefault(index, SegmentMemory())
+        memory = self.segments.get(index)
+        if memory is None:  # not ``setdefault``: that would build a discarded memory on every block call
+            memory = self.segments[index] = SegmentMemory()
+        return memory
 
     def summary(self) -> dict[str, Any]:
         """Plain-data statistics of this branch's run."""
@@ -178,7 +181,9 @@ class RunTracker:
             key: The scheduler clock's step index (:attr:`clock`): calls at one index are the branches of one step,
                 and the run's start is the scheduler's, so the timestep's value is not needed.
         """
-        track = self._contexts.setdefault(context, _ContextTrack())
+        track = self._contexts.get(context)
+        if track is None:  # not ``setdefault``: every call would build (and drop) a new track
+            track = self._contexts[context] = _ContextTrack()
         if key is not None:
             backwards, same_step, delta = False, track.last_key == key, None
         else:
@@ -208,7 +213,9 @@ class RunTracker:
         if track.branch == 0:
             track.signature = signature
         key = track.branch if self.separate_branches else 0
-        state = track.branches.setdefault(key, BranchState())
+        state = track.branches.get(key)
+        if state is None:
+            state = track.branches[key] = BranchState()
         state.step += 1
         state.timestep = timestep
         self.active = state
