@@ -91,9 +91,14 @@ class _TensorParallel:
 
 
 def _run_device(request: Request, module: torch.nn.Module) -> torch.device:
-    """Where ``module`` will compute: its parameters' device, or the accelerator tensor parallelism moves it to."""
+    """Where ``module`` will compute: its parameters' device, the accelerator tensor parallelism moves it to, or the
+    device offload streams it to."""
     param = next(module.parameters(), None)
     device = torch.device("cpu") if param is None else param.device
+    if request.offload is not None:  # a pipeline loaded on the CPU computes on the GPU its blocks are streamed to
+        from fastdit.offload import offload_device
+
+        return offload_device(request.offload, device)
     split = request.parallel is not None and request.parallel.tp > 1
     if split and device.type == "cpu" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())  # as the runtime places a CPU-loaded pipeline

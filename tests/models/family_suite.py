@@ -11,6 +11,7 @@ import fastdit
 from fastdit.errors import FieldError
 from fastdit.models.registry import get_family
 from fastdit.models.validate import check_adapter, probe_patterns
+from fastdit.parallel.attention.dispatch import processor_sites
 from fastdit.session import is_audio_pipeline
 from fastdit.testing.pipelines import build_tiny, run_tiny
 
@@ -209,6 +210,64 @@ class FamilySuite:
         # (A model attending only through flex attention makes no SDPA call: nothing to route.)
         assert plain.calls == 0 or any(s["served_calls"] > 0 for s in served), served
         np.testing.assert_array_equal(run_tiny(pipe, tiny), baseline)
+
+    def test_static_attention_scales(self, built: dict, variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Static FP8 attention scales. A family routed through diffusers' dispatch: the calibration records Q, K
+        and V of every attention site its calls reach, all three or none, and a run with the scales (the FP8 kernel's
+        host stand-in) casts every call the backend serves with them, none with per-call scales. A site left
+        unrecorded (counted as a dynamic site) is one no call reaches through the dispatch: cross-attention that
+        passes no parallel config (Wan's), a module the variant does not use (Kandinsky 6's audio blocks in
+        text-to-video), a processor calling SDPA itself (HunyuanVideo's token refiner). Calls with a mask run SDPA,
+        so a family whose every call is masked casts nothing. Any other family: the calibration records the Linear
+        layers only, and recording attention is refused before anything."""
+        pytest.importorskip("torchao")  # the calibration records the Linear layers' inputs through torchao
+        from fastdit.calibration import calibrate_scales
+        from fastdit.components import walk
+        from fastdit.parallel.attention import cudnn_fp8
+        from fastdit.parallel.attention.single import QKV, dispatch_routed
+        from tests.parallel.attention.fp8_host import fp8_backend_on_host
+
+        pipe, tiny = self._pipe(built, variant)
+        denoisers = walk(pipe).denoisers
+        routed = all(dispatch_routed(i.adapter.cp_plan.attention if i.adapter.cp_plan else None) for i in denoisers)
+        scales = calibrate_scales(pipe, lambda: run_tiny(pipe, tiny))
+        recorded = {name for name in scales.layers if ":" in name}
+        if not routed:
+            assert scales.layers and not recorded, sorted(recorded)
+            with pytest.raises(ValueError, match="not routed through diffusers' dispatch"):
+                fastdit.accelerate(pipe, attention=fastdit.Attention(calibrate=True))
+            assert fastdit.api.context_of(pipe) is None
+            return
+        sites = {i.name: [f"{i.name}.{path}" for path in processor_sites(i.module)] for i in denoisers}
+        whole = {site for names in sites.values() for site in names if all(site + s in recorded for s in QKV)}
+        assert whole, "no attention site was recorded"
+        assert recorded == {site + s for site in whole for s in QKV}, "a site recorded part of Q, K, V, or no site's"
+        casts = {"dynamic": 0, "static": 0}
+
+        def counted(kind: str, cast):
+            def count(*args, **kwargs):
+                casts[kind] += 1
+                return cast(*args, **kwargs)
+
+            return count
+
+        monkeypatch.setattr(cudnn_fp8, "quantize_per_tensor", counted("dynamic", cudnn_fp8.quantize_per_tensor))
+        monkeypatch.setattr(cudnn_fp8, "quantize_static", counted("static", cudnn_fp8.quantize_static))
+        with fp8_backend_on_host(monkeypatch):
+            fastdit.accelerate(pipe, attention=fastdit.Attention(backend="cudnn-fp8", scales=scales))
+            try:
+                out = run_tiny(pipe, tiny)
+                transformers = fastdit.summary(pipe).transformers
+            finally:
+                fastdit.disable(pipe)
+        assert np.isfinite(out).all()
+        for name, names in sites.items():
+            attention = transformers[name]["attention"]
+            static = sum(site in whole for site in names)
+            assert attention["static_scale_sites"] == static, (name, attention)
+            assert attention["dynamic_scale_sites"] == len(names) - static, (name, attention)
+        served = sum(info["attention"]["served_calls"] for info in transformers.values())
+        assert casts == {"dynamic": 0, "static": 3 * served}, (casts, served)
 
     def test_compiled_outer_modules(self, built: dict, variant: str) -> None:
         """What ``Compile(outer=True)`` adds to the compiled blocks: every module outside the blocks (embedders, RoPE

@@ -48,3 +48,23 @@ def fp8_backend_on_host(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         monkeypatch.setattr(single, "require_cuda_capability", lambda *args, **kwargs: None)
         monkeypatch.setattr(single, "_FP8_DEVICES", ("cuda", "cpu"))
         yield
+
+
+@contextmanager
+def fp8_backend_in_process() -> Iterator[None]:
+    """:func:`fp8_backend_on_host` without pytest's ``monkeypatch``: for functions run on the gloo worker pool, whose
+    processes outlive the call (so everything is put back on the way out, also after a failure)."""
+    patches = [
+        (cudnn_fp8, "import_frontend", lambda: None),
+        (single, "require_cuda_capability", lambda *args, **kwargs: None),
+        (single, "_FP8_DEVICES", ("cuda", "cpu")),
+    ]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    with host_fp8_kernel():
+        try:
+            for owner, name, value in patches:
+                setattr(owner, name, value)
+            yield
+        finally:
+            for owner, name, value in saved:
+                setattr(owner, name, value)

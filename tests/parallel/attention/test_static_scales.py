@@ -229,6 +229,37 @@ def test_static_scales_compose_with_a_cache(monkeypatch: pytest.MonkeyPatch) -> 
     assert _quality(plain, cached).psnr_min > 30
 
 
+def test_static_scales_with_offload_equal_the_resident_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Offload streams the blocks' weights, not the scales: each site holds its scales on the device the pipeline
+    computes on. On the CPU a transfer is the host tensor itself, so the run is bit-identical to the resident one."""
+    static = fastdit.Attention(backend="cudnn-fp8", scales=_scales("flux"))
+    pipe, _ = _built("flux")
+    with fp8_backend_on_host(monkeypatch):
+        resident, _ = _run("flux", attention=static)
+        offloaded, info = _run("flux", attention=static, offload=fastdit.Offload())
+    assert info["offload"]["transfers"] > 0 and info["attention"]["served_calls"] > 0
+    sites = len(processor_sites(pipe.transformer))
+    assert info["attention"]["static_scale_sites"] == sites and info["attention"]["dynamic_scale_sites"] == 0
+    np.testing.assert_array_equal(offloaded, resident)
+
+
+def test_the_fp8_backend_is_checked_on_the_device_offload_computes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pipeline loaded on the CPU and offloaded to a GPU computes on the GPU: the FP8 kernel's requirement is
+    checked against (and the static scales are placed on) the offload device, not the CPU the weights wait on. Here,
+    without a GPU, the offload then refuses its device before anything is applied."""
+    from fastdit.parallel.attention import single
+
+    pipe, _ = _built("flux")
+    asked: list[torch.device] = []
+    static = fastdit.Attention(backend="cudnn-fp8", scales=_scales("flux"))
+    with fp8_backend_on_host(monkeypatch):
+        monkeypatch.setattr(single, "require_cuda_capability", lambda device, *_args, **_kw: asked.append(device))
+        with pytest.raises(ValueError, match="no CUDA device here"):
+            fastdit.accelerate(pipe, attention=static, offload=fastdit.Offload(device="cuda:0"))
+    assert asked == [torch.device("cuda:0")]
+    assert context_of(pipe) is None
+
+
 # --- refusals ---
 
 
