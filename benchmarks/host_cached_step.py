@@ -69,6 +69,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--top", type=int, default=25, help="functions kept per cProfile ordering")
     parser.add_argument("--baseline-src", type=Path, default=None, help="another fastdit checkout's src, as 'before'")
     parser.add_argument("--baseline-label", default=None, help="what --baseline-src is (a commit), for the table")
+    parser.add_argument("--label", default=None, help="what this checkout is (a commit), for the table")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default $OUT/host_cached_step.json)")
@@ -406,6 +407,8 @@ def main() -> None:
     for w in workers:
         if w.variant == "fastdit (before)" and args.baseline_label:
             w.info = f"fastdit {args.baseline_label}"
+        if w.variant == "fastdit" and args.label:  # a copied tree's git state may not be the checkout's
+            w.info = f"fastdit {args.label}"
     try:
         checks = {w.variant: w.ask(do="check") for w in workers}
         for w in workers:

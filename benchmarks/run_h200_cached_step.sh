@@ -3,13 +3,17 @@
 # a trace of one more call per mode), and where static FP8's producer kernels could still save time
 # (benchmarks/profile_flux.py: fixed attention scales, coordinate-descent tuning, max-autotune). Expects the diffusers,
 # torchao and cudnn-frontend wheels in .whl/; writes logs and JSON under $OUT:
-#   bash benchmarks/run_h200_cached_step.sh [steps|fp8|autotune|static|static_e2e|tests]...   (default: steps fp8)
+#   bash benchmarks/run_h200_cached_step.sh [steps|steps_before|host|fp8|autotune|static|static_e2e|tests]...
+# (default: steps fp8). steps_before: the same as steps with another checkout's src in .before/src (a change's
+# baseline, same lease); host: the host time of a cached step on this machine's CPU (host_cached_step.py, against
+# .before/src when present; cache-dit's anchor when its wheels are in .whl2/).
 # static: calibrated (static) FP8 attention scales beside the dynamic ones, per call (profile_flux.py); static_e2e: the
 # same end to end (cp_flux.py, bf16 first as the quality baseline); tests: the GPU tests of FP8 attention and static
 # FP8.
 set -uo pipefail
 SITE=$(mktemp -d)
 python3 -m pip install -q --no-index --no-deps --target "$SITE" .whl/*.whl
+if compgen -G ".whl2/*.whl" > /dev/null; then python3 -m pip install -q --no-index --no-deps --target "$SITE" .whl2/*.whl; fi
 export PYTHONPATH=$SITE:$PWD/src NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
@@ -21,6 +25,13 @@ for part in ${*:-steps fp8}; do
     steps) timeout 300 python3 benchmarks/step_costs.py --modes $C,$C+cache+ahead+outer,$C+cache4+ahead+outer,$C+magfast+outer \
         --host-profile "$OUT/profiles" --out "$OUT/step_costs.json" 2>&1 | grep -v -e Warning -e "Failed to load" \
         | tee "$OUT/step_costs.log" | tail -9 ;;
+    steps_before) PYTHONPATH=$SITE:$PWD/.before/src timeout 300 python3 benchmarks/step_costs.py \
+        --modes $C,$C+cache+ahead+outer,$C+cache4+ahead+outer,$C+magfast+outer --out "$OUT/step_costs_before.json" 2>&1 \
+        | grep -v -e Warning -e "Failed to load" | tee "$OUT/step_costs_before.log" | tail -9 ;;
+    host) B=(); [ -d .before/src ] && B=(--baseline-src .before/src --baseline-label "${BEFORE_LABEL:-before}")
+      [ -n "${LABEL:-}" ] && B+=(--label "$LABEL")
+      timeout 200 python3 benchmarks/host_cached_step.py "${B[@]}" --rounds "${ROUNDS:-15}" --out "$OUT/host_cached_step.json" \
+        2>&1 | grep -v -e Warning -e "Failed to load" | tee "$OUT/host_cached_step.log" | grep -v "^W1" | tail -60 ;;
     fp8) timeout 300 python3 benchmarks/profile_flux.py --modes $Q,$Q+attnfixed,$Q+cdt --out "$OUT/profile_fp8.json" 2>&1 \
         | grep -v -e Warning -e "Failed to load" | tee "$OUT/profile_fp8.log" | tail -30 ;;
     autotune) timeout 560 python3 benchmarks/profile_flux.py --modes $Q+autotune --out "$OUT/profile_autotune.json" 2>&1 \

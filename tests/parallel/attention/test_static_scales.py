@@ -331,3 +331,65 @@ def test_cudnn_fp8_kernel_with_static_scales_against_bf16_sdpa() -> None:
         captured = local(q, k, v, static=static)
     graph.replay()
     torch.testing.assert_close(captured, static_out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)),
+    reason="needs a CUDA GPU of compute capability 9.0+",
+)
+def test_static_scales_on_a_cpu_loaded_transformer_offloaded_to_the_gpu() -> None:
+    """The real kernel on the case the offload device check exists for: a transformer loaded on the CPU and streamed
+    to the GPU serves its attention from static scales on the GPU, as the same transformer resident there does."""
+    pytest.importorskip("cudnn")
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=2,
+        attention_head_dim=128,  # a head size the FP8 kernel takes
+        num_attention_heads=2,
+        joint_attention_dim=64,
+        pooled_projection_dim=32,
+        guidance_embeds=False,
+        axes_dims_rope=(16, 56, 56),
+    ).eval()
+    model = model.to("cuda", torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    inputs = {
+        "hidden_states": torch.randn(1, 256, 16, device="cuda", generator=g).bfloat16(),
+        "encoder_hidden_states": torch.randn(1, 32, 64, device="cuda", generator=g).bfloat16(),
+        "pooled_projections": torch.randn(1, 32, device="cuda", generator=g).bfloat16(),
+        "img_ids": torch.rand(256, 3, device="cuda", generator=g) * 16,
+        "txt_ids": torch.zeros(32, 3, device="cuda"),
+        "timestep": torch.full((1,), 0.5, device="cuda"),
+        "return_dict": False,
+    }
+
+    def call() -> torch.Tensor:
+        with torch.no_grad():
+            return model(**inputs)[0]
+
+    plain = call()
+    scales = calibrate_scales(model, call)
+    static = fastdit.Attention(backend="cudnn-fp8", scales=scales)
+
+    def run(**options: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        fastdit.accelerate(model, attention=static, **options)
+        try:
+            return call(), fastdit.summary(model).transformers["transformer"]
+        finally:
+            fastdit.disable(model)
+
+    resident, _ = run()
+    model.to("cpu")
+    offloaded, info = run(offload=fastdit.Offload(device="cuda"))
+    assert next(model.parameters()).device.type == "cpu"  # streamed, not moved
+    assert info["offload"]["transfers"] > 0 and info["attention"]["served_calls"] > 0
+    assert info["attention"]["dynamic_scale_sites"] == 0
+    torch.testing.assert_close(offloaded, resident, atol=1e-2, rtol=1e-2)
+    err = (resident.float() - plain.float()).abs().max().item()
+    assert 0 < err < 0.1 * plain.float().abs().max().item()  # FP8 attention: changed, and close to bf16
