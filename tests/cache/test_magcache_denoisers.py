@@ -13,7 +13,7 @@ from fastdit.cache.files import CacheFile, load_cache_file, save_cache_file
 from fastdit.cache.magcache import load_calibration, save_calibration
 from fastdit.calibration import calibrate
 from fastdit.errors import FieldError
-from fastdit.testing.pipelines import build_tiny, run_tiny
+from fastdit.testing.pipelines import build_tiny, run_accelerated, run_tiny
 
 DENOISERS = ("transformer", "transformer_2")
 
@@ -58,12 +58,7 @@ def test_calibration_run_is_bit_identical_and_records_each_denoisers_steps(wan22
 def test_forced_skipping_skips_the_expected_steps_of_each_denoiser(wan22, calibration) -> None:
     pipe, tiny = wan22
     config = fastdit.MagCache(threshold=1e6, max_skip_steps=100, retention_ratio=0.0, calibration=calibration)
-    fastdit.accelerate(pipe, cache=config)
-    try:
-        out = run_tiny(pipe, tiny)
-        transformers = fastdit.summary(pipe).transformers
-    finally:
-        fastdit.disable(pipe)
+    out, transformers = run_accelerated(pipe, tiny, {"cache": config})
     assert np.isfinite(out).all()
     assert set(transformers) == set(DENOISERS)
     blocks = len(pipe.transformer.blocks)

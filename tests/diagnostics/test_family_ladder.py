@@ -8,7 +8,6 @@ import dataclasses
 import numpy as np
 import pytest
 
-import fastdit
 from fastdit.diagnostics.family_ladder import (
     FORECAST_STEPS,
     FORECASTS,
@@ -21,16 +20,11 @@ from fastdit.diagnostics.family_ladder import (
     tiny_magcache_calibration,
 )
 from fastdit.models.registry import get_family
-from fastdit.testing.pipelines import build_tiny, run_tiny
+from fastdit.testing.pipelines import build_tiny, run_accelerated
 
 
 def _run(pipe, tiny, cache, overrides: dict) -> tuple[np.ndarray, dict[str, list[int]]]:
-    fastdit.accelerate(pipe, cache=cache)
-    try:
-        out = run_tiny(pipe, tiny, **overrides)
-        transformers = fastdit.summary(pipe).transformers
-    finally:
-        fastdit.disable(pipe)
+    out, transformers = run_accelerated(pipe, tiny, {"cache": cache}, **overrides)
     served = {
         f"{name}/{branch}": stats["cached_steps"]
         for name, info in transformers.items()

@@ -13,7 +13,7 @@ from fastdit.models.registry import get_family
 from fastdit.models.validate import check_adapter, probe_patterns
 from fastdit.parallel.attention.dispatch import processor_sites
 from fastdit.session import is_audio_pipeline
-from fastdit.testing.pipelines import build_tiny, run_tiny
+from fastdit.testing.pipelines import build_tiny, run_accelerated, run_tiny
 
 _BUILT: dict = {}
 
@@ -140,12 +140,7 @@ class FamilySuite:
             assert isinstance(calibration, fastdit.MagCalibrations), denoisers
             assert set(calibration.components) == set(denoisers)
         config = fastdit.MagCache(threshold=1e6, max_skip_steps=100, retention_ratio=0.0, calibration=calibration)
-        fastdit.accelerate(pipe, cache=config)
-        try:
-            out = run_tiny(pipe, tiny)
-            transformers = fastdit.summary(pipe).transformers
-        finally:
-            fastdit.disable(pipe)
+        out, transformers = run_accelerated(pipe, tiny, {"cache": config})
         assert np.isfinite(out).all()
         branches = {(d, n): b for d in denoisers for n, b in transformers[d]["cache"]["branches"].items()}
         assert any(b["steps"] > 1 for b in branches.values()), "no branch ran two steps: nothing was skipped"
@@ -254,12 +249,8 @@ class FamilySuite:
         monkeypatch.setattr(cudnn_fp8, "quantize_per_tensor", counted("dynamic", cudnn_fp8.quantize_per_tensor))
         monkeypatch.setattr(cudnn_fp8, "quantize_static", counted("static", cudnn_fp8.quantize_static))
         with fp8_backend_on_host(monkeypatch):
-            fastdit.accelerate(pipe, attention=fastdit.Attention(backend="cudnn-fp8", scales=scales))
-            try:
-                out = run_tiny(pipe, tiny)
-                transformers = fastdit.summary(pipe).transformers
-            finally:
-                fastdit.disable(pipe)
+            backend = fastdit.Attention(backend="cudnn-fp8", scales=scales)
+            out, transformers = run_accelerated(pipe, tiny, {"attention": backend})
         assert np.isfinite(out).all()
         for name, names in sites.items():
             attention = transformers[name]["attention"]

@@ -7,11 +7,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from fastdit.api import accelerate, disable, summary
 from fastdit.models.base import TinyPipeline
 from fastdit.models.registry import get_family
 from fastdit.modular import call_pipeline, is_modular, set_progress_bar_config
 
-__all__ = ["build_tiny", "run_tiny", "save_tiny", "scaled_steps"]
+__all__ = ["build_tiny", "run_accelerated", "run_tiny", "save_tiny", "scaled_steps"]
 
 
 def build_tiny(family: str, variant: str | None = None) -> tuple[Any, TinyPipeline]:
@@ -44,6 +45,21 @@ def run_tiny(pipe: Any, tiny: TinyPipeline, *, seed: int = 0, **overrides: Any) 
     if isinstance(out, torch.Tensor):  # audio pipelines return tensors unless asked for numpy
         out = out.detach().float().cpu().numpy()
     return np.asarray(out, dtype=np.float32)
+
+
+def run_accelerated(
+    pipe: Any, tiny: TinyPipeline, options: dict[str, Any], **overrides: Any
+) -> tuple[np.ndarray, dict[str, Any]]:
+    """Run ``pipe`` accelerated with ``options`` (:func:`fastdit.accelerate`'s keywords), then disable it.
+
+    Returns:
+        The output (as :func:`run_tiny`) and the summary of each transformer by name, taken before disabling.
+    """
+    accelerate(pipe, **options)
+    try:
+        return run_tiny(pipe, tiny, **overrides), summary(pipe).transformers
+    finally:
+        disable(pipe)
 
 
 def scaled_steps(tiny: TinyPipeline, numerator: int, denominator: int = 1) -> dict[str, Any]:
