@@ -74,7 +74,8 @@ LAYOUTS = ("single", "ulysses", "ring", "usp", "tp", "tp_ulysses", "cfg", "cfg_u
 # outer: with compile, the modules outside the blocks are compiled too (Compile(outer=True)); q8s: FP8 with static
 # per-tensor activation scales (Quantize(mode="fp8_static")), recorded once on a call with seed + 1 before any mode
 # runs; cudnnfp8: cuDNN's fused FP8 attention (Attention(backend="cudnn-fp8"), one GPU); cudnnfp8s: the same with
-# static Q/K/V scales per attention module (Attention(scales=...)), recorded in the same calibration as q8s's.
+# static Q/K/V scales per attention module (Attention(scales=...)), recorded in the same calibration as q8s's;
+# q8r: q8s with one weight scale per output channel (Quantize(weight_scales="row")).
 OPTIONS = (
     "compile",
     "graph",
@@ -94,6 +95,7 @@ OPTIONS = (
     "ahead",
     "outer",
     "q8s",
+    "q8r",
     "cudnnfp8",
     "cudnnfp8s",
 )
@@ -248,8 +250,9 @@ def accelerate_mode(pipe: Any, mode: str, world_size: int, steps: int) -> Callab
     cache = cache_for(options, steps)
     graphs = graphs_for(options)
     quantize = fastdit.Quantize(mode="fp8") if "q8" in options else None
-    if "q8s" in options:
-        quantize = fastdit.Quantize(mode="fp8_static", scales=STATIC_SCALES["scales"])
+    if "q8s" in options or "q8r" in options:
+        weights = "row" if "q8r" in options else "tensor"
+        quantize = fastdit.Quantize(mode="fp8_static", scales=STATIC_SCALES["scales"], weight_scales=weights)
     attention = fastdit.Attention(backend="cudnn-fp8") if "cudnnfp8" in options else None
     if "cudnnfp8s" in options:
         attention = fastdit.Attention(backend="cudnn-fp8", scales=STATIC_SCALES["scales"])
@@ -374,7 +377,7 @@ def run_modes(
         negative = embeddings(args.tiny, device, dtype, args.seed + 7)
         kwargs.update(true_cfg_scale=4.0, negative_prompt_embeds=negative["prompt_embeds"],
                       negative_pooled_prompt_embeds=negative["pooled_prompt_embeds"])  # fmt: skip
-    if any({"q8s", "cudnnfp8s"} & set(mode.split("+")) for mode in args.modes.split(",")):
+    if any({"q8s", "q8r", "cudnnfp8s"} & set(mode.split("+")) for mode in args.modes.split(",")):
         from fastdit.calibration import calibrate_scales
 
         # Another seed than the measured one: the static FP8 rows' quality is a held-out figure.

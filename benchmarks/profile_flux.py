@@ -13,9 +13,11 @@ is printed beside its time. Modes are ``+``-joined options:
   rowwise config and defaults). An anchor cannot be undone: anchors run last;
 - ``cudnn`` / ``flash`` / ``efficient``: every call (compile included) inside ``sdpa_kernel`` of that backend;
 - ``fuseqkv``: diffusers' ``fuse_qkv_projections()`` (one GEMM for Q, K and V);
-- ``autotune``: ``Compile(mode="max-autotune-no-cudagraphs")``; ``cdt``: inductor coordinate-descent tuning;
+- ``autotune``: ``Compile(mode="max-autotune-no-cudagraphs")``; ``tma`` (with ``autotune``): inductor's persistent
+  TMA matmul templates among the choices; ``cdt``: inductor coordinate-descent tuning;
 - ``fp8`` / ``fp8_tensor``: ``fastdit.Quantize(mode=...)``; ``fp8_static``: static FP8, its scales recorded on one
-  eager call with the profiled inputs first; ``cudnnfp8``: ``fastdit.Attention(backend="cudnn-fp8")``; ``attnfixed``
+  eager call with the profiled inputs first (``rows``: with one weight scale per output channel,
+  ``weight_scales="row"``); ``cudnnfp8``: ``fastdit.Attention(backend="cudnn-fp8")``; ``attnfixed``
   (with ``cudnnfp8``, a speed probe, not a numerics one): Q, K and V cast with one fixed scale instead of their
   absmax, which bounds what calibrated attention scales would save; ``attnstatic`` (with ``fp8_static`` and
   ``cudnnfp8``): the attention's Q/K/V scales recorded per module in the same calibration
@@ -48,7 +50,7 @@ from fastdit.bench import device_name, json_ready, markdown_table
 from fastdit.io import write_json
 
 OPTIONS = ("eager", "compile", "anchor", "cudnn", "flash", "efficient", "fuseqkv", "autotune", "cdt", "fp8",
-           "fp8_tensor", "fp8_static", "cudnnfp8", "attnfixed", "attnstatic", "graph")  # fmt: skip
+           "fp8_tensor", "fp8_static", "rows", "cudnnfp8", "attnfixed", "attnstatic", "graph", "tma")  # fmt: skip
 CATEGORIES = (
     ("communication", r"nccl"),
     ("fp8 quantization", r"^triton_.*(amax|_scaled_mm__to_copy|clamp_div)"),
@@ -121,6 +123,11 @@ def apply_mode(pipe: Any, options: list[str], inputs: dict[str, Any] | None = No
 
         inductor_config.coordinate_descent_tuning = True
         undo.append(lambda: setattr(inductor_config, "coordinate_descent_tuning", False))
+    if "tma" in options:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.triton.enable_persistent_tma_matmul = True
+        undo.append(lambda: setattr(inductor_config.triton, "enable_persistent_tma_matmul", False))
     if "attnfixed" in options:
         from fastdit.parallel.attention import cudnn_fp8
 
@@ -141,7 +148,8 @@ def apply_mode(pipe: Any, options: list[str], inputs: dict[str, Any] | None = No
         from fastdit.calibration import calibrate_scales
 
         scales = calibrate_scales(pipe, _caller(transformer, inputs or {}, None))
-        quantize = fastdit.Quantize(mode="fp8_static", scales=scales)
+        weights = "row" if "rows" in options else "tensor"
+        quantize = fastdit.Quantize(mode="fp8_static", scales=scales, weight_scales=weights)
     compile_config = None
     if "compile" in options:
         compile_config = fastdit.Compile(mode="max-autotune-no-cudagraphs" if "autotune" in options else None)

@@ -3,13 +3,14 @@
 # a trace of one more call per mode), and where static FP8's producer kernels could still save time
 # (benchmarks/profile_flux.py: fixed attention scales, coordinate-descent tuning, max-autotune). Expects the diffusers,
 # torchao and cudnn-frontend wheels in .whl/; writes logs and JSON under $OUT:
-#   bash benchmarks/run_h200_cached_step.sh [steps|steps_before|host|fp8|autotune|static|static_e2e|tests]...
+#   bash benchmarks/run_h200_cached_step.sh [steps|steps_before|host|fp8|autotune|static|static_e2e|rows|rows_e2e|tests]...
 # (default: steps fp8). steps_before: the same as steps with another checkout's src in .before/src (a change's
 # baseline, same lease); host: the host time of a cached step on this machine's CPU (host_cached_step.py, against
 # .before/src when present; cache-dit's anchor when its wheels are in .whl2/).
 # static: calibrated (static) FP8 attention scales beside the dynamic ones, per call (profile_flux.py); static_e2e: the
-# same end to end (cp_flux.py, bf16 first as the quality baseline); tests: the GPU tests of FP8 attention and static
-# FP8.
+# same end to end (cp_flux.py, bf16 first as the quality baseline); rows / rows_e2e: static FP8 with one weight scale
+# per output channel beside one per tensor, per call and end to end; autotune: max-autotune (AUTOTUNE_MODES);
+# tests: the GPU tests of FP8 attention and static FP8.
 set -uo pipefail
 SITE=$(mktemp -d)
 python3 -m pip install -q --no-index --no-deps --target "$SITE" .whl/*.whl
@@ -34,7 +35,7 @@ for part in ${*:-steps fp8}; do
         2>&1 | grep -v -e Warning -e "Failed to load" | tee "$OUT/host_cached_step.log" | grep -v "^W1" | tail -60 ;;
     fp8) timeout 300 python3 benchmarks/profile_flux.py --modes $Q,$Q+attnfixed,$Q+cdt --out "$OUT/profile_fp8.json" 2>&1 \
         | grep -v -e Warning -e "Failed to load" | tee "$OUT/profile_fp8.log" | tail -30 ;;
-    autotune) timeout 560 python3 benchmarks/profile_flux.py --modes $Q+autotune --out "$OUT/profile_autotune.json" 2>&1 \
+    autotune) timeout 580 python3 benchmarks/profile_flux.py --modes ${AUTOTUNE_MODES:-$Q,$Q+autotune,$Q+autotune+tma} --out "$OUT/profile_autotune.json" 2>&1 \
         | grep -v -e Warning -e "Failed to load" | tee "$OUT/profile_autotune.log" | tail -30 ;;
     static) timeout 300 python3 benchmarks/profile_flux.py --modes $Q,$Q+attnstatic,$Q+attnfixed \
         --out "$OUT/profile_static_attention.json" 2>&1 | grep -v -e Warning -e "Failed to load" \
@@ -43,7 +44,13 @@ for part in ${*:-steps fp8}; do
       timeout 420 python3 benchmarks/cp_flux.py --modes $E,$E+q8s+cudnnfp8,$E+q8s+cudnnfp8s,$E+q8s+cudnnfp8s+magultra \
         --repeat 3 --out "$OUT/single_static_attention.json" 2>&1 | grep -v -e Warning -e "Failed to load" \
         | tee "$OUT/single_static_attention.log" | grep "^|" | tail -8 ;;
-    tests) timeout 300 python3 -m pytest -q -m gpu tests/parallel/attention tests/test_quantize_static.py 2>&1 \
+    rows) timeout 300 python3 benchmarks/profile_flux.py --modes $Q,$Q+rows --out "$OUT/profile_rows.json" 2>&1 \
+        | grep -v -e Warning -e "Failed to load" | tee "$OUT/profile_rows.log" | tail -30 ;;
+    rows_e2e) E=single+compile+graph+vae+outer
+      timeout 420 python3 benchmarks/cp_flux.py --modes $E,$E+q8s+cudnnfp8s,$E+q8r+cudnnfp8s,$E+q8r+cudnnfp8s+magultra \
+        --repeat 3 --out "$OUT/single_rows.json" 2>&1 | grep -v -e Warning -e "Failed to load" \
+        | tee "$OUT/single_rows.log" | grep "^|" | tail -8 ;;
+    tests) timeout 300 python3 -m pytest -q -m gpu tests/parallel/attention tests/test_quantize_static.py tests/test_quantize_rows.py 2>&1 \
         | tail -15 | tee "$OUT/gpu_tests.log" ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac

@@ -197,8 +197,8 @@ def test_composes_with_a_cache_and_compiled_blocks() -> None:
     ("kwargs", "fields"),
     [
         ({"mode": "fp8_static"}, ("mode", "scales")),
-        ({"mode": "fp8", "calibrate": True}, ("mode", "scales", "headroom", "calibrate")),
-        ({"mode": "int8_weight", "headroom": 2.0}, ("mode", "scales", "headroom", "calibrate")),
+        ({"mode": "fp8", "calibrate": True}, ("mode", "scales", "headroom", "calibrate", "weight_scales")),
+        ({"mode": "int8_weight", "headroom": 2.0}, ("mode", "scales", "headroom", "calibrate", "weight_scales")),
     ],
 )
 def test_config_refuses_fields_that_do_not_go_together(kwargs: dict, fields: tuple[str, ...]) -> None:

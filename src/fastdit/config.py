@@ -24,6 +24,7 @@ __all__ = [
     "QUANTIZE_MODES",
     "STATIC_FP8_MODES",
     "TEA_SIGNALS",
+    "WEIGHT_SCALES",
     "ActivationScales",
     "Attention",
     "Compile",
@@ -1000,6 +1001,9 @@ newer: torchao's dynamic FP8 refuses other devices)."""
 STATIC_FP8_MODES = ("fp8_static",)
 """The modes whose matmuls run in FP8 with activation scales fixed by a calibration (:class:`ActivationScales`)."""
 
+WEIGHT_SCALES = ("tensor", "row")
+"""How ``Quantize(mode="fp8_static")`` scales a weight: one scale for the whole tensor, or one per output channel."""
+
 FP8_MAX = 448.0
 """The largest finite value of ``float8_e4m3fn``: a static scale maps a layer's recorded maximum to it."""
 
@@ -1101,6 +1105,11 @@ class Quantize:
         "fastdit.calibration.calibrate_scales reads them).",
         False,
     )
+    weight_scales: str = _doc(
+        "mode='fp8_static': 'tensor' (one scale per weight: torchao's static config) or 'row' (one scale per output "
+        "channel, the matmul by torch._scaled_mm's row-wise kernels; bfloat16 weights).",
+        "tensor",
+    )
 
     def __post_init__(self) -> None:
         for name in ("include", "exclude"):
@@ -1118,11 +1127,22 @@ class Quantize:
             scales=_optional(_instance(ActivationScales)),
             headroom=_number(1.0, 1024.0),
             calibrate=_BOOL,
+            weight_scales=_one_of(*WEIGHT_SCALES),
         )
         static = self.mode in STATIC_FP8_MODES
-        if not static and (self.scales is not None or self.calibrate or self.headroom != 1.0):
-            given = {"mode": self.mode, "scales": self.scales, "headroom": self.headroom, "calibrate": self.calibrate}
-            raise FieldsError("Quantize", given, "scales, headroom and calibrate belong to mode='fp8_static'")
+        if not static and (
+            self.scales is not None or self.calibrate or self.headroom != 1.0 or self.weight_scales != "tensor"
+        ):
+            given = {
+                "mode": self.mode,
+                "scales": self.scales,
+                "headroom": self.headroom,
+                "calibrate": self.calibrate,
+                "weight_scales": self.weight_scales,
+            }
+            raise FieldsError(
+                "Quantize", given, "scales, headroom, calibrate and weight_scales belong to mode='fp8_static'"
+            )
         if static and self.scales is None and not self.calibrate:
             raise FieldsError(
                 "Quantize",

@@ -6,10 +6,12 @@ are a small share of the time and the most sensitive to rounding). :class:`~fast
 or narrow the set by name; every Linear of the transformer is reported, quantized or skipped with the reason.
 
 How: each chosen layer is quantized on its own with torchao's ``quantize_`` (its weight becomes a torchao tensor
-subclass whose matmul torchao dispatches). Under tensor parallelism the weight is a DTensor whose local slice is
-what this rank holds: the slice is quantized, and the layer's forward computes on local tensors and hands the
-DTensor input/output hooks of tensor parallelism a DTensor of the same layout the split layer produced (column-wise:
-sharded on the last dim; row-wise: partial sums, reduced before the bias is added once).
+subclass whose matmul torchao dispatches); static FP8 with row-wise weight scales quantizes the weight with torchao
+and computes with :mod:`fastdit.quantize_rows` (the layer's forward is that matmul). Under tensor parallelism the
+weight is a DTensor whose local slice is what this rank holds: the slice is quantized, and the layer's forward
+computes on local tensors and hands the DTensor input/output hooks of tensor parallelism a DTensor of the same layout
+the split layer produced (column-wise: sharded on the last dim; row-wise: partial sums, reduced before the bias is
+added once).
 
 Undo: the original weight parameters are kept — moved to the CPU while quantized when they were on an accelerator,
 so quantizing saves device memory — and put back, the same objects with the same values.
@@ -36,6 +38,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from fastdit.config import ActivationScales, Quantize, static_fp8_scale
 from fastdit.errors import FieldError
 from fastdit.hooks.state import Applied
+from fastdit.quantize_rows import rowwise_linear, rowwise_weight
 
 __all__ = [
     "QuantizeState",
@@ -146,7 +149,7 @@ def check_quantize(config: Quantize, device: torch.device, dtype: torch.dtype | 
         ImportError: torchao is not installed.
         ValueError: an FP8 dynamic mode on a device other than a CUDA GPU of compute capability 8.9 or newer (what
             torchao's float8 matmul needs: it refuses the CPU), static FP8 on a CUDA GPU older than 8.9, or per-row
-            FP8 of weights that are not bfloat16.
+            FP8 (``mode='fp8'`` or ``weight_scales='row'``) of weights that are not bfloat16.
     """
     import_torchao()
     if not config.fp8_matmuls or config.calibrate:
@@ -160,6 +163,12 @@ def check_quantize(config: Quantize, device: torch.device, dtype: torch.dtype | 
         raise ValueError(
             f"mode='fp8' (per-row scales) quantizes bfloat16 weights only (torchao); the transformer's are "
             f"{str(dtype).removeprefix('torch.')}: load it in bfloat16, or use mode='fp8_tensor'"
+        )
+    if config.weight_scales == "row" and dtype is not None and dtype != torch.bfloat16:
+        raise ValueError(
+            f"Quantize.weight_scales='row' quantizes bfloat16 weights only (the row-wise FP8 matmul computes in "
+            f"bfloat16); the transformer's are {str(dtype).removeprefix('torch.')}: load it in bfloat16, or use "
+            "weight_scales='tensor'"
         )
 
 
@@ -207,7 +216,8 @@ def _skip_reason(name: str, module: torch.nn.Linear, config: Quantize, block_pat
     # Calibration records every candidate whatever its local shape, so all ranks record the same layers.
     if config.fp8_matmuls and not config.calibrate and any(size % _FP8_MULTIPLE for size in shape):
         return f"local weight {list(shape)}: FP8 matmuls need both dims divisible by {_FP8_MULTIPLE}"
-    if config.mode in _PER_TENSOR_FP8 and not config.calibrate and shape == _BLOCK_SHAPE:
+    per_tensor = config.mode in _PER_TENSOR_FP8 and config.weight_scales == "tensor"
+    if per_tensor and not config.calibrate and shape == _BLOCK_SHAPE:
         return f"weight {list(shape)}: torchao reads a per-tensor scale of a 128x128 weight as 128x128 blockwise"
     return None
 
@@ -252,6 +262,7 @@ class QuantizeState:
         skipped: Skipped Linear layers, name → reason.
         bytes_before: Weight bytes of the quantized layers before (this rank's slices under tensor parallelism).
         bytes_after: The same weights' bytes once quantized (data and scales).
+        weight_scales: Static FP8's weight scaling (``"tensor"`` or ``"row"``; ``"tensor"`` for the other modes).
     """
 
     mode: str
@@ -259,11 +270,13 @@ class QuantizeState:
     skipped: dict[str, str] = field(default_factory=dict)
     bytes_before: int = 0
     bytes_after: int = 0
+    weight_scales: str = "tensor"
 
     def stats(self) -> dict[str, Any]:
         """JSON-ready form."""
         return {
             "mode": self.mode,
+            "weight_scales": self.weight_scales,
             "num_quantized": len(self.quantized),
             "num_skipped": len(self.skipped),
             "quantized": list(self.quantized),
@@ -307,7 +320,11 @@ def _quantize_plain(module: torch.nn.Linear, ao_config: Any) -> Undo | None:
     return undo
 
 
-def _local_forward(weight: torch.Tensor, bias: Any, placement: Any, mesh: Any) -> Callable[[Any], Any]:
+Matmul = Callable[[torch.Tensor, Any], torch.Tensor]
+"""``(x, bias) -> x @ weight.T (+ bias)`` on local tensors, over one layer's quantized weight."""
+
+
+def _local_forward(matmul: Matmul, bias: Any, placement: Any, mesh: Any) -> Callable[[Any], Any]:
     """The forward of a split Linear computing on this rank's quantized slice (see the module docstring)."""
     column = isinstance(placement, Shard) and placement.dim == 0
     local_bias = bias.to_local() if column and isinstance(bias, DTensor) else None
@@ -315,22 +332,45 @@ def _local_forward(weight: torch.Tensor, bias: Any, placement: Any, mesh: Any) -
     def forward(x: Any) -> Any:
         local = x.to_local() if isinstance(x, DTensor) else x
         if column:
-            y = F.linear(local, weight, local_bias)
+            y = matmul(local, local_bias)
             return DTensor.from_local(y, mesh, [Shard(y.dim() - 1)], run_check=False)
-        partial = DTensor.from_local(F.linear(local, weight), mesh, [Partial()], run_check=False)
+        partial = DTensor.from_local(matmul(local, None), mesh, [Partial()], run_check=False)
         out = partial.redistribute(mesh, [Replicate()])
         return out if bias is None else out + bias
 
     return forward
 
 
-def _quantize_split(module: torch.nn.Linear, ao_config: Any) -> Undo | None:
-    """Quantize this rank's slice of a Linear split by tensor parallelism (a DTensor weight)."""
-    weight = module.weight
+def _split_placement(weight: DTensor) -> Shard:
     (placement,) = weight.placements
     if not isinstance(placement, Shard) or placement.dim not in (0, 1):
         raise ValueError(f"a split weight with placement {placement}: expected Shard(0) or Shard(1)")
+    return placement
+
+
+def _swap_split(module: torch.nn.Linear, quantized: torch.nn.Parameter, matmul: Matmul) -> Undo:
+    """Put this rank's quantized slice in place of a split Linear's DTensor weight, computing with ``matmul``."""
+    weight = module.weight
+    placement = _split_placement(weight)
     local = weight.to_local()
+    kept = local.detach().to("cpu", copy=True)  # the slice, rebuilt into a DTensor by the undo
+    spec = (weight.device_mesh, weight.placements, weight.shape, weight.stride(), local.device)
+    module._parameters["weight"] = quantized
+    module.forward = _local_forward(matmul, module.bias, placement, weight.device_mesh)
+
+    def undo() -> None:
+        mesh, placements, shape, stride, device = spec
+        module.__dict__.pop("forward", None)
+        restored = DTensor.from_local(kept.to(device), mesh, placements, run_check=False, shape=shape, stride=stride)
+        module._parameters["weight"] = torch.nn.Parameter(restored, requires_grad=False)
+
+    return undo
+
+
+def _quantize_split(module: torch.nn.Linear, ao_config: Any) -> Undo | None:
+    """Quantize this rank's slice of a Linear split by tensor parallelism (a DTensor weight)."""
+    _split_placement(module.weight)
+    local = module.weight.to_local()
     holder = torch.nn.Linear(local.shape[1], local.shape[0], bias=False, device="meta")
     holder.weight = torch.nn.Parameter(local.detach(), requires_grad=False)
     with _quiet_torchao():
@@ -338,16 +378,26 @@ def _quantize_split(module: torch.nn.Linear, ao_config: Any) -> Undo | None:
     quantized = holder.weight
     if type(quantized.data) is torch.Tensor:  # torchao declined
         return None
-    kept = local.detach().to("cpu", copy=True)  # the slice, rebuilt into a DTensor by the undo
-    spec = (weight.device_mesh, weight.placements, weight.shape, weight.stride(), local.device)
-    module._parameters["weight"] = quantized
-    module.forward = _local_forward(quantized, module.bias, placement, weight.device_mesh)
+    return _swap_split(module, quantized, lambda x, bias: F.linear(x, quantized, bias))  # torchao dispatches
+
+
+def _quantize_rows(module: torch.nn.Linear, scale: float) -> Undo:
+    """Quantize one Linear for static FP8 with row-wise weight scales (``scale``: its fixed activation scale)."""
+    weight = module.weight
+    if isinstance(weight, DTensor):
+        quantized = torch.nn.Parameter(rowwise_weight(weight.to_local()), requires_grad=False)
+        return _swap_split(module, quantized, lambda x, bias: rowwise_linear(x, module.weight, scale, bias))
+    parameters = dict(module._parameters)
+    module._parameters["weight"] = torch.nn.Parameter(rowwise_weight(weight), requires_grad=False)
+    # Read at call time: block offload swaps the weight's storage between host and device.
+    module.forward = lambda x: rowwise_linear(x, module.weight, scale, module.bias)
+    offload = _offload(parameters["weight"])
 
     def undo() -> None:
-        mesh, placements, shape, stride, device = spec
         module.__dict__.pop("forward", None)
-        restored = DTensor.from_local(kept.to(device), mesh, placements, run_check=False, shape=shape, stride=stride)
-        module._parameters["weight"] = torch.nn.Parameter(restored, requires_grad=False)
+        offload()
+        module._parameters.clear()
+        module._parameters.update(parameters)
 
     return undo
 
@@ -425,19 +475,36 @@ def static_coverage(
     return covered, [name for name in chosen if f"{component}.{name}" not in table]
 
 
+@dataclass(frozen=True)
+class _RowScale:
+    """Static FP8 with row-wise weight scales for one layer: its fixed activation scale."""
+
+    scale: float
+
+
 def _layer_config(
     config: Quantize, key: str, module: torch.nn.Linear, shared: Any, table: dict[str, tuple[float, int]]
 ) -> Any:
     """The torchao config of one layer: ``shared`` for the dynamic and weight-only modes, or the static scale of
-    ``key`` in ``table`` (``None``: static FP8 and no recorded scale)."""
+    ``key`` in ``table`` (a :class:`_RowScale` with ``weight_scales='row'``; ``None``: static FP8 and no recorded
+    scale)."""
     if config.mode != "fp8_static":
         return shared
     entry = table.get(key)
     if entry is None:
         return None
+    if config.weight_scales == "row":
+        return _RowScale(static_fp8_scale(entry[0], config.headroom))
     weight = module.weight
     device = (weight.to_local() if isinstance(weight, DTensor) else weight).device
     return static_config(entry[0], entry[1], config.headroom, device)
+
+
+def _quantize_layer(module: torch.nn.Linear, layer_config: Any) -> Undo | None:
+    if isinstance(layer_config, _RowScale):
+        return _quantize_rows(module, layer_config.scale)
+    split = isinstance(module.weight, DTensor)
+    return (_quantize_split if split else _quantize_plain)(module, layer_config)
 
 
 def apply_quantize(
@@ -463,7 +530,7 @@ def apply_quantize(
         return _record(choices)
     shared = None if config.mode == "fp8_static" else torchao_config(config.mode)
     table = config.scales.lookup() if config.scales is not None else {}
-    state = QuantizeState(mode=config.mode)
+    state = QuantizeState(mode=config.mode, weight_scales=config.weight_scales)
     undos: list[Undo] = []
 
     def undo_all() -> None:
@@ -481,8 +548,7 @@ def apply_quantize(
                 state.skipped[choice.name] = "no recorded activation scale (not called on the calibration runs)"
                 continue
             before = tensor_bytes(module.weight)
-            split = isinstance(module.weight, DTensor)
-            undo = (_quantize_split if split else _quantize_plain)(module, ao_config)
+            undo = _quantize_layer(module, ao_config)
             if undo is None:
                 state.skipped[choice.name] = "torchao left it unquantized (a shape or dtype its kernels do not take)"
                 continue

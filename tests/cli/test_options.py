@@ -217,7 +217,7 @@ def test_parse_quantize(text: str, expected: Quantize) -> None:
         ("fp8_static", "needs the activation scales of a calibration"),
         ("fp8_static,scales=/nonexistent/s.json", "cannot read /nonexistent/s.json: No such file"),
         ("fp8_static,calibrate=true", "fastdit calibrate MODEL --scales PATH"),
-        ("fp8,headroom=2", "scales, headroom and calibrate belong to mode='fp8_static'"),
+        ("fp8,headroom=2", "scales, headroom, calibrate and weight_scales belong to mode='fp8_static'"),
     ],
 )
 def test_parse_quantize_rejects(text: str, needle: str) -> None:
@@ -234,6 +234,10 @@ def test_parse_quantize_reads_a_scales_file(tmp_path: Path) -> None:
     save_scales(tmp_path / "s.json", scales)
     expected = Quantize(mode="fp8_static", scales=scales, headroom=2.0)
     assert parse_quantize(f"fp8_static,scales={tmp_path / 's.json'},headroom=2") == expected
+    rows = Quantize(mode="fp8_static", scales=scales, weight_scales="row")
+    assert parse_quantize(f"fp8_static,scales={tmp_path / 's.json'},weight_scales=row") == rows
+    with pytest.raises(CLIError, match=r"Quantize\.weight_scales='column'"):
+        parse_quantize(f"fp8_static,scales={tmp_path / 's.json'},weight_scales=column")
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(CLIError, match="format None, expected 'fastdit-scales/1'"):
         parse_quantize(f"fp8_static,scales={tmp_path / 'bad.json'}")

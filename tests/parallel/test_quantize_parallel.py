@@ -144,3 +144,44 @@ def test_static_scales_recorded_under_cfg_parallel_cover_both_branches(dist2: Wo
         np.testing.assert_allclose(result["scales"].amax, one["scales"].amax, rtol=1e-5)
         # The same FP8 values; only the matmuls' accumulation order differs with the batch of one.
         assert np.abs(result["out"] - one["out"]).max() < min(2e-4, noise / 20)
+
+
+# --- static FP8 with row-wise weight scales (bfloat16) ---
+
+
+@functools.lru_cache(maxsize=1)
+def _built_bf16(family: str) -> tuple[Any, Any]:
+    pipe, tiny = build_tiny(family)
+    return pipe.to(torch.bfloat16), tiny
+
+
+def _rows(rank: int, world_size: int, layout: dict[str, int] | None) -> dict[str, Any]:
+    from fastdit.calibration import calibrate_scales
+
+    pipe, tiny = _built_bf16("flux")
+    torch.set_num_threads(1)
+    plain = run_tiny(pipe, tiny, output_type="latent")
+    parallel = None if layout is None else fastdit.Parallel(**layout)
+    scales = calibrate_scales(pipe, lambda: run_tiny(pipe, tiny), parallel=parallel)
+    config = fastdit.Quantize(mode="fp8_static", scales=scales, weight_scales="row")
+    fastdit.accelerate(pipe, quantize=config, parallel=parallel)
+    try:
+        out = run_tiny(pipe, tiny, output_type="latent")
+        report = fastdit.summary(pipe).transformers["transformer"]["quantize"]
+    finally:
+        fastdit.disable(pipe)
+    restored = np.array_equal(run_tiny(pipe, tiny, output_type="latent"), plain)
+    return {"out": out, "plain": plain, "report": report, "restored": restored}
+
+
+@pytest.mark.parametrize("layout", [{"ulysses": 2}, {"tp": 2}], ids=["ulysses", "tp"])
+def test_row_weight_scales_split_close_to_one_process(dist2: WorkerPool, layout: dict[str, int]) -> None:
+    # Context parallelism: every token meets the same row-quantized weights. Tensor parallelism: a column-split
+    # slice keeps its rows' scales; a row-split slice gets scales of its own half of each row (close, not equal).
+    one = _rows(0, 1, None)
+    noise = np.abs(one["out"] - one["plain"]).mean()  # what quantizing changes (bfloat16: means, not maxima)
+    assert noise > 0 and one["report"]["weight_scales"] == "row" and one["restored"]
+    for result in dist2.run(_rows, layout, timeout=240):
+        assert result["report"]["quantized"] == one["report"]["quantized"] and result["restored"]
+        bound = noise if "tp" in layout else noise / 4
+        assert np.abs(result["out"] - one["out"]).mean() < bound
