@@ -47,7 +47,7 @@ for part in ${*:-steps fp8}; do
     rows) timeout 300 python3 benchmarks/profile_flux.py --modes $Q,$Q+rows --out "$OUT/profile_rows.json" 2>&1 \
         | grep -v -e Warning -e "Failed to load" | tee "$OUT/profile_rows.log" | tail -30 ;;
     rows_e2e) E=single+compile+graph+vae+outer
-      timeout 420 python3 benchmarks/cp_flux.py --modes $E,$E+q8s+cudnnfp8s,$E+q8r+cudnnfp8s,$E+q8r+cudnnfp8s+magultra \
+      timeout 300 python3 benchmarks/cp_flux.py --modes $E,$E+q8s+cudnnfp8s,$E+q8r+cudnnfp8s \
         --repeat 3 --out "$OUT/single_rows.json" 2>&1 | grep -v -e Warning -e "Failed to load" \
         | tee "$OUT/single_rows.log" | grep "^|" | tail -8 ;;
     tests) timeout 300 python3 -m pytest -q -m gpu tests/parallel/attention tests/test_quantize_static.py tests/test_quantize_rows.py 2>&1 \
