@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import fastdit
 from fastdit.calibration import calibrate_scales
 from fastdit.config import FP8_MAX, ActivationScales, Quantize
-from fastdit.errors import FieldError, FieldsError
+from fastdit.errors import ArgumentError, FieldError, FieldsError
 from fastdit.metrics import compare
 from fastdit.quantize_rows import rowwise_linear, rowwise_weight
 from fastdit.testing.pipelines import build_tiny, run_tiny
@@ -160,8 +160,9 @@ def test_float32_weights_are_refused_before_anything() -> None:
     pipe, _ = build_tiny("flux")  # float32
     before = {n: p for n, p in pipe.transformer.named_parameters()}
     scales = _scales()
-    with pytest.raises(Exception, match="weight_scales='row' quantizes bfloat16 weights only"):
+    with pytest.raises(ArgumentError, match="weight_scales='row' quantizes bfloat16 weights only") as info:
         fastdit.accelerate(pipe, quantize=Quantize(mode="fp8_static", scales=scales, weight_scales="row"))
+    assert info.value.field == "quantize" and "the transformer's are float32" in str(info.value)
     assert all(p is before[n] for n, p in pipe.transformer.named_parameters())
 
 

@@ -389,7 +389,7 @@ def _quantize_rows(module: torch.nn.Linear, scale: float) -> Undo:
         return _swap_split(module, quantized, lambda x, bias: rowwise_linear(x, module.weight, scale, bias))
     parameters = dict(module._parameters)
     module._parameters["weight"] = torch.nn.Parameter(rowwise_weight(weight), requires_grad=False)
-    # Read at call time: block offload swaps the weight's storage between host and device.
+    # The weight is read from the module at each call: the module holds the one reference to it.
     module.forward = lambda x: rowwise_linear(x, module.weight, scale, module.bias)
     offload = _offload(parameters["weight"])
 
