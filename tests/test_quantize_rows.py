@@ -18,7 +18,8 @@ from fastdit.calibration import calibrate_scales
 from fastdit.config import FP8_MAX, ActivationScales, Quantize
 from fastdit.errors import ArgumentError, FieldError, FieldsError
 from fastdit.metrics import compare
-from fastdit.quantize_rows import rowwise_linear, rowwise_weight
+from fastdit.quantize import rowwise_weight
+from fastdit.quantize_rows import rowwise_linear
 from fastdit.testing.pipelines import build_tiny, run_tiny
 
 pytest.importorskip("torchao")

@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from fastdit.config import ActivationScales, Quantize, static_fp8_scale
 from fastdit.errors import FieldError
 from fastdit.hooks.state import Applied
-from fastdit.quantize_rows import rowwise_linear, rowwise_weight
+from fastdit.quantize_rows import rowwise_linear
 
 __all__ = [
     "QuantizeState",
@@ -48,6 +48,7 @@ __all__ = [
     "import_torchao",
     "load_scales",
     "plan_layers",
+    "rowwise_weight",
     "save_scales",
     "static_coverage",
     "tensor_bytes",
@@ -379,6 +380,14 @@ def _quantize_split(module: torch.nn.Linear, ao_config: Any) -> Undo | None:
     if type(quantized.data) is torch.Tensor:  # torchao declined
         return None
     return _swap_split(module, quantized, lambda x, bias: F.linear(x, quantized, bias))  # torchao dispatches
+
+
+def rowwise_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (out × in) in FP8 e4m3 with one float32 scale per output channel: a torchao ``Float8Tensor``,
+    which reports ``weight``'s dtype (what :func:`fastdit.quantize_rows.rowwise_linear` computes with)."""
+    ao = import_torchao()
+    with _quiet_torchao():
+        return ao.Float8Tensor.from_hp(weight.detach(), granularity=ao.PerRow())
 
 
 def _quantize_rows(module: torch.nn.Linear, scale: float) -> Undo:

@@ -18,21 +18,12 @@ import torch
 
 from fastdit.config import FP8_MAX
 
-__all__ = ["rowwise_linear", "rowwise_weight"]
-
-
-def rowwise_weight(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` (out × in) in FP8 e4m3 with one float32 scale per output channel (a torchao ``Float8Tensor``)."""
-    from fastdit.quantize import _quiet_torchao, import_torchao
-
-    ao = import_torchao()
-    with _quiet_torchao():
-        return ao.Float8Tensor.from_hp(weight.detach(), granularity=ao.PerRow())
+__all__ = ["rowwise_linear"]
 
 
 def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, scale: float, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight.T + bias`` in FP8: ``x`` cast with the fixed activation ``scale``, ``weight`` from
-    :func:`rowwise_weight`; the output in ``x``'s dtype."""
+    """``x @ weight.T + bias`` in FP8: ``x`` cast with the fixed activation ``scale``, ``weight`` a row-wise torchao
+    ``Float8Tensor`` (:func:`fastdit.quantize.rowwise_weight`); the output in ``x``'s dtype."""
     flat = x.reshape(-1, x.shape[-1])
     quantized = (flat.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     # The row-wise kernels read one activation scale per row: the fixed scale, repeated (a tiny fill per call).
