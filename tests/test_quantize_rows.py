@@ -1,6 +1,7 @@
 """Static FP8 with row-wise weight scales (``Quantize(mode="fp8_static", weight_scales="row")``): the matmul against
 its definition, what row-wise scales keep that a per-tensor scale loses, the pipeline, and the refusals. The row-wise
-``torch._scaled_mm`` runs on the CPU in bfloat16; the GPU tests check the CUDA kernels, compiled and in CUDA graphs.
+``torch._scaled_mm`` runs on the CPU in bfloat16; the GPU test of static FP8 (``tests/test_quantize_static.py``) runs
+both weight scalings on the CUDA kernels, eager, compiled and in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from fastdit.testing.pipelines import build_tiny, run_tiny
 
 pytest.importorskip("torchao")
 
-FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 E4M3 = torch.float8_e4m3fn
 
 
@@ -165,33 +165,3 @@ def test_float32_weights_are_refused_before_anything() -> None:
         fastdit.accelerate(pipe, quantize=Quantize(mode="fp8_static", scales=scales, weight_scales="row"))
     assert info.value.field == "quantize" and "the transformer's are float32" in str(info.value)
     assert all(p is before[n] for n, p in pipe.transformer.named_parameters())
-
-
-# --- GPU ---
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not FP8_GPU, reason="FP8 matmuls need a CUDA GPU of compute capability >= 8.9")
-def test_gpu_row_scales_compiled_and_graphed() -> None:
-    pipe, tiny = build_tiny("flux")
-    pipe.to("cuda", torch.bfloat16)
-    expected = run_tiny(pipe, tiny)
-    scales = calibrate_scales(pipe, lambda: run_tiny(pipe, tiny))
-    config = Quantize(mode="fp8_static", scales=scales, weight_scales="row")
-    outputs = {}
-    for name, options in {
-        "eager": {},
-        "compiled": {"compile": fastdit.Compile()},
-        "graphed": {"compile": fastdit.Compile(), "cuda_graph": fastdit.CudaGraph()},
-    }.items():
-        fastdit.accelerate(pipe, quantize=config, **options)
-        try:
-            run_tiny(pipe, tiny)  # warm-up (compile, capture)
-            outputs[name] = run_tiny(pipe, tiny)
-            report = fastdit.summary(pipe).transformers["transformer"]["quantize"]
-        finally:
-            fastdit.disable(pipe)
-        assert report["weight_scales"] == "row" and report["num_quantized"] > 0
-        assert _quality(expected, outputs[name]).psnr >= 30, name
-    assert _quality(outputs["eager"], outputs["graphed"]).psnr >= 40
-    assert np.array_equal(run_tiny(pipe, tiny), expected)

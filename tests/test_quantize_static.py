@@ -257,17 +257,27 @@ def test_a_bad_scales_file_names_what_is_wrong(tmp_path: Path, content: str, nee
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not FP8_GPU, reason="FP8 matmuls need a CUDA GPU of compute capability >= 8.9")
-def test_gpu_static_fp8_on_flux() -> None:
+@pytest.mark.parametrize("weight_scales", ["tensor", "row"])
+def test_gpu_static_fp8_on_flux_eager_compiled_and_graphed(weight_scales: str) -> None:
     pipe, tiny = build_tiny("flux")
     pipe.to("cuda", torch.bfloat16)
     expected = run_tiny(pipe, tiny)
     scales = calibrate_scales(pipe, lambda: run_tiny(pipe, tiny))
-    fastdit.accelerate(pipe, quantize=Quantize(mode="fp8_static", scales=scales))
-    try:
-        out = run_tiny(pipe, tiny)
-        report = fastdit.summary(pipe).transformers["transformer"]["quantize"]
-    finally:
-        fastdit.disable(pipe)
-    assert report["num_quantized"] > 0
-    assert _quality(expected, out).psnr >= 30
+    config = Quantize(mode="fp8_static", scales=scales, weight_scales=weight_scales)
+    outputs = {}
+    for name, options in {
+        "eager": {},
+        "compiled": {"compile": fastdit.Compile()},
+        "graphed": {"compile": fastdit.Compile(), "cuda_graph": fastdit.CudaGraph()},
+    }.items():
+        fastdit.accelerate(pipe, quantize=config, **options)
+        try:
+            run_tiny(pipe, tiny)  # warm-up (compile, capture)
+            outputs[name] = run_tiny(pipe, tiny)
+            report = fastdit.summary(pipe).transformers["transformer"]["quantize"]
+        finally:
+            fastdit.disable(pipe)
+        assert report["weight_scales"] == weight_scales and report["num_quantized"] > 0
+        assert _quality(expected, outputs[name]).psnr >= 30, name
+    assert _quality(outputs["eager"], outputs["graphed"]).psnr >= 40
     assert np.array_equal(run_tiny(pipe, tiny), expected)
