@@ -162,6 +162,7 @@ def test_calibrate_scales_then_generate_with_them(tmp_path: Path, capsys: Any) -
     for part in ("calibration", "heldout"):  # static FP8 of the reference model, on both parts of the split
         assert provenance[part]["psnr_min"] >= 35 and provenance[part]["ssim_min"] >= 0.99, provenance[part]
     assert provenance["heldout_seeds"] == [101] and provenance["headroom"] == 1.0
+    assert provenance["weight_scales"] == "tensor"
 
     spec = f"fp8_static,scales={path}"
     assert main(["generate", "--steps", "12", "--quantize", spec, "--json", "--out", str(tmp_path / "x.png")]) == 0
@@ -174,12 +175,24 @@ def test_calibrate_scales_then_generate_with_them(tmp_path: Path, capsys: Any) -
     }  # fmt: skip
 
 
+def test_calibrate_scales_checks_row_weight_scales(tmp_path: Path, capsys: Any) -> None:
+    path = tmp_path / "scales.json"
+    args = ["calibrate", "--scales", str(path), "--dtype", "bfloat16", "--weight-scales", "row", *SMALL, "--json"]
+    assert main(args) == 0
+    provenance = json.loads(path.read_text())["provenance"]
+    assert provenance["weight_scales"] == "row"
+    for part in ("calibration", "heldout"):  # row-wise static FP8 of the reference model in bfloat16
+        assert provenance[part]["psnr_min"] >= 30 and provenance[part]["ssim_min"] >= 0.95, provenance[part]
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
         (["--scales", "x.json", "--out", "y.json"], "argument --out y.json: with --scales the file is --scales x.json"),
         (["--scales", "x.json", "--headroom", "0.5"], "argument --headroom 0.5: Quantize.headroom=0.5"),
         (["--scales", "x.json", "--target-psnr", "30"], "not allowed with argument"),
+        (["--scales", "x.json", "--weight-scales", "row"], "argument --weight-scales row: row-wise FP8 weights need"),
+        (["--scales", "x.json", "--weight-scales", "column"], "invalid choice: 'column'"),
     ],
 )
 def test_calibrate_scales_refusals(tmp_path: Path, capsys: Any, monkeypatch: Any, args: list[str], needle: str) -> None:

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fastdit.bench.calibrate import DEFAULT_POLICIES, POLICIES, Calibrated, Target, calibrate_cache, ladders
 from fastdit.bench.heldout import CALIBRATION_SEEDS, HELDOUT_SEEDS, Split, SplitBench, transformer_blocks
 from fastdit.bench.plain import json_ready, plain
@@ -48,7 +50,15 @@ from fastdit.cli.options import (
     resolve_dtype,
     resolve_source,
 )
-from fastdit.config import MagCache, MagCalibration, MagCalibrations, Quantize, TeaCache, TeaCalibration
+from fastdit.config import (
+    WEIGHT_SCALES,
+    MagCache,
+    MagCalibration,
+    MagCalibrations,
+    Quantize,
+    TeaCache,
+    TeaCalibration,
+)
 from fastdit.errors import FieldError
 from fastdit.io import check_writable
 from fastdit.process import process_count
@@ -88,6 +98,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=1.0,
         metavar="X",
         help="with --scales: the Quantize headroom the held-out check runs with (default 1)",
+    )
+    parser.add_argument(
+        "--weight-scales",
+        choices=WEIGHT_SCALES,
+        default="tensor",
+        help="with --scales: the Quantize weight_scales the held-out check runs with (row: bfloat16 weights, "
+        "--dtype bfloat16 on the CPU)",
     )
     parser.add_argument("--ssim-min", type=float, default=0.90, metavar="S", help="lowest SSIM (default 0.90)")
     parser.add_argument(
@@ -186,6 +203,11 @@ def _plan(args: argparse.Namespace) -> _Plan:
     configure_threads(args.threads, reference=source.reference, device=device)
     split = Split(prompts=prompts, calibration_seeds=seeds, heldout_seeds=heldout)
     dtype = resolve_dtype(args.dtype, device)
+    if args.scales and args.weight_scales == "row" and dtype != torch.bfloat16:
+        raise CLIError(
+            f"argument --weight-scales row: row-wise FP8 weights need bfloat16 weights; the model would load in "
+            f"{str(dtype).removeprefix('torch.')} (--dtype bfloat16)"
+        )
     return _Plan(source, kwargs, num_steps, split, target, policies, out, device, dtype)
 
 
@@ -307,7 +329,9 @@ def run(args: argparse.Namespace) -> int:
         from fastdit.cli.scales import record_scales
 
         try:
-            return record_scales(session, bench, plan.out, headroom=args.headroom, as_json=args.json)
+            return record_scales(
+                session, bench, plan.out, headroom=args.headroom, weight_scales=args.weight_scales, as_json=args.json
+            )
         finally:
             bench.close()
     try:

@@ -34,7 +34,9 @@ def _table(rows: dict[str, BenchRow]) -> str:
     return markdown_table(["part", "PSNR dB", "PSNR min dB", "SSIM", "SSIM min"], body)
 
 
-def record_scales(session: Session, bench: SplitBench, out: Path, *, headroom: float, as_json: bool) -> int:
+def record_scales(
+    session: Session, bench: SplitBench, out: Path, *, headroom: float, weight_scales: str = "tensor", as_json: bool
+) -> int:
     """Record the scales on the calibration cases, measure them on both parts, print the report, write the file.
 
     Args:
@@ -42,6 +44,7 @@ def record_scales(session: Session, bench: SplitBench, out: Path, *, headroom: f
         bench: The split of cases (its block counter unused here).
         out: The scales file to write (atomically).
         headroom: ``Quantize.headroom`` the check runs with (and the file records).
+        weight_scales: ``Quantize.weight_scales`` the check runs with (and the file records).
         as_json: End with one JSON line: the path and the measured quality.
 
     Returns:
@@ -54,7 +57,7 @@ def record_scales(session: Session, bench: SplitBench, out: Path, *, headroom: f
 
     cases = bench.split.cases(CALIBRATION)
     scales = calibrate_scales(session.pipe, lambda: run_cases(session, cases, bench.kwargs, batch=bench.batch))
-    config = Quantize(mode="fp8_static", scales=scales, headroom=headroom)
+    config = Quantize(mode="fp8_static", scales=scales, headroom=headroom, weight_scales=weight_scales)
     variant = Variant("fp8_static", "fastdit", lambda: session.accelerate(quantize=config), session.disable)
     rows = {part: bench.measure_part(variant, part) for part in (CALIBRATION, HELDOUT)}
     inputs = sum(":" in name for name in scales.layers)  # attention modules' Q/K/V, for --attention cudnn-fp8
@@ -66,6 +69,7 @@ def record_scales(session: Session, bench: SplitBench, out: Path, *, headroom: f
     print(_table(rows), file=sys.stderr if as_json else sys.stdout)
     provenance = {
         "headroom": headroom,
+        "weight_scales": weight_scales,
         "prompts": list(bench.split.prompts),
         "calibration_seeds": list(bench.split.calibration_seeds),
         "heldout_seeds": list(bench.split.heldout_seeds),
