@@ -28,20 +28,20 @@ pytest.importorskip("torchao")
 E4M3 = torch.float8_e4m3fn
 
 
-@functools.lru_cache(maxsize=1)
-def _built() -> tuple[Any, Any]:
-    pipe, tiny = build_tiny("flux")
+@functools.lru_cache(maxsize=3)
+def _built(family: str = "flux") -> tuple[Any, Any]:
+    pipe, tiny = build_tiny(family)
     return pipe.to(torch.bfloat16), tiny
 
 
-@functools.lru_cache(maxsize=1)
-def _scales() -> ActivationScales:
-    pipe, tiny = _built()
+@functools.lru_cache(maxsize=3)
+def _scales(family: str = "flux") -> ActivationScales:
+    pipe, tiny = _built(family)
     return calibrate_scales(pipe, lambda: run_tiny(pipe, tiny))
 
 
-def _run(**options: Any) -> tuple[np.ndarray, dict[str, Any]]:
-    pipe, tiny = _built()
+def _run(family: str = "flux", **options: Any) -> tuple[np.ndarray, dict[str, Any]]:
+    pipe, tiny = _built(family)
     fastdit.accelerate(pipe, **options)
     try:
         return run_tiny(pipe, tiny), fastdit.summary(pipe).transformers["transformer"]
@@ -49,12 +49,13 @@ def _run(**options: Any) -> tuple[np.ndarray, dict[str, Any]]:
         fastdit.disable(pipe)
 
 
-def _rows(**fields: Any) -> Quantize:
-    return Quantize(mode="fp8_static", scales=_scales(), weight_scales="row", **fields)
+def _rows(family: str = "flux", **fields: Any) -> Quantize:
+    return Quantize(mode="fp8_static", scales=_scales(family), weight_scales="row", **fields)
 
 
 def _quality(a: np.ndarray, b: np.ndarray) -> Any:
-    return compare(list(a), list(b))
+    shape = a.shape[-3:]  # every image, and every frame of a video
+    return compare(list(a.reshape(-1, *shape)), list(b.reshape(-1, *shape)))
 
 
 # --- the matmul ---
@@ -104,11 +105,12 @@ def test_row_scales_keep_small_output_channels_a_tensor_scale_loses() -> None:
 # --- the pipeline ---
 
 
-def test_row_scales_are_close_and_undo_exactly() -> None:
-    pipe, tiny = _built()
+@pytest.mark.parametrize("family", ["flux", "sd3", "ltx"])  # the families of the per-tensor test
+def test_row_scales_are_close_and_undo_exactly(family: str) -> None:
+    pipe, tiny = _built(family)
     state = {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
     expected = run_tiny(pipe, tiny)
-    out, info = _run(quantize=_rows())
+    out, info = _run(family, quantize=_rows(family))
     report = info["quantize"]
     assert report["mode"] == "fp8_static" and report["weight_scales"] == "row" and report["num_quantized"] > 0
     # 128 x 128 weights too: only torchao's per-tensor matmul mistakes their one scale for a 128 x 128 block.
@@ -117,7 +119,7 @@ def test_row_scales_are_close_and_undo_exactly() -> None:
     assert not np.array_equal(out, expected), "quantization changed nothing"
     quality = _quality(expected, out)
     assert quality.psnr >= 30 and quality.ssim >= 0.95, (quality.psnr, quality.ssim)
-    tensor, _ = _run(quantize=Quantize(mode="fp8_static", scales=_scales()))
+    tensor, _ = _run(family, quantize=Quantize(mode="fp8_static", scales=_scales(family)))
     assert not np.array_equal(out, tensor), "the row scales were not used"
     assert all(torch.equal(pipe.transformer.state_dict()[k], v) for k, v in state.items())
     assert np.array_equal(run_tiny(pipe, tiny), expected), "disable is not bit-identical"

@@ -149,16 +149,16 @@ def test_static_scales_recorded_under_cfg_parallel_cover_both_branches(dist2: Wo
 # --- static FP8 with row-wise weight scales (bfloat16) ---
 
 
-@functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=2)
 def _built_bf16(family: str) -> tuple[Any, Any]:
     pipe, tiny = build_tiny(family)
     return pipe.to(torch.bfloat16), tiny
 
 
-def _rows(rank: int, world_size: int, layout: dict[str, int] | None) -> dict[str, Any]:
+def _rows(rank: int, world_size: int, family: str, layout: dict[str, int] | None) -> dict[str, Any]:
     from fastdit.calibration import calibrate_scales
 
-    pipe, tiny = _built_bf16("flux")
+    pipe, tiny = _built_bf16(family)
     torch.set_num_threads(1)
     plain = run_tiny(pipe, tiny, output_type="latent")
     parallel = None if layout is None else fastdit.Parallel(**layout)
@@ -174,14 +174,19 @@ def _rows(rank: int, world_size: int, layout: dict[str, int] | None) -> dict[str
     return {"out": out, "plain": plain, "report": report, "restored": restored}
 
 
-@pytest.mark.parametrize("layout", [{"ulysses": 2}, {"tp": 2}], ids=["ulysses", "tp"])
-def test_row_weight_scales_split_close_to_one_process(dist2: WorkerPool, layout: dict[str, int]) -> None:
-    # Context parallelism: every token meets the same row-quantized weights. Tensor parallelism: a column-split
-    # slice keeps its rows' scales; a row-split slice gets scales of its own half of each row (close, not equal).
-    one = _rows(0, 1, None)
+@pytest.mark.parametrize(
+    ("family", "layout"),
+    [("flux", {"ulysses": 2}), ("flux", {"tp": 2}), ("sd3", {"cfg": 2})],
+    ids=["ulysses", "tp", "cfg"],
+)
+def test_row_weight_scales_split_close_to_one_process(dist2: WorkerPool, family: str, layout: dict[str, int]) -> None:
+    # Context and CFG parallelism: every token of every branch meets the same row-quantized weights. Tensor
+    # parallelism: a column-split slice keeps its rows' scales; a row-split slice gets scales of its own half of
+    # each row (close, not equal).
+    one = _rows(0, 1, family, None)
     noise = np.abs(one["out"] - one["plain"]).mean()  # what quantizing changes (bfloat16: means, not maxima)
     assert noise > 0 and one["report"]["weight_scales"] == "row" and one["restored"]
-    for result in dist2.run(_rows, layout, timeout=240):
+    for result in dist2.run(_rows, family, layout, timeout=240):
         assert result["report"]["quantized"] == one["report"]["quantized"] and result["restored"]
         bound = noise if "tp" in layout else noise / 4
         assert np.abs(result["out"] - one["out"]).mean() < bound
