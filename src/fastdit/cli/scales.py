@@ -35,7 +35,7 @@ def _table(rows: dict[str, BenchRow]) -> str:
 
 
 def record_scales(
-    session: Session, bench: SplitBench, out: Path, *, headroom: float, weight_scales: str = "tensor", as_json: bool
+    session: Session, bench: SplitBench, out: Path, *, headroom: float, weight_scales: str, as_json: bool
 ) -> int:
     """Record the scales on the calibration cases, measure them on both parts, print the report, write the file.
 
