@@ -21,7 +21,13 @@ is printed beside its time. Modes are ``+``-joined options:
   (with ``cudnnfp8``, a speed probe, not a numerics one): Q, K and V cast with one fixed scale instead of their
   absmax, which bounds what calibrated attention scales would save; ``attnstatic`` (with ``fp8_static`` and
   ``cudnnfp8``): the attention's Q/K/V scales recorded per module in the same calibration
-  (``Attention(scales=...)``); ``graph``: CUDA graphs of the calls.
+  (``Attention(scales=...)``); ``graph``: CUDA graphs of the calls; ``splitout`` (with ``fp8_static``, a speed probe):
+  each single block's ``proj_out`` over ``cat([attention, GELU(MLP)])`` computed as two FP8 matmuls, one per part
+  of the concatenation (its own per-tensor weight scale each, the layer's activation scale for both), summed — so no
+  kernel casts the 15,360-wide concatenation; ``catfp8`` (the same probe, one matmul): the two parts cast apart and
+  their FP8 results concatenated for one matmul over the whole weight; ``ndtile``: inductor's
+  ``triton.prefer_nd_tiling`` (pointwise kernels tiled over rows and columns, so a concatenation's loads keep their
+  alignment).
 
     python benchmarks/profile_flux.py --modes compile,compile+cudnn --out results/<date>_h200_profile/profile.json
     python benchmarks/profile_flux.py --tiny --modes eager,compile    # CPU smoke test
@@ -50,7 +56,8 @@ from fastdit.bench import device_name, json_ready, markdown_table
 from fastdit.io import write_json
 
 OPTIONS = ("eager", "compile", "anchor", "cudnn", "flash", "efficient", "fuseqkv", "autotune", "cdt", "fp8",
-           "fp8_tensor", "fp8_static", "rows", "cudnnfp8", "attnfixed", "attnstatic", "graph", "tma")  # fmt: skip
+           "fp8_tensor", "fp8_static", "rows", "cudnnfp8", "attnfixed", "attnstatic", "graph", "tma",
+           "splitout", "catfp8", "ndtile")  # fmt: skip
 CATEGORIES = (
     ("communication", r"nccl"),
     ("fp8 quantization", r"^triton_.*(amax|_scaled_mm__to_copy|clamp_div)"),
@@ -128,6 +135,11 @@ def apply_mode(pipe: Any, options: list[str], inputs: dict[str, Any] | None = No
 
         inductor_config.triton.enable_persistent_tma_matmul = True
         undo.append(lambda: setattr(inductor_config.triton, "enable_persistent_tma_matmul", False))
+    if "ndtile" in options:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.triton.prefer_nd_tiling = True
+        undo.append(lambda: setattr(inductor_config.triton, "prefer_nd_tiling", False))
     if "attnfixed" in options:
         from fastdit.parallel.attention import cudnn_fp8
 
@@ -159,12 +171,96 @@ def apply_mode(pipe: Any, options: list[str], inputs: dict[str, Any] | None = No
         if scales is None or attention is None:
             raise SystemExit("attnstatic needs fp8_static (its calibration records the scales) and cudnnfp8")
         attention = fastdit.Attention(backend="cudnn-fp8", scales=scales)
+    kept = _proj_out_weights(transformer) if "splitout" in options or "catfp8" in options else {}
     if compile_config or quantize or graphs or attention:
         fastdit.accelerate(pipe, compile=compile_config, quantize=quantize, cuda_graph=graphs, attention=attention)
         undo.append(lambda: fastdit.disable(pipe))
+    if kept:
+        if scales is None:
+            raise SystemExit("splitout and catfp8 need fp8_static (the activation scale of each proj_out)")
+        one = "catfp8" in options
+        undo.append(_split_proj_out(transformer, kept, scales.lookup(), quantize.headroom, one))
     if compile_config:
         undo.append(torch._dynamo.reset)
     return lambda: [fn() for fn in reversed(undo)]
+
+
+def _proj_out_weights(transformer: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """Each single block's ``proj_out`` weight and bias, copied before quantization replaces them."""
+    return {
+        f"single_transformer_blocks.{i}.proj_out": (block.proj_out.weight.detach().clone(), block.proj_out.bias)
+        for i, block in enumerate(transformer.single_transformer_blocks)
+    }
+
+
+def _fp8_per_tensor(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = (weight.abs().amax().float() / 448.0).clamp(min=1e-12)
+    return (weight.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+
+
+def _split_proj_out(
+    transformer: torch.nn.Module, kept: dict, table: dict, headroom: float, one_matmul: bool
+) -> Callable[[], None]:
+    """Replace each single block's ``proj_out`` forward by two FP8 matmuls over the parts of its concatenated input
+    (attention: the first ``inner_dim`` features; the MLP: the rest), or with ``one_matmul`` by one over the parts
+    cast apart and concatenated in FP8. Returns the undo."""
+    from fastdit.config import static_fp8_scale
+
+    patched = []
+    for i, block in enumerate(transformer.single_transformer_blocks):
+        name = f"single_transformer_blocks.{i}.proj_out"
+        weight, bias = kept[name]
+        split = block.attn.inner_dim
+        scale = torch.tensor(static_fp8_scale(table[f"transformer.{name}"][0], headroom), device=weight.device)
+        if one_matmul:
+            block.proj_out.forward = _cast_parts_linear(split, _fp8_per_tensor(weight), scale, bias)
+        else:
+            parts = [
+                (0, split, *_fp8_per_tensor(weight[:, :split])),
+                (split, None, *_fp8_per_tensor(weight[:, split:])),
+            ]
+            block.proj_out.forward = _two_part_linear(parts, scale, bias)
+        patched.append(block.proj_out)
+    return lambda: [module.__dict__.pop("forward", None) for module in patched]
+
+
+def _two_part_linear(
+    parts: list, scale: torch.Tensor, bias: torch.Tensor | None
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        out = None
+        for start, end, weight, weight_scale in parts:
+            q = (flat[:, start:end].float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+            first_bias = bias if out is None else None
+            y = torch._scaled_mm(
+                q,
+                weight.t(),
+                scale_a=scale,
+                scale_b=weight_scale,
+                bias=first_bias,
+                out_dtype=x.dtype,
+                use_fast_accum=True,
+            )
+            out = y if out is None else out + y
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    return forward
+
+
+def _cast_parts_linear(
+    split: int, weight: tuple[torch.Tensor, torch.Tensor], scale: torch.Tensor, bias: torch.Tensor | None
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        parts = [flat[:, :split], flat[:, split:]]
+        q = torch.cat([(p.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn) for p in parts], dim=-1)
+        y = torch._scaled_mm(
+            q, weight[0].t(), scale_a=scale, scale_b=weight[1], bias=bias, out_dtype=x.dtype, use_fast_accum=True
+        )
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    return forward
 
 
 def _fixed_scale_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

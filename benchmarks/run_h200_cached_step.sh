@@ -3,13 +3,16 @@
 # a trace of one more call per mode), and where static FP8's producer kernels could still save time
 # (benchmarks/profile_flux.py: fixed attention scales, coordinate-descent tuning, max-autotune). Expects the diffusers,
 # torchao and cudnn-frontend wheels in .whl/; writes logs and JSON under $OUT:
-#   bash benchmarks/run_h200_cached_step.sh [steps|steps_before|host|fp8|autotune|static|static_e2e|rows|rows_e2e|tests]...
+#   bash benchmarks/run_h200_cached_step.sh [steps|steps_before|host|fp8|autotune|static|static_e2e|rows|rows_e2e|split|ndtile|tests]...
 # (default: steps fp8). steps_before: the same as steps with another checkout's src in .before/src (a change's
 # baseline, same lease); host: the host time of a cached step on this machine's CPU (host_cached_step.py, against
 # .before/src when present; cache-dit's anchor when its wheels are in .whl2/).
 # static: calibrated (static) FP8 attention scales beside the dynamic ones, per call (profile_flux.py); static_e2e: the
 # same end to end (cp_flux.py, bf16 first as the quality baseline); rows / rows_e2e: static FP8 with one weight scale
-# per output channel beside one per tensor, per call and end to end; autotune: max-autotune (AUTOTUNE_MODES);
+# per output channel beside one per tensor, per call and end to end; split: the single blocks' proj_out as two FP8
+# matmuls (splitout) or one over FP8 parts (catfp8), fused Q/K/V projections (fuseqkv), per call, with inductor's generated code of the first mode
+# (output_code.log.gz); ndtile: inductor's 2-D tiling of pointwise kernels (prefer_nd_tiling), alone and with
+# fused Q/K/V; autotune: max-autotune (AUTOTUNE_MODES);
 # tests: the GPU tests of FP8 attention and static FP8.
 set -uo pipefail
 SITE=$(mktemp -d)
@@ -50,6 +53,14 @@ for part in ${*:-steps fp8}; do
       timeout 300 python3 benchmarks/cp_flux.py --modes $E,$E+q8s+cudnnfp8s,$E+q8r+cudnnfp8s \
         --repeat 3 --out "$OUT/single_rows.json" 2>&1 | grep -v -e Warning -e "Failed to load" \
         | tee "$OUT/single_rows.log" | grep "^|" | tail -8 ;;
+    split) S=$Q+attnstatic
+      TORCH_LOGS=output_code TORCH_LOGS_OUT="$OUT/output_code.log" timeout 200 python3 benchmarks/profile_flux.py --modes $S \
+        --out "$OUT/profile_split_base.json" 2>&1 | grep -v -e Warning -e "Failed to load" | tail -3; gzip -f "$OUT/output_code.log"
+      timeout 400 python3 benchmarks/profile_flux.py --modes $S,$S+splitout,$S+catfp8,$S+fuseqkv \
+        --out "$OUT/profile_split.json" 2>&1 | grep -v -e Warning -e "Failed to load" | tee "$OUT/profile_split.log" | tail -60 ;;
+    ndtile) S=$Q+attnstatic
+      timeout 400 python3 benchmarks/profile_flux.py --modes $S,$S+ndtile,$S+fuseqkv+ndtile \
+        --out "$OUT/profile_ndtile.json" 2>&1 | grep -v -e Warning -e "Failed to load" | tee "$OUT/profile_ndtile.log" | tail -40 ;;
     tests) timeout 300 python3 -m pytest -q -m gpu tests/parallel/attention tests/test_quantize_static.py tests/test_quantize_rows.py 2>&1 \
         | tail -15 | tee "$OUT/gpu_tests.log" ;;
     *) echo "unknown part $part" >&2; exit 2 ;;

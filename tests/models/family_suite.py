@@ -103,6 +103,7 @@ class FamilySuite:
                 fastdit.disable(pipe)
             assert stats.num_cached_steps == 0, name
             np.testing.assert_array_equal(cached, baseline, err_msg=name)
+            _assert_step_invariant_served(stats, name)
             if "offload" in options:  # every block call brought its weights in
                 assert all(info["offload"]["transfers"] > 0 for info in stats.transformers.values()), name
         np.testing.assert_array_equal(run_tiny(pipe, tiny), baseline)  # disable restores the original
@@ -322,6 +323,18 @@ class _SdpaCount(TorchFunctionMode):
         if func is torch.nn.functional.scaled_dot_product_attention and self.depth:
             self.calls += 1
         return func(*args, **(kwargs or {}))
+
+
+def _assert_step_invariant_served(stats, name: str) -> None:
+    """Every module a family declares step-invariant was served at least once: the pipeline really passes it the same
+    inputs at every step (a declaration that never hits would only cost its lookups)."""
+    for component, info in stats.transformers.items():
+        invariant = info["cache"]["step_invariant"]
+        if invariant is None:
+            continue
+        assert not invariant["skipped"], (name, component, invariant)
+        for module, counts in invariant["modules"].items():
+            assert counts["served"] > 0, (name, component, module, counts)
 
 
 def _instance_forwards(pipe) -> set[str]:

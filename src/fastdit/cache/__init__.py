@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from fastdit.cache.policy import Reducer
+from fastdit.cache.reuse import install_reuse
 from fastdit.config import CacheConfig, DBCache, DBPrune, MagCache, MagCalibrations, TeaCache
 from fastdit.errors import FieldError
 from fastdit.hooks.state import Applied
@@ -52,7 +53,19 @@ def apply_cache(
         )
     groups = resolve_block_groups(transformer, plan.block_groups, plan.family)
     engine, undo = installer(transformer, groups, plan, config, reducer)
-    return Applied(undo, engine)
+    if not plan.step_invariant:
+        return Applied(undo, engine)
+    try:
+        engine.reuse, undo_reuse = install_reuse(transformer, plan.step_invariant)
+    except BaseException:
+        undo()
+        raise
+
+    def remove() -> None:
+        undo_reuse()
+        undo()
+
+    return Applied(remove, engine)
 
 
 def _install_prune(transformer, groups, plan: CachePlan, config: DBPrune, reducer) -> tuple[Any, Any]:
@@ -128,4 +141,5 @@ def cache_summary(engine: Any) -> dict[str, Any]:
         "blocks_computed": computed,
         "blocks_total": total,
         "blocks_computed_fraction": computed / total if total else 1.0,
+        "step_invariant": engine.reuse.summary() if engine.reuse is not None else None,
     }

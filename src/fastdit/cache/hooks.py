@@ -23,6 +23,7 @@ import torch
 
 from fastdit.cache.forecast import forecast_predict, forecast_update
 from fastdit.cache.policy import Reducer, check_run_length, decide
+from fastdit.cache.reuse import ReuseStats
 from fastdit.cache.state import BranchState, RunTracker, SegmentMemory
 from fastdit.cache.steptime import TimestepReader
 from fastdit.cache.taylorseer import taylor_position
@@ -76,6 +77,7 @@ class CacheEngine:
         self.slots = slots
         self.reducer = reducer
         self.tracker = RunTracker(separate_branches=config.separate_cfg is not False)
+        self.reuse: ReuseStats | None = None  # the step-invariant modules' statistics (set by apply_cache)
 
     @property
     def num_blocks(self) -> int:

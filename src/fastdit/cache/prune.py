@@ -24,6 +24,7 @@ from fastdit.cache.hooks import (
     plan_slots,
 )
 from fastdit.cache.policy import Reducer, relative_l1
+from fastdit.cache.reuse import ReuseStats
 from fastdit.cache.state import BranchState, RunTracker
 from fastdit.config import DBPrune
 from fastdit.hooks import layers
@@ -49,6 +50,7 @@ class PruneEngine:
         self.slots = slots
         self.reducer = reducer
         self.tracker = RunTracker(separate_branches=True)
+        self.reuse: ReuseStats | None = None  # the step-invariant modules' statistics (set by apply_cache)
         self.num_middle = sum(slot.role == "middle" for slot in slots)
 
     def begin_call(self, context: str, timestep: float | None, signature: tuple, key: int | None = None) -> None:

@@ -27,6 +27,7 @@ __all__ = [
     "LatentLayout",
     "ModelAdapter",
     "ModelPreset",
+    "StepInvariant",
     "TinyPipeline",
     "resolve_attr",
 ]
@@ -94,6 +95,29 @@ class ForwardPattern(enum.IntEnum):
             return ()
         named = 2 if self.returns_encoder else 1
         return tuple(output[named:])
+
+
+@dataclass(frozen=True)
+class StepInvariant:
+    """A module outside the blocks whose output repeats at every step while its inputs do (the pipeline passes the
+    same tensors each step): step caching serves its later calls from the first one's output
+    (:mod:`fastdit.cache.reuse`).
+
+    Declare only modules whose output is a function of the inputs named here (no randomness, no state of their own
+    that changes between calls).
+
+    Attributes:
+        module: Its dotted path in the transformer.
+        inputs: The transformer ``forward`` arguments its output is computed from, when the module's own arguments
+            are built from them inside ``forward`` (a new tensor every call); ``()``: its own arguments.
+    """
+
+    module: str
+    inputs: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.module:
+            raise ValueError("StepInvariant.module='': name the module's path in the transformer")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -265,6 +289,7 @@ class CachePlan:
         timestep_reduce: As :attr:`ModelAdapter.timestep_reduce`.
         latent: As :attr:`ModelAdapter.latent`.
         no_latent: Why the family declares no latent (:attr:`ModelAdapter.no_latent`), for the refusal.
+        step_invariant: As :attr:`ModelAdapter.step_invariant`.
     """
 
     family: str
@@ -274,6 +299,7 @@ class CachePlan:
     timestep_reduce: str = "max"
     latent: LatentLayout | None = None
     no_latent: str = ""
+    step_invariant: tuple[StepInvariant, ...] = ()
 
 
 NO_LATENT = "No spectral signal:"
@@ -329,6 +355,8 @@ class ModelAdapter:
             host and size their outputs by them (Lumina 2's RoPE embedder turns the prompt mask's lengths into
             Python lists): a CUDA graph would freeze those values, so a graph of the whole call is refused up front
             (graphs per block leave these modules eager).
+        step_invariant: Modules outside the blocks whose output repeats at every step of a run
+            (:class:`StepInvariant`): while a cache is installed their later calls are served from the first.
     """
 
     family: str
@@ -350,6 +378,7 @@ class ModelAdapter:
     latent: LatentLayout | None = None
     example: str = ""
     host_reading_modules: tuple[str, ...] = ()
+    step_invariant: tuple[StepInvariant, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.family:
@@ -378,6 +407,7 @@ class ModelAdapter:
             timestep_reduce=self.timestep_reduce,
             latent=self.latent,
             no_latent=self.no_latent,
+            step_invariant=self.step_invariant,
         )
 
     @property

@@ -8,7 +8,7 @@ itself and splits the result again.
 
 from __future__ import annotations
 
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, StepInvariant, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan_shapes import mmdit_root_plan
 from fastdit.parallel.tp_shapes import flux1_tp_plan
@@ -73,6 +73,14 @@ TP_PLAN = flux1_tp_plan(
     "replicated.",
 )
 
+# The pipeline passes the same position ids and prompt embeddings at every step: the rotary table (computed in forward
+# from cat(txt_ids, img_ids)) and the text projection repeat. Both are keyed on the transformer's arguments, which
+# context parallelism splits beneath the lookup (a new shard every call).
+STEP_INVARIANT = (
+    StepInvariant("pos_embed", inputs=("txt_ids", "img_ids")),
+    StepInvariant("context_embedder", inputs=("encoder_hidden_states",)),
+)
+
 _CALL = {
     "prompt": "a cat holding a sign",
     "negative_prompt": "blurry",
@@ -93,6 +101,7 @@ ADAPTER = register(
         ),
         cp_plan=CP_PLAN,
         tp_plan=TP_PLAN,
+        step_invariant=STEP_INVARIANT,
         tiny_pipelines=(TinyPipeline(name="bria", build=tiny_bria, call_kwargs=_CALL),),
         presets=(
             ModelPreset(

@@ -13,7 +13,7 @@ into ``hidden_states`` and splits the result again. A single block's hidden stre
 from __future__ import annotations
 
 from fastdit.models._lazy import LazyKwargs, tiny_image
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, StepInvariant, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import SplitOutput
 from fastdit.parallel.plan_shapes import mmdit_root_plan
@@ -116,6 +116,16 @@ TP_PLAN = flux1_tp_plan(
     "embedders and QK-norms (per head) replicated.",
 )
 
+# The pipelines pass the same position ids and prompt embeddings at every step: the rotary table (computed in forward
+# from cat(txt_ids, img_ids)) and the text projection repeat. Both are keyed on the transformer's arguments, which
+# context parallelism splits beneath the lookup (a new shard every call). The per-block `caption_projection.<i>` also
+# repeat (the same `text_encoder_layers` tensors every step), but their number follows the config and a declaration
+# names one module path: left out.
+STEP_INVARIANT = (
+    StepInvariant("pos_embed", inputs=("txt_ids", "img_ids")),
+    StepInvariant("context_embedder", inputs=("encoder_hidden_states",)),
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="bria_fibo",
@@ -126,6 +136,7 @@ ADAPTER = register(
         ),
         cp_plan=CP_PLAN,
         tp_plan=TP_PLAN,
+        step_invariant=STEP_INVARIANT,
         tiny_pipelines=(
             TinyPipeline(
                 name="fibo",

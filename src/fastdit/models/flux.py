@@ -8,7 +8,7 @@ return ``(encoder_hidden_states, hidden_states)`` (pattern 1).
 from __future__ import annotations
 
 from fastdit.models._lazy import LazyKwargs, tiny_image
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, StepInvariant, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan_shapes import mmdit_root_plan
 from fastdit.parallel.tp_plan import Colwise, Rowwise, TensorParallelPlan
@@ -118,6 +118,14 @@ TP_PLAN = TensorParallelPlan(
     "QK-norms are per head (replicated).",
 )
 
+# The pipelines pass the same position ids and prompt embeddings at every step: the rotary table (computed in forward
+# from cat(txt_ids, img_ids)) and the text projection repeat. Both are keyed on the transformer's arguments, which
+# context parallelism splits beneath the lookup (a new shard every call).
+STEP_INVARIANT = (
+    StepInvariant("pos_embed", inputs=("txt_ids", "img_ids")),
+    StepInvariant("context_embedder", inputs=("encoder_hidden_states",)),
+)
+
 _CALL = {
     "prompt": "a cat holding a sign",
     "height": 32,
@@ -140,6 +148,7 @@ ADAPTER = register(
         ),
         cp_plan=CP_PLAN,
         tp_plan=TP_PLAN,
+        step_invariant=STEP_INVARIANT,
         tiny_pipelines=(
             TinyPipeline(name="flux", build=tiny_flux, call_kwargs={**_CALL, "guidance_scale": 3.5}),
             TinyPipeline(

@@ -8,7 +8,7 @@ both are called by keyword with ``(hidden_states, encoder_hidden_states, temb, i
 from __future__ import annotations
 
 from fastdit.models._lazy import LazyKwargs, tiny_image
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, StepInvariant, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan_shapes import mmdit_root_plan
 from fastdit.parallel.tp_shapes import flux1_tp_plan
@@ -104,6 +104,14 @@ _CALL = {
     "num_inference_steps": 2,
 }
 
+# The pipelines pass the same position ids and prompt embeddings at every step (the uncond call its own, also fixed):
+# the rotary table (computed in forward from cat(txt_ids, img_ids)) and the text projection repeat. Both are keyed on
+# the transformer's arguments, which context parallelism splits beneath the lookup (a new shard every call).
+STEP_INVARIANT = (
+    StepInvariant("pos_embed", inputs=("txt_ids", "img_ids")),
+    StepInvariant("context_embedder", inputs=("encoder_hidden_states",)),
+)
+
 # Context parallelism: as for Flux, the forward is "embed, loop over blocks, project out" (the single blocks concatenate
 # and split [text, image] themselves, by the local text length), so the root inputs are split. RoPE is computed inside
 # forward from cat(txt_ids, img_ids) (2-D ids); splitting the ids on their sequence dim like the streams gives every
@@ -132,6 +140,7 @@ ADAPTER = register(
         ),
         cp_plan=CP_PLAN,
         tp_plan=TP_PLAN,
+        step_invariant=STEP_INVARIANT,
         tiny_pipelines=(
             TinyPipeline(
                 name="longcat-image",

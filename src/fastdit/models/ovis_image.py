@@ -8,7 +8,7 @@ concatenate and split the two streams internally). Nothing runs between blocks.
 
 from __future__ import annotations
 
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, StepInvariant, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan_shapes import mmdit_root_plan
 from fastdit.parallel.tp_plan import Colwise, Rowwise, TensorParallelPlan
@@ -100,6 +100,16 @@ TP_PLAN = TensorParallelPlan(
     "split with a gathered output; embedders, output layers and QK-norms (per head) replicated.",
 )
 
+# The pipeline passes the same position ids and prompt embeddings at every step (the uncond call its own, also fixed):
+# the rotary table (computed in forward from cat(txt_ids, img_ids)) and the text projection (RMSNorm, then a linear)
+# repeat. All are keyed on the transformer's arguments, which context parallelism splits beneath the lookup (a new
+# shard every call); the linear reads the norm's output, itself a function of encoder_hidden_states.
+STEP_INVARIANT = (
+    StepInvariant("pos_embed", inputs=("txt_ids", "img_ids")),
+    StepInvariant("context_embedder_norm", inputs=("encoder_hidden_states",)),
+    StepInvariant("context_embedder", inputs=("encoder_hidden_states",)),
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="ovis_image",
@@ -110,6 +120,7 @@ ADAPTER = register(
         ),
         cp_plan=CP_PLAN,
         tp_plan=TP_PLAN,
+        step_invariant=STEP_INVARIANT,
         tiny_pipelines=(
             TinyPipeline(
                 name="ovis-image",

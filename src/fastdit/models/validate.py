@@ -143,6 +143,25 @@ def check_adapter(transformer: torch.nn.Module, adapter: ModelAdapter) -> None:
                         f"(group {group.path!r}, pattern {pattern.value}); parameters: {names}"
                     )
     _check_timestep_arg(transformer, adapter)
+    _check_step_invariant(transformer, adapter)
+
+
+def _check_step_invariant(transformer: torch.nn.Module, adapter: ModelAdapter) -> None:
+    """Each declared step-invariant module exists outside the blocks and its inputs are ``forward`` parameters."""
+    params = inspect.signature(type(transformer).forward).parameters
+    holders = {group.path.split(".", 1)[0] for group in adapter.block_groups}
+    for rule in adapter.step_invariant:
+        if not _exists(transformer, rule.module) or rule.module.split(".", 1)[0] in holders:
+            raise AdapterError(
+                f"{adapter.family}: step_invariant names {rule.module!r}, which is no module of "
+                f"{type(transformer).__name__} outside its blocks"
+            )
+        missing = [name for name in rule.inputs if name not in params]
+        if missing:
+            raise AdapterError(
+                f"{adapter.family}: step_invariant {rule.module!r} reads {missing}, which are not parameters of "
+                f"{type(transformer).__name__}.forward {list(params)[1:]}"
+            )
 
 
 def _check_timestep_arg(transformer: torch.nn.Module, adapter: ModelAdapter) -> None:
