@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -17,6 +18,7 @@ from fastdit.models.base import StepInvariant
 from fastdit.models.flux import tiny_flux
 from fastdit.models.validate import AdapterError, check_adapter
 from fastdit.testing.distributed import WorkerPool, get_pool
+from fastdit.testing.pipelines import build_tiny, run_tiny
 from tests.cache.toy_dit import TOY_ADAPTER, ToyDiT
 
 _CALL = {"prompt": "a cat", "height": 32, "width": 32, "num_inference_steps": 4, "max_sequence_length": 16}
@@ -203,6 +205,27 @@ def test_a_module_called_twice_per_call_keeps_one_entry_per_call() -> None:
     torch.testing.assert_close(second, expected, rtol=0, atol=0)
 
 
+class _PerBlock(nn.Module):
+    """One projection per block, each applied to its own fixed tensor (Bria FIBO's caption projections)."""
+
+    def __init__(self, depth: int = 3) -> None:
+        super().__init__()
+        self.proj = nn.ModuleList(nn.Linear(4, 4) for _ in range(depth))
+
+    def forward(self, layers_in: list[torch.Tensor]) -> torch.Tensor:
+        return sum(proj(x) for proj, x in zip(self.proj, layers_in, strict=True))
+
+
+def test_a_pattern_serves_every_module_it_matches() -> None:
+    root = _PerBlock()
+    stats, _ = install_reuse(root, [StepInvariant("proj.*")])
+    inputs = [torch.randn(2, 4) for _ in range(3)]
+    with torch.no_grad():
+        expected = root(inputs)
+        torch.testing.assert_close(root(inputs), expected, rtol=0, atol=0)
+    assert stats.counts == {f"proj.{i}": [1, 2] for i in range(3)}
+
+
 def test_the_toy_family_without_declarations_reports_none() -> None:
     applied = apply_cache(ToyDiT(), TOY_ADAPTER.cache_plan, DBCache(fn=1, bn=0))
     assert applied.state.reuse is None
@@ -217,6 +240,7 @@ def test_check_adapter_refuses_unknown_modules_and_inputs() -> None:
     check_adapter(transformer, adapter)
     for rules, message in [
         ((StepInvariant("no_such_module"),), "no module"),
+        ((StepInvariant("no_such_list.*"),), "no module"),
         ((StepInvariant("transformer_blocks"),), "outside its blocks"),
         ((StepInvariant("pos_embed", inputs=("ids",)),), "not parameters"),
     ]:
@@ -245,18 +269,28 @@ def test_tensor_parallel_weights_are_left_out(dist2: WorkerPool) -> None:
         assert "tensor parallelism" in skipped["inner"]
 
 
-def _flux_under(rank: int, world_size: int, parallel: fastdit.Parallel | None) -> tuple[torch.Tensor, dict]:
-    pipe = tiny_flux(0)
-    pipe.set_progress_bar_config(disable=True)
+def _family_under(rank: int, world_size: int, family: str, parallel: fastdit.Parallel | None):
+    pipe, tiny = build_tiny(family)
     fastdit.accelerate(pipe, cache=DBCache(fn=1, bn=0, threshold=0.0), parallel=parallel)
-    return _images(pipe), _served(pipe)
+    images = run_tiny(pipe, tiny, num_inference_steps=4)
+    return images, fastdit.summary(pipe).transformers["transformer"]["cache"]["step_invariant"]
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("parallel", [fastdit.Parallel(ulysses=2), fastdit.Parallel(tp=2)], ids=["ulysses", "tp"])
-def test_under_parallelism_every_rank_is_served_and_matches_one_process(dist2: WorkerPool, parallel) -> None:
-    expected = _images(tiny_flux(0))
-    for images, served in dist2.run(_flux_under, parallel, timeout=120):
-        # The rotary table is served from each rank's own split (the ids are split beneath the lookup).
-        assert served == {n: {"served": 3, "calls": 4} for n in ("pos_embed", "context_embedder")}
-        torch.testing.assert_close(images, expected, rtol=1e-4, atol=1e-4)
+@pytest.mark.parametrize(
+    ("family", "parallel"),
+    [
+        ("flux", fastdit.Parallel(ulysses=2)),
+        ("flux", fastdit.Parallel(tp=2)),
+        ("bria_fibo", fastdit.Parallel(ulysses=2)),
+    ],
+    ids=["flux-ulysses", "flux-tp", "bria_fibo-ulysses"],
+)
+def test_under_parallelism_every_rank_is_served_and_matches_one_process(dist2: WorkerPool, family, parallel) -> None:
+    pipe, tiny = build_tiny(family)
+    expected = run_tiny(pipe, tiny, num_inference_steps=4)
+    for images, invariant in dist2.run(_family_under, family, parallel, timeout=120):
+        # Served from each rank's own shard: the ids are split beneath the lookup, an output split around it.
+        assert not invariant["skipped"]
+        assert all(counts["served"] > 0 for counts in invariant["modules"].values()), invariant
+        np.testing.assert_allclose(images, expected, rtol=1e-4, atol=1e-4)

@@ -29,6 +29,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten
 
+from fastdit.attrs import expand_path, is_pattern
 from fastdit.hooks import layers
 from fastdit.hooks.args import ForwardArgs
 from fastdit.models.base import StepInvariant
@@ -217,21 +218,22 @@ def install_reuse(
     stats = ReuseStats()
     undo: list[Callable[[], None]] = []
     modules = dict(transformer.named_modules())
-    chosen = []
+    chosen: list[tuple[str, StepInvariant]] = []
     for rule in rules:
-        reason = _skip_reason(modules.get(rule.module))
-        if reason is None:
-            chosen.append(rule)
-        else:
-            stats.skipped[rule.module] = reason
-    names = sorted({name for rule in chosen for name in rule.inputs})
+        for path in expand_path(transformer, rule.module) if is_pattern(rule.module) else [rule.module]:
+            reason = _skip_reason(modules.get(path))
+            if reason is None:
+                chosen.append((path, rule))
+            else:
+                stats.skipped[path] = reason
+    names = sorted({name for _, rule in chosen for name in rule.inputs})
     root = RootInputs(transformer, names) if names else None
     if root is not None:
         undo.append(layers.install(transformer, layers.Layer.TRACK, REUSE_INPUTS_HOOK, root))
-    for rule in chosen:
-        counts = stats.counts.setdefault(rule.module, [0, 0])
+    for path, rule in chosen:
+        counts = stats.counts.setdefault(path, [0, 0])
         hook = ReuseHook(rule, root if rule.inputs else None, counts)
-        undo.append(layers.install(modules[rule.module], layers.Layer.SKIP, REUSE_HOOK, hook))
+        undo.append(layers.install(modules[path], layers.Layer.SKIP, REUSE_HOOK, hook))
 
     def remove() -> None:
         for fn in reversed(undo):

@@ -107,7 +107,8 @@ class StepInvariant:
     that changes between calls).
 
     Attributes:
-        module: Its dotted path in the transformer.
+        module: Its dotted path in the transformer; a ``*`` component matches any one component
+            (``"caption_projection.*"``: one module per block, as many as the config has), each served on its own.
         inputs: The transformer ``forward`` arguments its output is computed from, when the module's own arguments
             are built from them inside ``forward`` (a new tensor every call); ``()``: its own arguments.
     """

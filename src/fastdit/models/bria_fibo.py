@@ -117,13 +117,14 @@ TP_PLAN = flux1_tp_plan(
 )
 
 # The pipelines pass the same position ids and prompt embeddings at every step: the rotary table (computed in forward
-# from cat(txt_ids, img_ids)) and the text projection repeat. Both are keyed on the transformer's arguments, which
-# context parallelism splits beneath the lookup (a new shard every call). The per-block `caption_projection.<i>` also
-# repeat (the same `text_encoder_layers` tensors every step), but their number follows the config and a declaration
-# names one module path: left out.
+# from cat(txt_ids, img_ids)) and the text projection repeat, keyed on the transformer's arguments, which context
+# parallelism splits beneath the lookup (a new shard every call). Each block's caption projection reads its own entry
+# of the same `text_encoder_layers` list every step (its own argument; the CP plan's split of its output runs around
+# the lookup).
 STEP_INVARIANT = (
     StepInvariant("pos_embed", inputs=("txt_ids", "img_ids")),
     StepInvariant("context_embedder", inputs=("encoder_hidden_states",)),
+    StepInvariant("caption_projection.*"),
 )
 
 ADAPTER = register(

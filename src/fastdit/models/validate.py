@@ -151,7 +151,11 @@ def _check_step_invariant(transformer: torch.nn.Module, adapter: ModelAdapter) -
     params = inspect.signature(type(transformer).forward).parameters
     holders = {group.path.split(".", 1)[0] for group in adapter.block_groups}
     for rule in adapter.step_invariant:
-        if not _exists(transformer, rule.module) or rule.module.split(".", 1)[0] in holders:
+        if is_pattern(rule.module):
+            found = bool(expand_path(transformer, rule.module))
+        else:
+            found = _exists(transformer, rule.module)
+        if not found or rule.module.split(".", 1)[0] in holders:
             raise AdapterError(
                 f"{adapter.family}: step_invariant names {rule.module!r}, which is no module of "
                 f"{type(transformer).__name__} outside its blocks"
