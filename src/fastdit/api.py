@@ -242,6 +242,10 @@ class Summary:
                     continue
                 lines.append(f"  {branch}: {b['num_cached_steps']}/{b['steps']} steps cached {b['cached_steps']}")
                 lines.append(f"    residual diffs: [{diffs}]")
+            invariant = stats.get("step_invariant")
+            if invariant and invariant["modules"]:
+                served = ", ".join(f"{m} {c['served']}/{c['calls']}" for m, c in invariant["modules"].items())
+                lines.append(f"  step-invariant modules served: {served}")
         for name, info in self.text_encoders.items():
             split = info["text_encoder_parallel"]
             whole = split["split_bytes"] + split["replicated_bytes"]

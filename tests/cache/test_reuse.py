@@ -14,6 +14,7 @@ from fastdit.cache import apply_cache
 from fastdit.cache.reuse import install_reuse
 from fastdit.config import DBCache
 from fastdit.hooks import layers
+from fastdit.models import registry
 from fastdit.models.base import StepInvariant
 from fastdit.models.flux import tiny_flux
 from fastdit.models.validate import AdapterError, check_adapter
@@ -49,6 +50,7 @@ def test_flux_rotary_table_and_text_projection_are_served_bit_for_bit() -> None:
     fastdit.accelerate(pipe, cache=DBCache(fn=1, bn=0, threshold=0.0))
     assert torch.equal(_images(pipe), expected)
     assert _served(pipe) == {n: {"served": 3, "calls": 4} for n in ("pos_embed", "context_embedder")}
+    assert "step-invariant modules served: pos_embed 3/4, context_embedder 3/4" in str(fastdit.summary(pipe))
     fastdit.disable(pipe)
     assert layers.stack_of(pipe.transformer.pos_embed) is None
 
@@ -234,14 +236,10 @@ def test_the_toy_family_without_declarations_reports_none() -> None:
 
 def test_check_adapter_refuses_unknown_modules_and_inputs() -> None:
     transformer = tiny_flux(0).transformer
-    from fastdit.models import registry
-
     adapter = registry.adapter_for(transformer)
     check_adapter(transformer, adapter)
     for rules, message in [
-        ((StepInvariant("no_such_module"),), "no module"),
-        ((StepInvariant("no_such_list.*"),), "no module"),
-        ((StepInvariant("transformer_blocks"),), "outside its blocks"),
+        ((StepInvariant("transformer_blocks.0.attn"),), "inside the block list"),
         ((StepInvariant("pos_embed", inputs=("ids",)),), "not parameters"),
     ]:
         with pytest.raises(AdapterError, match=message):
@@ -251,6 +249,20 @@ def test_check_adapter_refuses_unknown_modules_and_inputs() -> None:
 @pytest.fixture(scope="module")
 def dist2() -> WorkerPool:
     return get_pool(2)
+
+
+def test_a_module_this_configuration_lacks_is_left_out_not_refused() -> None:
+    transformer = tiny_flux(0).transformer
+    adapter = registry.adapter_for(transformer)
+    lacking = dataclasses.replace(adapter, step_invariant=(StepInvariant("no_such_module"), StepInvariant("none.*")))
+    check_adapter(transformer, lacking)  # some modules exist only in some configurations
+    stats, undo = install_reuse(transformer, lacking.step_invariant)
+    assert stats.skipped == {
+        "no_such_module": "no such module in this transformer",
+        "none.*": "matches no module in this transformer",
+    }
+    assert not stats.counts
+    undo()
 
 
 def _sharded_reason(rank: int, world_size: int) -> dict[str, str]:

@@ -220,7 +220,10 @@ def install_reuse(
     modules = dict(transformer.named_modules())
     chosen: list[tuple[str, StepInvariant]] = []
     for rule in rules:
-        for path in expand_path(transformer, rule.module) if is_pattern(rule.module) else [rule.module]:
+        paths = expand_path(transformer, rule.module) if is_pattern(rule.module) else [rule.module]
+        if not paths:
+            stats.skipped[rule.module] = "matches no module in this transformer"
+        for path in paths:
             reason = _skip_reason(modules.get(path))
             if reason is None:
                 chosen.append((path, rule))

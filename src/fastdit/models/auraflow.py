@@ -9,7 +9,15 @@ sequence (pattern 3); the image part is sliced off after the loop.
 
 from __future__ import annotations
 
-from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import (
+    BlockGroup,
+    ForwardPattern,
+    LatentLayout,
+    ModelAdapter,
+    ModelPreset,
+    StepInvariant,
+    TinyPipeline,
+)
 from fastdit.models.registry import register
 from fastdit.parallel.plan_shapes import joint_first_block_plan
 from fastdit.parallel.tp_plan import Colwise, Rowwise, Style, TensorParallelPlan
@@ -100,6 +108,11 @@ TP_PLAN = TensorParallelPlan(
     "QK-norms per head.",
 )
 
+# The pipeline passes the same prompt embeddings at every step (batched CFG's cat([negative, prompt]) is done once
+# before the loop): the text projection repeats (the register tokens are concatenated after it). Not `pos_embed`:
+# the patch embedding of the latent.
+STEP_INVARIANT = (StepInvariant("context_embedder", inputs=("encoder_hidden_states",)),)
+
 ADAPTER = register(
     ModelAdapter(
         family="auraflow",
@@ -112,6 +125,7 @@ ADAPTER = register(
         ),
         cp_plan=CP_PLAN,
         tp_plan=TP_PLAN,
+        step_invariant=STEP_INVARIANT,
         tiny_pipelines=(
             TinyPipeline(
                 name="auraflow",

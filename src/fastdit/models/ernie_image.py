@@ -8,7 +8,15 @@ the model computes once from the timestep and expands to every token ``(S, B, H)
 
 from __future__ import annotations
 
-from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import (
+    BlockGroup,
+    ForwardPattern,
+    LatentLayout,
+    ModelAdapter,
+    ModelPreset,
+    StepInvariant,
+    TinyPipeline,
+)
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.parallel.tp_plan import Colwise, Rowwise, TensorParallelPlan
@@ -17,7 +25,9 @@ from fastdit.parallel.tp_shapes import attention, under
 TRANSFORMER = "diffusers.models.transformers.transformer_ernie_image.ErnieImageTransformer2DModel"
 
 _AE_CHANNELS = 4  # the VAE's latent channels; the pipeline patchifies them 2x2 for the transformer
-_TEXT_DIM = 32
+# Wider than the transformer (32), as the released models' text (3072) differs from their width (4096): the model
+# then has its text projection (``text_proj``; none when the widths are equal).
+_TEXT_DIM = 48
 
 
 def tiny_transformer(seed: int = 0):
@@ -136,6 +146,12 @@ _CALL = {
     "use_pe": False,
 }
 
+# The pipeline passes the same padded text (text_bth, [uncond, cond] batched once before the loop) and text_lens at
+# every step: the text projection, applied to text_bth directly, repeats. Not `pos_embed`: its ids are built in
+# forward from text_lens and the latent's height and width, which no declared input pins down (two latents of
+# transposed sizes give ids of one shape).
+STEP_INVARIANT = (StepInvariant("text_proj", inputs=("text_bth",)),)
+
 ADAPTER = register(
     ModelAdapter(
         family="ernie_image",
@@ -145,6 +161,7 @@ ADAPTER = register(
         block_groups=(BlockGroup(path="layers", pattern=ForwardPattern.P3, hidden_arg="x"),),
         cp_plan=CP_PLAN,
         tp_plan=TP_PLAN,
+        step_invariant=STEP_INVARIANT,
         tiny_pipelines=(TinyPipeline(name="t2i", build=tiny_ernie_image, call_kwargs=_CALL),),
         presets=(
             ModelPreset(

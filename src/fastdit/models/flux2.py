@@ -10,7 +10,7 @@ image_rotary_emb, joint_attention_kwargs)``; they return the joint sequence alon
 from __future__ import annotations
 
 from fastdit.models._lazy import LazyKwargs, tiny_image
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, StepInvariant, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan_shapes import mmdit_root_plan
 from fastdit.parallel.tp_plan import Colwise, Rowwise, TensorParallelPlan
@@ -151,6 +151,12 @@ TP_PLAN = TensorParallelPlan(
     notes="diffusers' plan: fused [Q|K|V|gate|up] and SwiGLU weights split per segment; shared modulation whole.",
 )
 
+# The pipelines pass the same prompt embeddings at every step (CFG branches: one tensor each, made before the loop):
+# the text projection repeats; keyed on the transformer's argument, which context parallelism splits beneath the
+# lookup. Not `pos_embed`: the Klein edit pipeline concatenates its latent and reference-image ids inside the loop, a
+# new img_ids tensor every step, so no key on the ids would ever hit there.
+STEP_INVARIANT = (StepInvariant("context_embedder", inputs=("encoder_hidden_states",)),)
+
 ADAPTER = register(
     ModelAdapter(
         family="flux2",
@@ -161,6 +167,7 @@ ADAPTER = register(
         ),
         cp_plan=CP_PLAN,
         tp_plan=TP_PLAN,
+        step_invariant=STEP_INVARIANT,
         tiny_pipelines=(
             TinyPipeline(name="dev", build=tiny_flux2_dev, call_kwargs={**_CALL, "guidance_scale": 4.0}),
             TinyPipeline(name="klein", build=tiny_flux2_klein, call_kwargs={**_CALL, "guidance_scale": 4.0}),

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from fastdit.models._lazy import LazyKwargs, tiny_image
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, StepInvariant, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.parallel.plan_shapes import TOKENS
@@ -200,6 +200,16 @@ TP_PLAN = TensorParallelPlan(
     notes="Attention by heads and the SwiGLU FFN per half in every block list; shared modulation heads whole.",
 )
 
+# A pipeline passes the same position ids and prompt embeddings at every step (one set per CFG branch, made before
+# the loop). forward calls `pos_embed` directly on each of txt_ids, img_ids and image_cond_ids, so it is keyed on its
+# own argument (the three calls on three tensors; under context parallelism the split shards are new every call and
+# it computes). The text projection reads encoder_hidden_states directly: keyed on the transformer's argument.
+# Not the reference-image projection (x_embedders.image_cond): pure too, but not called without a reference image.
+STEP_INVARIANT = (
+    StepInvariant("pos_embed"),
+    StepInvariant("context_embedder", inputs=("encoder_hidden_states",)),
+)
+
 _CALL = {
     "prompt": "a cat holding a sign",
     "negative_prompt": "blurry",
@@ -222,6 +232,7 @@ ADAPTER = register(
         ),
         cp_plan=CP_PLAN,
         tp_plan=TP_PLAN,
+        step_invariant=STEP_INVARIANT,
         cfg_pairs_by_timestep=True,
         tiny_pipelines=(
             TinyPipeline(name="t2i", build=tiny_flux3, call_kwargs=_CALL),

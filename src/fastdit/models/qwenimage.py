@@ -10,7 +10,7 @@ image's latent tokens to the noisy latent tokens, so the image stream is longer 
 from __future__ import annotations
 
 from fastdit.models._lazy import LazyKwargs, tiny_image
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, StepInvariant, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 from fastdit.parallel.plan_shapes import streams
@@ -131,6 +131,16 @@ TP_PLAN = TensorParallelPlan(
     notes="diffusers' plan plus per-block modulation split with a gathered output (~1/3 of the weights).",
 )
 
+# The pipelines pass the same prompt embeddings and img_shapes at every step (one prompt tensor per CFG branch, made
+# before the loop). The text stream is txt_in(txt_norm(encoder_hidden_states)): both keyed on the transformer's
+# argument (txt_in's input is the norm's output, a function of it). `pos_embed` takes only img_shapes, the text
+# length (an int) and the device, compared by value.
+STEP_INVARIANT = (
+    StepInvariant("txt_norm", inputs=("encoder_hidden_states",)),
+    StepInvariant("txt_in", inputs=("encoder_hidden_states",)),
+    StepInvariant("pos_embed"),
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="qwenimage",
@@ -138,6 +148,7 @@ ADAPTER = register(
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P1),),
         cp_plan=CP_PLAN,
         tp_plan=TP_PLAN,
+        step_invariant=STEP_INVARIANT,
         tiny_pipelines=(
             TinyPipeline(name="qwen-image", build=tiny_qwen_image, call_kwargs={**_CALL, "height": 32, "width": 32}),
             TinyPipeline(

@@ -26,7 +26,7 @@ from functools import cache
 from typing import Any
 
 from fastdit.models._lazy import LazyKwargs, tiny_image
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, StepInvariant, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, HeadParallel, SplitInput
 from fastdit.parallel.tp_plan import Colwise, Rowwise, TensorParallelPlan
@@ -197,6 +197,15 @@ TP_PLAN = TensorParallelPlan(
     notes="diffusers' plan (attention and SwiGLU split); the shared modulation stays whole.",
 )
 
+# The pipeline passes the same prompt embeddings, img_shapes and image-slot mask (img_mask) at every step (one set per
+# CFG branch, made before the loop). The text projection reads encoder_hidden_states directly; the rotary table is
+# computed from img_shapes[0] and a token mask forward expands from img_mask (a new tensor every call): keyed on the
+# transformer's img_mask, img_shapes by value. Serving it also saves the table's host read of the mask (.tolist()).
+STEP_INVARIANT = (
+    StepInvariant("txt_in", inputs=("encoder_hidden_states",)),
+    StepInvariant("pos_embed", inputs=("img_mask",)),
+)
+
 ADAPTER = register(
     ModelAdapter(
         family="qwenimage21",
@@ -204,6 +213,7 @@ ADAPTER = register(
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P3),),
         cp_plan=CP_PLAN,
         tp_plan=TP_PLAN,
+        step_invariant=STEP_INVARIANT,
         tiny_pipelines=(
             TinyPipeline(
                 name="t2i",

@@ -9,7 +9,15 @@ blocks (``dual_attention_layers``) without changing the call.
 
 from __future__ import annotations
 
-from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import (
+    BlockGroup,
+    ForwardPattern,
+    LatentLayout,
+    ModelAdapter,
+    ModelPreset,
+    StepInvariant,
+    TinyPipeline,
+)
 from fastdit.models.registry import register
 from fastdit.parallel.plan_shapes import joint_first_block_plan
 from fastdit.parallel.tp_plan import TensorParallelPlan
@@ -132,6 +140,11 @@ _CALL = {
     "max_sequence_length": 16,
 }
 
+# The pipeline passes the same prompt embeddings at every step (batched CFG's cat([negative, prompt]) is done once
+# before the loop; skip-layer guidance's extra call passes the un-batched embeddings, also made once): the text
+# projection repeats. Not `pos_embed`: the patch embedding of the latent.
+STEP_INVARIANT = (StepInvariant("context_embedder", inputs=("encoder_hidden_states",)),)
+
 ADAPTER = register(
     ModelAdapter(
         family="sd3",
@@ -141,6 +154,7 @@ ADAPTER = register(
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P1),),
         cp_plan=CP_PLAN,
         tp_plan=TP_PLAN,
+        step_invariant=STEP_INVARIANT,
         tiny_pipelines=(
             TinyPipeline(name="sd3", build=tiny_sd3, call_kwargs=_CALL),
             TinyPipeline(name="sd3.5-medium", build=tiny_sd35, call_kwargs=_CALL),
