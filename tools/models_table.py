@@ -103,8 +103,12 @@ def cfg_status(adapter) -> str:
 def cache_status(adapter) -> str:
     """The cache cell: every step cache, and whether TeaCache's spectral signal has a latent grid to filter."""
     if adapter.latent is not None:
-        return f"✅ cache; spectral signal on `{adapter.latent.arg}` ({adapter.latent.describe().partition(', ')[2]})"
-    return "✅ cache; ❌ spectral signal: " + (adapter.no_latent or "no latent declared")
+        cell = f"✅ cache; spectral signal on `{adapter.latent.arg}` ({adapter.latent.describe().partition(', ')[2]})"
+    else:
+        cell = "✅ cache; ❌ spectral signal: " + (adapter.no_latent or "no latent declared")
+    if adapter.step_invariant:
+        cell += "; step-invariant: " + ", ".join(f"`{rule.module}`" for rule in adapter.step_invariant)
+    return cell
 
 
 def render() -> str:
@@ -145,7 +149,9 @@ def render() -> str:
         "each family file's `notes` and in [models/](models/).",
         "",
         "The cache column also says where TeaCache's spectral signal finds the noisy latent on its grid (the",
-        "argument and its channel axis, see [cache.md](cache.md#the-spectral-signal)), or why the family has none.",
+        "argument and its channel axis, see [cache.md](cache.md#the-spectral-signal)), or why the family has none,",
+        "and the modules outside the blocks a cache serves from their first call while their inputs repeat",
+        "([cache.md](cache.md#step-invariant-modules)).",
         "",
         "The context-parallel column gives the family's plan (where the sequence is split, see",
         "[parallel.md](parallel.md)) — every plan is tested on 2 and 3 gloo ranks against one process — or why there",

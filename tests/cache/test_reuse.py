@@ -66,6 +66,28 @@ def test_true_cfg_keeps_one_entry_per_branch() -> None:
     assert _served(pipe)["pos_embed"] == {"served": 6, "calls": 8}
 
 
+def test_a_new_run_computes_again() -> None:
+    """The same prompt embeddings in a second call, the weights changed in between (a LoRA fused, say): the new run
+    drops what the last one kept, even where the pipeline never resets its hooks."""
+    pipe = tiny_flux(0)
+    prompt_embeds, pooled, _ = pipe.encode_prompt(prompt="a cat", prompt_2=None, max_sequence_length=16)
+    call = {"height": 32, "width": 32, "num_inference_steps": 4, "output_type": "pt"}
+    call |= {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}
+
+    def images():
+        return pipe(**call, generator=torch.Generator().manual_seed(0)).images
+
+    fastdit.accelerate(pipe, cache=DBCache(fn=1, bn=0, threshold=0.0))
+    hook = layers.stack_of(pipe.transformer.context_embedder).get("fastdit.cache.reuse")
+    hook.reset = lambda: None  # as a pipeline that never resets its hooks leaves them
+    images()
+    with torch.no_grad():
+        pipe.transformer.context_embedder.weight.mul_(0.5)
+    served = images()
+    fastdit.disable(pipe)
+    torch.testing.assert_close(served, images(), rtol=0, atol=0)
+
+
 def test_a_pipeline_call_lets_the_kept_tensors_go() -> None:
     pipe = tiny_flux(0)
     fastdit.accelerate(pipe, cache=DBCache(fn=1, bn=0, threshold=0.0))
@@ -263,6 +285,33 @@ def test_a_module_this_configuration_lacks_is_left_out_not_refused() -> None:
     }
     assert not stats.counts
     undo()
+
+
+def _left_out(root: nn.Module, module: str) -> str | None:
+    stats, undo = install_reuse(root, [StepInvariant(module)])
+    undo()
+    return stats.skipped.get(module)
+
+
+def test_modules_with_parallel_work_inside_are_left_out() -> None:
+    class _RoutedProcessor:
+        _parallel_config = object()  # its attention is dispatched to a parallel backend
+
+    split_input = _Root(nn.Linear(4, 4))
+    layers.install(split_input.inner, layers.Layer.PARALLEL_INPUT, "split", layers.LayerHook())
+    assert "context parallelism runs inside it" in _left_out(split_input, "inner")
+
+    gathering_child = _Root(_Root(nn.Linear(4, 4)))
+    layers.install(gathering_child.inner.inner, layers.Layer.PARALLEL_OUTPUT, "gather", layers.LayerHook())
+    assert "context parallelism runs inside it" in _left_out(gathering_child, "inner")
+
+    routed = _Root(nn.Linear(4, 4))
+    routed.inner.processor = _RoutedProcessor()
+    assert "context parallelism runs inside it" in _left_out(routed, "inner")
+
+    split_output = _Root(nn.Linear(4, 4))
+    layers.install(split_output.inner, layers.Layer.PARALLEL_OUTPUT, "split", layers.LayerHook())
+    assert _left_out(split_output, "inner") is None  # a split of its own output runs around the lookup
 
 
 def _sharded_reason(rank: int, world_size: int) -> dict[str, str]:

@@ -56,7 +56,7 @@ def apply_cache(
     if not plan.step_invariant:
         return Applied(undo, engine)
     try:
-        engine.reuse, undo_reuse = install_reuse(transformer, plan.step_invariant)
+        engine.reuse, undo_reuse = install_reuse(transformer, plan.step_invariant, lambda: engine.tracker.epoch)
     except BaseException:
         undo()
         raise

@@ -6,7 +6,9 @@ declares them (:class:`~fastdit.models.base.StepInvariant`); while a cache is in
 last outputs and serves a call whose inputs are the *same tensor objects*, not modified in place since (their version
 counters unchanged), with equal non-tensor values. Nothing is compared on the device, so a lookup never waits for it.
 The output is then the very tensor computed before, bit for bit the one the module would compute again; if a consumer
-modified a kept output in place, the entry is dropped and the module computes.
+modified a kept output in place, the entry is dropped and the module computes. Outputs are reused between the steps of
+one run only: the end of a run (the cache's run tracker) drops them, since the weights may have changed in between
+(a LoRA loaded, fused or rescaled between pipeline calls) while the caller passes the same tensors.
 
 A module whose output depends on the transformer's arguments rather than its own (FLUX's rotary table is computed
 from ``cat(txt_ids, img_ids)``, a new tensor every call) declares those arguments: they are read at the transformer's
@@ -157,11 +159,13 @@ class ReuseHook(layers.LayerHook):
 
     may_skip = True
 
-    def __init__(self, rule: StepInvariant, root: RootInputs | None, counts: list[int]) -> None:
+    def __init__(self, rule: StepInvariant, root: RootInputs | None, counts: list[int], run: Callable[[], int]) -> None:
         self._inputs = rule.inputs
         self._root = root
         self._counts = counts  # [served, calls], shared with the stats
         self._entries: list[_Entry] = []
+        self._run = run
+        self._entries_run: int | None = None
 
     def _key(self, args: tuple, kwargs: dict) -> _Key | None:
         if not self._inputs:
@@ -182,6 +186,12 @@ class ReuseHook(layers.LayerHook):
         key = self._key(args, kwargs)
         if key is None:
             return inner(*args, **kwargs)
+        run = self._run()
+        if run != self._entries_run:
+            # A new run may come with other weights (a LoRA loaded, fused or rescaled between pipeline calls) for the
+            # same input tensors: outputs are only reused between the steps of one run.
+            self._entries.clear()
+            self._entries_run = run
         for i, entry in enumerate(self._entries):
             if entry.key.matches(key):
                 if all(leaf.unchanged() for leaf in entry.kept):
@@ -204,17 +214,44 @@ class ReuseHook(layers.LayerHook):
 
 
 def _skip_reason(module: torch.nn.Module | None) -> str | None:
+    # A served call skips the module's computation on this rank: nothing in it may be a collective the other ranks
+    # wait for, whatever the lookup decides there.
     if module is None:
         return "no such module in this transformer"
     if any(isinstance(p, DTensor) for p in module.parameters()):
         return "its weights are split by tensor parallelism (its computation has collectives every rank runs)"
+    if _parallel_inside(module):
+        return "context parallelism runs inside it (split inputs or routed attention: collectives every rank runs)"
     return None
 
 
+def _parallel_inside(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s own computation holds parallel work: its input split, a parallel layer on a submodule, or
+    an attention processor routed to a parallel backend. (A split or gather of its *output* runs around the lookup.)"""
+    parallel = (layers.Layer.PARALLEL_INPUT, layers.Layer.PARALLEL_OUTPUT)
+    for sub in module.modules():
+        if getattr(getattr(sub, "processor", None), "_parallel_config", None) is not None:
+            return True
+        stack = layers.stack_of(sub)
+        if stack is None:
+            continue
+        for layer, _ in stack.names():
+            if layer == layers.Layer.PARALLEL_INPUT or (layer in parallel and sub is not module):
+                return True
+    return False
+
+
 def install_reuse(
-    transformer: torch.nn.Module, rules: Sequence[StepInvariant]
+    transformer: torch.nn.Module, rules: Sequence[StepInvariant], run: Callable[[], int] = lambda: 0
 ) -> tuple[ReuseStats, Callable[[], None]]:
-    """Install the reuse hooks of ``rules`` on ``transformer``; return their statistics and the undo."""
+    """Install the reuse hooks of ``rules`` on ``transformer``; return their statistics and the undo.
+
+    Args:
+        transformer: The denoiser.
+        rules: Its family's declarations.
+        run: The cache's run epoch (:attr:`~fastdit.cache.state.RunTracker.epoch`): kept outputs are dropped when it
+            changes.
+    """
     stats = ReuseStats()
     undo: list[Callable[[], None]] = []
     modules = dict(transformer.named_modules())
@@ -235,7 +272,7 @@ def install_reuse(
         undo.append(layers.install(transformer, layers.Layer.TRACK, REUSE_INPUTS_HOOK, root))
     for path, rule in chosen:
         counts = stats.counts.setdefault(path, [0, 0])
-        hook = ReuseHook(rule, root if rule.inputs else None, counts)
+        hook = ReuseHook(rule, root if rule.inputs else None, counts, run)
         undo.append(layers.install(modules[path], layers.Layer.SKIP, REUSE_HOOK, hook))
 
     def remove() -> None:

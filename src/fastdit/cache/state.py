@@ -141,6 +141,8 @@ class RunTracker:
             keeps a host step index (``None`` otherwise).
         sigma: The noise level of the scheduler's current step and whether it is a flow-matching one, given the
             call's timestep (:func:`fastdit.cache.spectral.scheduled_sigma`), set like :attr:`schedule`.
+        epoch: Counts the ends of runs (:meth:`reset`, or a context started over): what was kept for one run's steps
+            is stale in the next. A context's first run (the uncond branch after the cond one) does not count.
     """
 
     def __init__(self, separate_branches: bool = True) -> None:
@@ -148,6 +150,7 @@ class RunTracker:
         self._contexts: dict[str, _ContextTrack] = {}
         self.active: BranchState | None = None
         self.runs = 0
+        self.epoch = 0
         self._finished: dict[str, BranchState] = {}
         self.schedule: Callable[[], int | None] | None = None
         self.clock: Any = None
@@ -162,6 +165,7 @@ class RunTracker:
         if self._contexts:
             self._finished = self.branches()
         self._contexts.clear()
+        self.epoch += 1
         self.active = None
         self.schedule = None  # the next run's scheduler sets its own
         self.clock = None
@@ -195,6 +199,8 @@ class RunTracker:
         # differ (SD3.5 skip-layer guidance adds a batch-1 forward after the batched CFG one).
         reshaped = not same_step and track.signature != signature
         if not track.started or reshaped or backwards:
+            if track.started:
+                self.epoch += 1  # this context started over: a new run of the sampler
             if track.branches:
                 self._finished = self.branches()
             track.branches.clear()

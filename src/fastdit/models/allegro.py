@@ -8,7 +8,15 @@ enters through cross-attention only.
 
 from __future__ import annotations
 
-from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import (
+    BlockGroup,
+    ForwardPattern,
+    LatentLayout,
+    ModelAdapter,
+    ModelPreset,
+    StepInvariant,
+    TinyPipeline,
+)
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.parallel.tp_plan import TensorParallelPlan
@@ -109,6 +117,11 @@ TP_PLAN = TensorParallelPlan(
     "scale_shift_table are replicated.",
 )
 
+# The pipeline passes the same prompt embeddings at every step (batched CFG's cat([negative, prompt]) is done once
+# before the loop): the caption projection repeats. The RoPE tables come from the pipeline (no module computes them);
+# `adaln_single` reads the timestep and `pos_embed` the latent.
+STEP_INVARIANT = (StepInvariant("caption_projection", inputs=("encoder_hidden_states",)),)
+
 ADAPTER = register(
     ModelAdapter(
         family="allegro",
@@ -154,6 +167,7 @@ ADAPTER = register(
         ),
         cp_plan=CP_PLAN,
         tp_plan=TP_PLAN,
+        step_invariant=STEP_INVARIANT,
         # The pipeline's RoPE tables cover the latent grid, not the batch (a dim may equal the batch by chance).
         cfg_batch_dims={"image_rotary_emb": None},
     )

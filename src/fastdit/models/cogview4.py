@@ -8,7 +8,15 @@ block's attention; nothing runs between blocks.
 
 from __future__ import annotations
 
-from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import (
+    BlockGroup,
+    ForwardPattern,
+    LatentLayout,
+    ModelAdapter,
+    ModelPreset,
+    StepInvariant,
+    TinyPipeline,
+)
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 from fastdit.parallel.plan_shapes import streams
@@ -108,6 +116,12 @@ TP_PLAN = TensorParallelPlan(
     "gathered output; QK-norms per head.",
 )
 
+# The pipeline passes the same prompt embeddings at every step, the cond call its own and the uncond call the
+# negative ones (both encoded once before the loop): the text half of the patch embedding (`patch_embed.text_proj`,
+# applied to `encoder_hidden_states` as passed) repeats. Not `patch_embed` itself (it embeds the latent too), `rope`
+# (computed from the latent, a new tensor every step) nor `time_condition_embed` (the timestep).
+STEP_INVARIANT = (StepInvariant("patch_embed.text_proj", inputs=("encoder_hidden_states",)),)
+
 ADAPTER = register(
     ModelAdapter(
         family="cogview4",
@@ -117,6 +131,7 @@ ADAPTER = register(
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P0),),
         cp_plan=CP_PLAN,
         tp_plan=TP_PLAN,
+        step_invariant=STEP_INVARIANT,
         # No tiny Control pipeline: it samples the control latents with the global RNG (latent_dist.sample()
         # without the caller's generator), so two seeded runs differ.
         tiny_pipelines=(TinyPipeline(name="cogview4", build=tiny_cogview4, call_kwargs=_CALL),),

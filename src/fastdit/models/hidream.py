@@ -11,7 +11,15 @@ from __future__ import annotations
 
 import copy
 
-from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import (
+    BlockGroup,
+    ForwardPattern,
+    LatentLayout,
+    ModelAdapter,
+    ModelPreset,
+    StepInvariant,
+    TinyPipeline,
+)
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.parallel.tp_plan import Colwise, Rowwise, ShardedNorm, Style, TensorParallelPlan
@@ -187,6 +195,17 @@ TP_PLAN = TensorParallelPlan(
     "every rank); per-block AdaLN modulation split with a gathered output; caption projections replicated.",
 )
 
+# The pipeline passes the same T5 and stacked Llama-3 embeddings and pooled CLIP embeddings at every step (batched
+# CFG's cats are done once before the loop). Every caption projection repeats: one per block reads its Llama layer
+# (`encoder_hidden_states_llama3[k]`, a new view every call), the last reads the T5 states; all are keyed on both
+# arguments. The pooled embedder (`p_embedder`) repeats too; the timestep is embedded separately (`t_embedder`) and
+# only added after it. Not `pe_embedder`: its ids are built in forward from the latent's grid (patchify), which no
+# argument named here determines; nor `x_embedder` (the latent).
+STEP_INVARIANT = (
+    StepInvariant("caption_projection.*", inputs=("encoder_hidden_states_t5", "encoder_hidden_states_llama3")),
+    StepInvariant("p_embedder", inputs=("pooled_embeds",)),
+)
+
 _CALL = {
     "prompt": "a cat holding a sign",
     "height": 32,
@@ -211,6 +230,7 @@ ADAPTER = register(
         ),
         timestep_arg="timesteps",
         tp_plan=TP_PLAN,
+        step_invariant=STEP_INVARIANT,
         tiny_pipelines=(
             TinyPipeline(name="hidream", build=tiny_hidream, call_kwargs=_CALL),
             # Non-square sizes take the padded path: image tokens padded to a fixed length plus a token mask.

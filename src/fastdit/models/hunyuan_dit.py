@@ -9,7 +9,15 @@ prompt is only read by cross-attention: pattern 2.
 
 from __future__ import annotations
 
-from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import (
+    BlockGroup,
+    ForwardPattern,
+    LatentLayout,
+    ModelAdapter,
+    ModelPreset,
+    StepInvariant,
+    TinyPipeline,
+)
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.parallel.tp_plan import TensorParallelPlan
@@ -116,6 +124,16 @@ TP_PLAN = TensorParallelPlan(
     "long-skip linears are replicated.",
 )
 
+# The pipeline passes the same BERT and T5 prompt embeddings at every step (batched CFG's cats are done once before
+# the loop): the T5 projection (`text_embedder`, fed a `.view` of the T5 states, a new tensor every call) and the
+# attention pooler of the T5 states inside the combined time embedding repeat, both keyed on `encoder_hidden_states_t5`.
+# Not the rest of `time_extra_emb` (it adds the timestep; its `extra_embedder` reads the size embedding cast to the
+# timestep's dtype), nor `pos_embed` (the latent). The RoPE tables come from the pipeline.
+STEP_INVARIANT = (
+    StepInvariant("text_embedder", inputs=("encoder_hidden_states_t5",)),
+    StepInvariant("time_extra_emb.pooler", inputs=("encoder_hidden_states_t5",)),
+)
+
 _CALL = {
     "prompt": "a cat holding a sign",
     # The pipeline derives the RoPE grid from height // 8, so the VAE must downsample by 8: 64 px -> 8x8 latents.
@@ -136,6 +154,7 @@ ADAPTER = register(
         block_groups=(BlockGroup(path="blocks", pattern=ForwardPattern.P2),),
         cp_plan=CP_PLAN,
         tp_plan=TP_PLAN,
+        step_invariant=STEP_INVARIANT,
         tiny_pipelines=(
             TinyPipeline(name="v1.2", build=tiny_hunyuan_dit, call_kwargs=_CALL),
             TinyPipeline(name="v1.1", build=tiny_hunyuan_dit_v11, call_kwargs=_CALL),

@@ -9,7 +9,7 @@ cross-attention only.
 from __future__ import annotations
 
 from fastdit.models._lazy import LazyKwargs, tiny_image
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, StepInvariant, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput, SplitOutput
 from fastdit.parallel.tp_plan import LocalSlice, ShardedNorm, TensorParallelPlan
@@ -127,6 +127,18 @@ TP_PLAN = TensorParallelPlan(
     "features), GELU FFN split; shared AdaLN-single and per-block tables replicated.",
 )
 
+# The pipelines pass the same prompt embeddings (batched CFG's cat([negative, prompt]) is done once before the loop),
+# the same latent grid size and rope_interpolation_scale, or the condition pipeline's video_coords (built once before
+# the loop), at every step: the RoPE tables and the caption projection repeat. `rope` reads the latent only for its
+# batch size and device (its own arguments match by shape, dtype and device besides); both are keyed on the
+# transformer's arguments, which context parallelism splits beneath the lookup (a new shard every call; the split of
+# the tables, and tensor parallelism's slice of them, run on the module's output, around the lookup). Not
+# `time_embed` (the per-sample or per-token timestep) nor `proj_in` (the latent).
+STEP_INVARIANT = (
+    StepInvariant("rope", inputs=("num_frames", "height", "width", "rope_interpolation_scale", "video_coords")),
+    StepInvariant("caption_projection", inputs=("encoder_hidden_states",)),
+)
+
 _CALL = {
     "prompt": "a cat holding a sign",
     "negative_prompt": "blue",
@@ -145,6 +157,7 @@ ADAPTER = register(
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P2),),
         cp_plan=CP_PLAN,
         tp_plan=TP_PLAN,
+        step_invariant=STEP_INVARIANT,
         tiny_pipelines=(
             TinyPipeline(name="t2v", build=tiny_ltx, call_kwargs=_CALL),
             # Per-token timesteps with conditioning tokens at 0: the cache follows the largest entry.

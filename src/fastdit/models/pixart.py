@@ -9,7 +9,15 @@ alone. The prompt is only read (cross-attention keys/values), never updated: pat
 
 from __future__ import annotations
 
-from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import (
+    BlockGroup,
+    ForwardPattern,
+    LatentLayout,
+    ModelAdapter,
+    ModelPreset,
+    StepInvariant,
+    TinyPipeline,
+)
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.parallel.tp_plan import TensorParallelPlan
@@ -108,6 +116,11 @@ TP_PLAN = TensorParallelPlan(
     ),
 )
 
+# The pipelines pass the same prompt embeddings at every step (batched CFG's cat([negative, prompt]) is done once
+# before the loop): the caption projection repeats. Not `adaln_single` (the timestep, with PixArt-α's resolution and
+# aspect-ratio embedding) nor `pos_embed` (the latent's patch embedding).
+STEP_INVARIANT = (StepInvariant("caption_projection", inputs=("encoder_hidden_states",)),)
+
 _CALL = {
     "prompt": "a cat holding a sign",
     "height": 32,
@@ -129,6 +142,7 @@ ADAPTER = register(
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P2),),
         cp_plan=CP_PLAN,
         tp_plan=TP_PLAN,
+        step_invariant=STEP_INVARIANT,
         tiny_pipelines=(
             TinyPipeline(name="alpha", build=tiny_pixart_alpha, call_kwargs=_CALL),
             TinyPipeline(name="sigma", build=tiny_pixart_sigma, call_kwargs=_CALL),

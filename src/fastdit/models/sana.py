@@ -8,7 +8,15 @@ timestep, height, width)`` and returns the hidden states alone; the prompt is on
 
 from __future__ import annotations
 
-from fastdit.models.base import BlockGroup, ForwardPattern, LatentLayout, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import (
+    BlockGroup,
+    ForwardPattern,
+    LatentLayout,
+    ModelAdapter,
+    ModelPreset,
+    StepInvariant,
+    TinyPipeline,
+)
 from fastdit.models.registry import register
 from fastdit.parallel.plan import (
     ContextParallelPlan,
@@ -157,6 +165,15 @@ TP_PLAN = TensorParallelPlan(
     "Sprint's across-heads QK-norms sharded; scale_shift_table and time_embed replicated.",
 )
 
+# The pipelines pass the same prompt embeddings at every step (batched CFG's cat([negative, prompt]) is done once
+# before the loop; `.to(transformer_dtype)` returns the same tensor when the dtypes agree): the caption projection and
+# the RMSNorm after it repeat. Both are keyed on `encoder_hidden_states`: the norm reads a `.view` of the projection's
+# output, a new tensor every call. Not `time_embed` (the timestep, and Sprint's guidance) nor `patch_embed` (latent).
+STEP_INVARIANT = (
+    StepInvariant("caption_projection", inputs=("encoder_hidden_states",)),
+    StepInvariant("caption_norm", inputs=("encoder_hidden_states",)),
+)
+
 _CALL = {
     "prompt": "a cat holding a sign",
     "height": 32,
@@ -209,5 +226,6 @@ ADAPTER = register(
         ),
         cp_plan=CP_PLAN,
         tp_plan=TP_PLAN,
+        step_invariant=STEP_INVARIANT,
     )
 )

@@ -11,7 +11,7 @@ exists, so their residuals do not chain with the main stack.
 from __future__ import annotations
 
 from fastdit.models._lazy import LazyKwargs, tiny_image
-from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, TinyPipeline
+from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter, ModelPreset, StepInvariant, TinyPipeline
 from fastdit.models.registry import register
 from fastdit.parallel.plan import AttentionRouting, ContextParallelPlan, GatherOutput, SplitInput
 from fastdit.parallel.tp_plan import Colwise, Rowwise, Style, TensorParallelPlan
@@ -142,6 +142,22 @@ TP_PLAN = TensorParallelPlan(
     ),
 )
 
+# The pipelines pass the same caption tensors at every step (a new list, `prompt_embeds + negative_prompt_embeds`
+# under CFG, of the tensors encoded once before the loop). The caption stream is computed from them alone until it
+# joins the image in the unified sequence: forward pads each caption (positions and padding mask from its length),
+# embeds the concatenation (`cap_embedder`, a new tensor every call) and runs the context refiner, whose blocks have
+# no modulation (no timestep). All are keyed on `cap_feats`, and on `joint_attention_kwargs` (forward applies its
+# LoRA `scale` to every layer; a caller's own prompt embeddings reach forward as the same tensors call after call);
+# under context parallelism each refiner layer's split of its inputs and gather of its output run around the lookup
+# (under tensor parallelism the refiner, whose weights are split, is left out).
+# Not `t_embedder` (the timestep), the image embedders and noise refiner (the latent), nor the RoPE tables
+# (`rope_embedder` is no module).
+_CAPTION = ("cap_feats", "joint_attention_kwargs")
+STEP_INVARIANT = (
+    StepInvariant("cap_embedder", inputs=_CAPTION),
+    StepInvariant("context_refiner.*", inputs=_CAPTION),
+)
+
 # CFG here is batched: cond and uncond go through one transformer call per step.
 _CALL = {
     "prompt": "a cat holding a sign",
@@ -162,6 +178,7 @@ ADAPTER = register(
         timestep_arg="t",
         cp_plan=CP_PLAN,
         tp_plan=TP_PLAN,
+        step_invariant=STEP_INVARIANT,
         tiny_pipelines=(
             TinyPipeline(name="z-image", build=tiny_z_image, call_kwargs=_CALL),
             TinyPipeline(
