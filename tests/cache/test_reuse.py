@@ -333,8 +333,11 @@ def test_tensor_parallel_weights_are_left_out(dist2: WorkerPool) -> None:
 def _family_under(rank: int, world_size: int, family: str, parallel: fastdit.Parallel | None):
     pipe, tiny = build_tiny(family)
     fastdit.accelerate(pipe, cache=DBCache(fn=1, bn=0, threshold=0.0), parallel=parallel)
-    images = run_tiny(pipe, tiny, num_inference_steps=4)
-    return images, fastdit.summary(pipe).transformers["transformer"]["cache"]["step_invariant"]
+    try:  # the workers serve later tests: leave nothing installed (the attention routing is module-wide)
+        images = run_tiny(pipe, tiny, num_inference_steps=4)
+        return images, fastdit.summary(pipe).transformers["transformer"]["cache"]["step_invariant"]
+    finally:
+        fastdit.disable(pipe)
 
 
 @pytest.mark.distributed
