@@ -66,6 +66,16 @@ def test_true_cfg_keeps_one_entry_per_branch() -> None:
     assert _served(pipe)["pos_embed"] == {"served": 6, "calls": 8}
 
 
+def test_compiled_outer_modules_are_served_around_their_compiled_stage() -> None:
+    pipe = tiny_flux(0)
+    expected = _images(pipe)
+    fastdit.accelerate(
+        pipe, cache=DBCache(fn=1, bn=0, threshold=0.0), compile=fastdit.Compile(backend="eager", outer=True)
+    )
+    assert torch.equal(_images(pipe), expected)
+    assert _served(pipe) == {n: {"served": 3, "calls": 4} for n in ("pos_embed", "context_embedder")}
+
+
 def test_a_new_run_computes_again() -> None:
     """The same prompt embeddings in a second call, the weights changed in between (a LoRA fused, say): the new run
     drops what the last one kept, even where the pipeline never resets its hooks."""
@@ -330,11 +340,15 @@ def test_tensor_parallel_weights_are_left_out(dist2: WorkerPool) -> None:
         assert "tensor parallelism" in skipped["inner"]
 
 
+_TRUE_CFG = {"true_cfg_scale": 2.0, "negative_prompt": "a dog"}
+
+
 def _family_under(rank: int, world_size: int, family: str, parallel: fastdit.Parallel | None):
     pipe, tiny = build_tiny(family)
     fastdit.accelerate(pipe, cache=DBCache(fn=1, bn=0, threshold=0.0), parallel=parallel)
+    extra = _TRUE_CFG if parallel.cfg > 1 else {}
     try:  # the workers serve later tests: leave nothing installed (the attention routing is module-wide)
-        images = run_tiny(pipe, tiny, num_inference_steps=4)
+        images = run_tiny(pipe, tiny, num_inference_steps=4, **extra)
         return images, fastdit.summary(pipe).transformers["transformer"]["cache"]["step_invariant"]
     finally:
         fastdit.disable(pipe)
@@ -346,13 +360,14 @@ def _family_under(rank: int, world_size: int, family: str, parallel: fastdit.Par
     [
         ("flux", fastdit.Parallel(ulysses=2)),
         ("flux", fastdit.Parallel(tp=2)),
+        ("flux", fastdit.Parallel(cfg=2)),
         ("bria_fibo", fastdit.Parallel(ulysses=2)),
     ],
-    ids=["flux-ulysses", "flux-tp", "bria_fibo-ulysses"],
+    ids=["flux-ulysses", "flux-tp", "flux-cfg", "bria_fibo-ulysses"],
 )
 def test_under_parallelism_every_rank_is_served_and_matches_one_process(dist2: WorkerPool, family, parallel) -> None:
     pipe, tiny = build_tiny(family)
-    expected = run_tiny(pipe, tiny, num_inference_steps=4)
+    expected = run_tiny(pipe, tiny, num_inference_steps=4, **(_TRUE_CFG if parallel.cfg > 1 else {}))
     for images, invariant in dist2.run(_family_under, family, parallel, timeout=120):
         # Served from each rank's own shard: the ids are split beneath the lookup, an output split around it.
         assert not invariant["skipped"]
