@@ -53,6 +53,7 @@ from cp_flux import FLUX_DEV, TINY, build_pipeline
 
 import fastdit
 from fastdit.bench import device_name, json_ready, markdown_table
+from fastdit.config import FP8_MAX
 from fastdit.io import write_json
 
 OPTIONS = ("eager", "compile", "anchor", "cudnn", "flash", "efficient", "fuseqkv", "autotune", "cdt", "fp8",
@@ -194,8 +195,8 @@ def _proj_out_weights(transformer: torch.nn.Module) -> dict[str, tuple[torch.Ten
 
 
 def _fp8_per_tensor(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = (weight.abs().amax().float() / 448.0).clamp(min=1e-12)
-    return (weight.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+    scale = (weight.abs().amax().float() / FP8_MAX).clamp(min=1e-12)
+    return _to_fp8(weight, scale), scale
 
 
 def _split_proj_out(
@@ -231,7 +232,7 @@ def _two_part_linear(
         flat = x.reshape(-1, x.shape[-1])
         out = None
         for start, end, weight, weight_scale in parts:
-            q = (flat[:, start:end].float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+            q = _to_fp8(flat[:, start:end], scale)
             first_bias = bias if out is None else None
             y = torch._scaled_mm(
                 q,
@@ -254,7 +255,7 @@ def _cast_parts_linear(
     def forward(x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         parts = [flat[:, :split], flat[:, split:]]
-        q = torch.cat([(p.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn) for p in parts], dim=-1)
+        q = torch.cat([_to_fp8(part, scale) for part in parts], dim=-1)
         y = torch._scaled_mm(
             q, weight[0].t(), scale_a=scale, scale_b=weight[1], bias=bias, out_dtype=x.dtype, use_fast_accum=True
         )
@@ -265,8 +266,13 @@ def _cast_parts_linear(
 
 def _fixed_scale_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_per_tensor`` with a fixed descale (8 / 448) in place of the absmax: no reduction over ``x``."""
-    descale = torch.full((1, 1, 1, 1), 8.0 / 448.0, dtype=torch.float32, device=x.device)
-    return (x.float() / descale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), descale
+    descale = torch.full((1, 1, 1, 1), 8.0 / FP8_MAX, dtype=torch.float32, device=x.device)
+    return _to_fp8(x, descale), descale
+
+
+def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x / scale`` in e4m3, saturated at its largest value."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
 def category(name: str) -> str:

@@ -88,7 +88,7 @@ class _Key:
         return cls(keyed, spec)
 
     def matches(self, other: _Key) -> bool:
-        if self.spec != other.spec or len(self.leaves) != len(other.leaves):
+        if self.spec != other.spec:  # equal specs hold equally many leaves
             return False
         return all(_same(a, b) for a, b in zip(self.leaves, other.leaves, strict=True))
 
