@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from fastdit.bench import device_name
 from fastdit.io import write_json
+from fastdit.metrics import json_safe
 
 HEADS, HEAD_DIM = 24, 128
 E4M3 = torch.float8_e4m3fn
@@ -45,12 +46,12 @@ def median_ms(call: Callable[[], Any], rounds: int = 5, calls: int = 20) -> floa
     return statistics.median(times)
 
 
-def psnr(reference: torch.Tensor, out: torch.Tensor) -> float | None:
-    """PSNR in dB against the reference's peak; ``None`` where the two are identical (JSON has no infinity)."""
+def psnr(reference: torch.Tensor, out: torch.Tensor) -> float | str:
+    """PSNR in dB against the reference's peak, JSON-safe (``"inf"`` where the two are identical)."""
     ref, out = reference.float(), out.float()
     mse = (ref - out).pow(2).mean().item()
     peak = ref.abs().amax().item()
-    return None if mse == 0 else round(10 * math.log10(peak * peak / mse), 2)
+    return json_safe(round(10 * math.log10(peak * peak / mse), 2) if mse > 0 else math.inf)
 
 
 def layout(x_BSHD: torch.Tensor, name: str) -> torch.Tensor:
