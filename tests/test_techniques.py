@@ -15,6 +15,7 @@ from fastdit.testing.pipelines import build_tiny, run_tiny
 def test_one_documented_order() -> None:
     assert technique_names() == (
         "tensor_parallel",
+        "fuse",
         "quantize",
         "attention",
         "context_parallel",

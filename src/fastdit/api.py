@@ -4,8 +4,8 @@
 before touching any module, creates the parallel runtime once, then applies :data:`fastdit.techniques.TECHNIQUES`
 in their one order:
 
-    tensor parallel → quantization → context parallel → CFG parallel → cache hooks → offload → compile → CUDA
-    graphs
+    tensor parallel → projection fusion → quantization → context parallel → CFG parallel → cache hooks → offload →
+    compile → CUDA graphs
 
 (text-encoder and VAE parallelism act on their own modules). What was applied is one :class:`~fastdit.context.Context`
 per target; ``disable`` undoes its records in reverse, restoring the exact original behaviour. How the hooks of
@@ -27,6 +27,7 @@ from fastdit.config import (
     CacheConfig,
     Compile,
     CudaGraph,
+    Fuse,
     Offload,
     Parallel,
     Quantize,
@@ -62,8 +63,11 @@ def _request(
     attention: Any,
     offload: Any = None,
     quantize: Any = None,
+    fuse: Any = None,
 ) -> Request:
     """Type-check the arguments and normalise them into one :class:`Request`."""
+    if fuse is not None and fuse is not False and not isinstance(fuse, (Fuse, bool)):
+        raise TypeError(f"fuse={fuse!r}: expected Fuse, True or None")
     if quantize is not None and not isinstance(quantize, Quantize):
         raise TypeError(f"quantize={quantize!r}: expected Quantize or None")
     if cache is not None and not isinstance(cache, CACHE_CONFIGS):
@@ -95,6 +99,7 @@ def _request(
         attention=attention,
         offload=offload,
         quantize=quantize,
+        fuse=Fuse() if fuse is True else (fuse or None),
     )
     return request
 
@@ -125,6 +130,7 @@ def accelerate(
     attention: Attention | None = None,
     offload: Offload | None = None,
     quantize: Quantize | None = None,
+    fuse: Fuse | bool | None = None,
     adapter: ModelAdapter | None = None,
 ) -> Any:
     """Make a pipeline (or a bare transformer) fast, in place, and return it.
@@ -140,6 +146,8 @@ def accelerate(
         offload: An :class:`Offload` to keep transformer blocks in host memory and stream them in for their call
             (for a transformer larger than the device); the rest of the pipeline moves to the device.
         quantize: A :class:`Quantize` to quantize the transformer's linear layers with torchao (FP8 or int8).
+        fuse: ``True`` or a :class:`Fuse` to compute the projections that share an input (as the family declares
+            them) as one matmul per group.
         adapter: Adapter for a transformer class that is not registered (third-party models).
 
     Returns:
@@ -148,7 +156,7 @@ def accelerate(
     Raises:
         TypeError, ValueError, NotImplementedError: before any module is touched, naming the argument.
     """
-    request = _request(cache, parallel, compile, cuda_graph, attention, offload, quantize)
+    request = _request(cache, parallel, compile, cuda_graph, attention, offload, quantize, fuse)
     check_request(request)
     if context_of(target) is not None:
         raise ValueError(f"{type(target).__name__} is already accelerated; call fastdit.disable first")
@@ -218,6 +226,12 @@ class Summary:
     def __str__(self) -> str:
         lines = []
         for name, info in self.transformers.items():
+            fused = info.get("fuse")
+            if fused:
+                lines.append(
+                    f"{name}: {fused['num_layers']} projections fused into {fused['num_groups']} matmuls "
+                    f"({fused['hits']} shared, {fused['misses']} recomputed on eager calls)"
+                )
             quantized = info.get("quantize")
             if quantized:
                 lines.append(
@@ -285,18 +299,10 @@ def summary(target: Any) -> Summary:
         branches = context.state("cfg_parallel", item.name)
         if branches is not None:
             info["cfg_parallel"] = branches.stats.stats()
-        split = context.state("tensor_parallel", item.name)
-        if split is not None:
-            info["tensor_parallel"] = split.stats()
-        attention = context.state("attention", item.name)
-        if attention is not None:
-            info["attention"] = attention.stats()
-        quantized = context.state("quantize", item.name)
-        if quantized is not None:
-            info["quantize"] = quantized.stats()
-        graphs = context.state("cuda_graph", item.name)
-        if graphs is not None:
-            info["cuda_graph"] = graphs.stats()
+        for technique in ("tensor_parallel", "fuse", "attention", "quantize", "cuda_graph"):
+            state = context.state(technique, item.name)
+            if state is not None:
+                info[technique] = state.stats()
         streamer = context.state("offload", item.name)
         if streamer is not None:
             info["offload"] = streamer.summary()

@@ -32,6 +32,7 @@ __all__ = [
     "DBCache",
     "DBPrune",
     "FBCache",
+    "Fuse",
     "Loading",
     "MagCache",
     "MagCalibration",
@@ -867,6 +868,26 @@ class Compile:
                 f"a mode among {_GRAPHING_MODES} captures CUDA graphs itself, so does cuda_graph=True; "
                 "use one of them (e.g. mode='max-autotune-no-cudagraphs')",
             )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fuse:
+    """Projections that share an input computed as one matmul per group (their weights concatenated), as the
+    transformer's family declares them (FLUX: each single block's Q/K/V and MLP input projections, each double
+    block's Q/K/V per stream). The model's outputs are unchanged up to the matmuls' rounding."""
+
+    exclude: tuple[str, ...] = _doc(
+        "Member-layer patterns (fnmatch, relative to the transformer, e.g. 'single_transformer_blocks.*.proj_mlp'): "
+        "a group with a matching member is left unfused.",
+        (),
+    )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.exclude, str):  # one pattern given alone
+            object.__setattr__(self, "exclude", (self.exclude,))
+        elif isinstance(self.exclude, Iterable) and not isinstance(self.exclude, bytes):
+            object.__setattr__(self, "exclude", tuple(self.exclude))
+        _check_fields(self, exclude=_PATTERNS)
 
 
 @dataclass(frozen=True, kw_only=True)

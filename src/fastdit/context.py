@@ -19,6 +19,7 @@ from fastdit.config import (
     CacheConfig,
     Compile,
     CudaGraph,
+    Fuse,
     Offload,
     Parallel,
     Quantize,
@@ -43,6 +44,7 @@ class Request:
     attention: Attention | None = None
     offload: Offload | None = None
     quantize: Quantize | None = None
+    fuse: Fuse | None = None
 
     @property
     def context_parallel(self) -> bool:

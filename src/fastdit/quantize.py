@@ -27,9 +27,9 @@ import json
 import logging
 import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -37,8 +37,11 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from fastdit.config import ActivationScales, Quantize, static_fp8_scale
 from fastdit.errors import FieldError
-from fastdit.hooks.state import Applied
+from fastdit.hooks.state import Applied, park_on_host
 from fastdit.quantize_rows import rowwise_linear
+
+if TYPE_CHECKING:
+    from fastdit.fuse import FusedGroup
 
 __all__ = [
     "QuantizeState",
@@ -208,6 +211,11 @@ def _skip_reason(name: str, module: torch.nn.Linear, config: Quantize, block_pat
         return f"excluded by {excluded!r}"
     if module.weight.numel() < config.min_size:
         return f"{module.weight.numel()} weight elements < min_size={config.min_size}"
+    return _layer_reason(module, config)
+
+
+def _layer_reason(module: torch.nn.Linear, config: Quantize) -> str | None:
+    """Why the weight itself cannot be quantized in this mode (its type, dtype or shape), or ``None``."""
     data = module.weight.to_local() if isinstance(module.weight, DTensor) else module.weight.data
     if type(data) is not torch.Tensor:
         return f"weight is already a {type(data).__name__}"
@@ -236,6 +244,41 @@ def plan_layers(transformer: torch.nn.Module, config: Quantize, block_paths: tup
         for name, module in transformer.named_modules()
         if isinstance(module, torch.nn.Linear)
     ]
+
+
+def _with_groups(choices: list[LayerChoice], groups: Sequence[FusedGroup], config: Quantize) -> list[LayerChoice]:
+    """``choices`` with each fused group's layer in place of its members (quantized when every member would be).
+
+    A calibration records the members themselves (they are still called, each with the group's input)."""
+    if not groups or config.calibrate:
+        return choices
+    owner = {member: group for group in groups for member in group.members}
+    reasons = {c.name: c.reason for c in choices}
+    out: list[LayerChoice] = []
+    for choice in choices:
+        group = owner.get(choice.name)
+        if group is None:
+            out.append(choice)
+            continue
+        out.append(LayerChoice(choice.name, choice.module, f"fused into {group.name}"))
+        if choice.name == group.members[0]:
+            member = next((m for m in group.members if reasons[m] is not None), None)
+            reason = f"member {member}: {reasons[member]}" if member else _layer_reason(group.linear, config)
+            out.append(LayerChoice(group.name, group.linear, reason))
+    return out
+
+
+def _group_scales(
+    table: dict[str, tuple[float, int]], groups: Sequence[FusedGroup], component: str
+) -> dict[str, tuple[float, int]]:
+    """``table`` with an entry per fused group: the largest of its members' input maxima (all recorded on the one
+    tensor they share), when every member has one."""
+    out = dict(table)
+    for group in groups:
+        entries = [table.get(f"{component}.{member}") for member in group.members]
+        if all(entry is not None for entry in entries):
+            out[f"{component}.{group.name}"] = (max(e[0] for e in entries), entries[0][1])
+    return out
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
@@ -287,19 +330,6 @@ class QuantizeState:
         }
 
 
-def _offload(param: torch.nn.Parameter) -> Undo:
-    """Move a kept original weight off the accelerator while its quantized copy is in use; the undo moves it back."""
-    device = param.device
-    if device.type == "cpu":
-        return lambda: None
-    param.data = param.data.to("cpu")
-
-    def undo() -> None:
-        param.data = param.data.to(device)
-
-    return undo
-
-
 def _quantize_plain(module: torch.nn.Linear, ao_config: Any) -> Undo | None:
     """Quantize one Linear whose weight is a plain tensor; the undo restores its parameters and attributes
     (``None``: torchao left the layer as it was)."""
@@ -309,7 +339,7 @@ def _quantize_plain(module: torch.nn.Linear, ao_config: Any) -> Undo | None:
         import_torchao().quantize_(module, ao_config)
     if module._parameters["weight"] is parameters["weight"]:  # torchao declined (a shape its kernels do not take)
         return None
-    offload = _offload(parameters["weight"])
+    offload = park_on_host(parameters["weight"])
 
     def undo() -> None:
         for key in set(module.__dict__) - attributes:  # torchao sets an instance extra_repr
@@ -400,7 +430,7 @@ def _quantize_rows(module: torch.nn.Linear, scale: float) -> Undo:
     module._parameters["weight"] = torch.nn.Parameter(rowwise_weight(weight), requires_grad=False)
     # The weight is read from the module at each call: the module holds the one reference to it.
     module.forward = lambda x: rowwise_linear(x, module.weight, scale, module.bias)
-    offload = _offload(parameters["weight"])
+    offload = park_on_host(parameters["weight"])
 
     def undo() -> None:
         module.__dict__.pop("forward", None)
@@ -517,7 +547,11 @@ def _quantize_layer(module: torch.nn.Linear, layer_config: Any) -> Undo | None:
 
 
 def apply_quantize(
-    transformer: torch.nn.Module, config: Quantize, block_paths: tuple[str, ...], component: str = "transformer"
+    transformer: torch.nn.Module,
+    config: Quantize,
+    block_paths: tuple[str, ...],
+    component: str = "transformer",
+    groups: Sequence[FusedGroup] = (),
 ) -> Applied:
     """Quantize the chosen Linear layers of ``transformer`` in place (or, with ``calibrate``, watch their inputs).
 
@@ -526,6 +560,8 @@ def apply_quantize(
         config: The mode and the layer choice.
         block_paths: Dotted paths of its block lists (the default scope).
         component: Its name in the pipeline: the prefix of its layers in static FP8's scales.
+        groups: Projections fused by :func:`fastdit.fuse.apply_fuse`: each group's layer is quantized instead of
+            its members, when every member would be.
 
     Returns:
         The undo (restores the original weights, bit for bit) and a :class:`QuantizeState` (a
@@ -534,11 +570,11 @@ def apply_quantize(
     Raises:
         ImportError: torchao is not installed.
     """
-    choices = plan_layers(transformer, config, block_paths)
+    choices = _with_groups(plan_layers(transformer, config, block_paths), groups, config)
     if config.calibrate:
         return _record(choices)
     shared = None if config.mode == "fp8_static" else torchao_config(config.mode)
-    table = config.scales.lookup() if config.scales is not None else {}
+    table = _group_scales(config.scales.lookup() if config.scales is not None else {}, groups, component)
     state = QuantizeState(mode=config.mode, weight_scales=config.weight_scales)
     undos: list[Undo] = []
 

@@ -4,12 +4,12 @@ Each entry declares which request field turns it on, its checks (run for every r
 module is touched) and its ``apply`` (which records an undo, and any state it keeps, in the :class:`Context`).
 :func:`fastdit.accelerate` walks the tuple in order; :func:`fastdit.disable` undoes the records in reverse.
 
-The order is the *application* order: tensor parallel → quantization → the attention backend (one device) →
-context parallel → the input check of the ranks that share a sample → CFG parallel → cache → offload → compile →
-CUDA graphs, then the text-encoder and VAE techniques on their own modules. Later entries may read what earlier
-ones recorded (the cache reads the split layout's process groups through the runtime, graphs key block calls on the
-split layout). How the hooks of different techniques *nest* on one module does not depend on this order: that is
-the layer table of :mod:`fastdit.hooks.layers`.
+The order is the *application* order: tensor parallel → projection fusion → quantization → the attention backend
+(one device) → context parallel → the input check of the ranks that share a sample → CFG parallel → cache → offload
+→ compile → CUDA graphs, then the text-encoder and VAE techniques on their own modules. Later entries may read
+what earlier ones recorded (the cache reads the split layout's process groups through the runtime, graphs key block
+calls on the split layout; quantization quantizes the fused groups). How the hooks of different techniques *nest*
+on one module does not depend on this order: that is the layer table of :mod:`fastdit.hooks.layers`.
 
 Adding a technique is one entry here plus its own module with an ``apply_<technique>(module, plan, config)``.
 """
@@ -105,6 +105,56 @@ def _run_device(request: Request, module: torch.nn.Module) -> torch.device:
     return device
 
 
+class _Fuse:
+    """Projections that share an input fused into one matmul per group; before quantization, which then quantizes
+    each group's layer instead of its members."""
+
+    name = "fuse"
+    needs_components = True
+
+    def requested(self, request: Request) -> bool:
+        return request.fuse is not None
+
+    def check(self, request: Request, components: Components) -> None:
+        from fastdit.fuse import plan_groups
+
+        config = request.fuse
+        others = {
+            "parallel": request.parallel if request.parallel is not None and request.parallel.tp > 1 else None,
+            "offload": request.offload,
+        }
+        given = {name: value for name, value in others.items() if value is not None}
+        if given:
+            name, value = next(iter(given.items()))
+            why = {
+                "parallel": "tensor parallelism splits each projection on its own (DTensor weights)",
+                "offload": "offload streams each block's registered parameters, and a group's weights are held apart",
+            }[name]
+            raise ArgumentError(
+                "accelerate", "fuse", config, f"with {name}={value}: {why}; use one of them (fusion is for one device)"
+            )
+        for item in components.denoisers:
+            declared = item.adapter.fused_projections
+            if not declared:
+                raise ArgumentError(
+                    "accelerate",
+                    "fuse",
+                    config,
+                    f"{item.name}: model family {item.adapter.family!r} declares no projections that share an input",
+                )
+            try:
+                plan_groups(item.module, declared, config)
+            except ValueError as error:
+                raise ArgumentError("accelerate", "fuse", config, f"{item.name}: {error}") from error
+
+    def apply(self, context: Context) -> None:
+        from fastdit.fuse import apply_fuse
+
+        for item in context.components.denoisers:
+            applied = apply_fuse(item.module, item.adapter.fused_projections, context.request.fuse)
+            context.add(self.name, item.name, applied.undo, applied.state)
+
+
 class _Quantize:
     """torchao quantization of the Linear layers in the blocks; after tensor parallelism, which splits plain weights
     (it quantizes each rank's slice), and before compile, which traces the quantized matmuls."""
@@ -159,7 +209,9 @@ class _Quantize:
         from fastdit.quantize import apply_quantize
 
         for item in context.components.denoisers:
-            applied = apply_quantize(item.module, context.request.quantize, _block_paths(item), item.name)
+            fused = context.state("fuse", item.name)
+            groups = () if fused is None else fused.groups
+            applied = apply_quantize(item.module, context.request.quantize, _block_paths(item), item.name, groups)
             context.add(self.name, item.name, applied.undo, applied.state)
 
 
@@ -700,6 +752,7 @@ class _TextEncoderParallel:
 
 TECHNIQUES: tuple[Technique, ...] = (
     _TensorParallel(),
+    _Fuse(),
     _Quantize(),
     _AttentionBackend(),
     _ContextParallel(),

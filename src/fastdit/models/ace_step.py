@@ -132,9 +132,19 @@ _CALL = {
     "max_lyric_length": 16,
 }
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "layers": (
+        ("self_attn.to_q", "self_attn.to_k", "self_attn.to_v"),
+        ("cross_attn.to_k", "cross_attn.to_v"),
+        ("mlp.gate_proj", "mlp.up_proj"),
+    ),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="ace_step",
+        fused_projections=FUSED_PROJECTIONS,
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="layers", pattern=ForwardPattern.P2),),
         cp_plan=CP_PLAN,

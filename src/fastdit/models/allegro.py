@@ -122,9 +122,18 @@ TP_PLAN = TensorParallelPlan(
 # `adaln_single` reads the timestep and `pos_embed` the latent.
 STEP_INVARIANT = (StepInvariant("caption_projection", inputs=("encoder_hidden_states",)),)
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "transformer_blocks": (
+        ("attn1.to_q", "attn1.to_k", "attn1.to_v"),
+        ("attn2.to_k", "attn2.to_v"),
+    ),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="allegro",
+        fused_projections=FUSED_PROJECTIONS,
         # hidden_states is (batch, channels, frames, height, width).
         latent=LatentLayout(),
         transformer_classes=(TRANSFORMER,),

@@ -105,9 +105,18 @@ TP_PLAN = wan_tp_plan(
     "FFN split; scale_shift_table modulation and the dual-timestep embedder whole.",
 )
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "blocks": (
+        ("attn1.to_q", "attn1.to_k", "attn1.to_v"),
+        ("attn2.to_k", "attn2.to_v"),
+    ),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="anyflow",
+        fused_projections=FUSED_PROJECTIONS,
         # hidden_states is (batch, frames, channels, height, width) (forward permutes it).
         latent=LatentLayout(channel_dim=2),
         transformer_classes=(TRANSFORMER,),

@@ -118,9 +118,18 @@ CP_PLAN = ContextParallelPlan(
     "rank's heads, each rank caching its heads); cross-attention local; gathered after the last block.",
 )
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "blocks": (
+        ("attn1.to_q", "attn1.to_k", "attn1.to_v"),
+        ("attn2.to_k", "attn2.to_v"),
+    ),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="anyflow_far",
+        fused_projections=FUSED_PROJECTIONS,
         # hidden_states is the chunk's (batch, frames, channels, height, width); the prefill calls are not steps and
         # are not read.
         latent=LatentLayout(channel_dim=2),

@@ -113,9 +113,24 @@ TP_PLAN = TensorParallelPlan(
 # the patch embedding of the latent.
 STEP_INVARIANT = (StepInvariant("context_embedder", inputs=("encoder_hidden_states",)),)
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "joint_transformer_blocks": (
+        ("attn.to_q", "attn.to_k", "attn.to_v"),
+        ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+        ("ff.linear_1", "ff.linear_2"),
+        ("ff_context.linear_1", "ff_context.linear_2"),
+    ),
+    "single_transformer_blocks": (
+        ("attn.to_q", "attn.to_k", "attn.to_v"),
+        ("ff.linear_1", "ff.linear_2"),
+    ),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="auraflow",
+        fused_projections=FUSED_PROJECTIONS,
         # hidden_states is (batch, channels, height, width).
         latent=LatentLayout(),
         transformer_classes=(TRANSFORMER,),

@@ -358,6 +358,10 @@ class ModelAdapter:
             (graphs per block leave these modules eager).
         step_invariant: Modules outside the blocks whose output repeats at every step of a run
             (:class:`StepInvariant`): while a cache is installed their later calls are served from the first.
+        fused_projections: Linear layers each block applies to one tensor, which :class:`~fastdit.config.Fuse`
+            computes as one matmul per group: block-list path (a :attr:`block_groups` path or an interleaved one)
+            → groups of member paths relative to one block (``{"single_transformer_blocks": (("proj_mlp",
+            "attn.to_q", "attn.to_k", "attn.to_v"),)}``); empty: the family declares none and fusion is refused.
     """
 
     family: str
@@ -380,6 +384,7 @@ class ModelAdapter:
     example: str = ""
     host_reading_modules: tuple[str, ...] = ()
     step_invariant: tuple[StepInvariant, ...] = ()
+    fused_projections: Mapping[str, tuple[tuple[str, ...], ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.family:
@@ -396,6 +401,20 @@ class ModelAdapter:
         names = [t.name for t in self.tiny_pipelines]
         if len(set(names)) != len(names):
             raise ValueError(f"ModelAdapter.tiny_pipelines for {self.family!r}: duplicate names {names}")
+        self._check_fused_projections()
+
+    def _check_fused_projections(self) -> None:
+        lists = {g.path for g in self.block_groups} | {g.interleaved.path for g in self.block_groups if g.interleaved}
+        for path, groups in self.fused_projections.items():
+            where = f"ModelAdapter.fused_projections[{path!r}] of {self.family!r}"
+            if path not in lists:
+                raise ValueError(f"{where}: not a block list of the adapter ({sorted(lists)})")
+            if not isinstance(groups, tuple) or not groups:
+                raise ValueError(f"{where}: expected a non-empty tuple of member tuples")
+            for members in groups:
+                valid = isinstance(members, tuple) and all(isinstance(m, str) and m for m in members)
+                if not valid or len(members) < 2 or len(set(members)) != len(members):
+                    raise ValueError(f"{where}: group {members!r} must name two or more distinct layers")
 
     @property
     def cache_plan(self) -> CachePlan:

@@ -145,9 +145,18 @@ _CALL = {
     "render_text_images": False,
 }
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "layers": (
+        ("attention.to_q", "attention.to_k", "attention.to_v"),
+        ("feed_forward.w1", "feed_forward.w3"),
+    ),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="bria_fibo2",
+        fused_projections=FUSED_PROJECTIONS,
         # hidden_states is (batch, channels, height, width). Edit references arrive apart, in context_latents.
         latent=LatentLayout(),
         transformer_classes=(TRANSFORMER,),

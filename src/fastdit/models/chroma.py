@@ -111,9 +111,19 @@ _CALL = {
     "max_sequence_length": 16,
 }
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "transformer_blocks": (
+        ("attn.to_q", "attn.to_k", "attn.to_v"),
+        ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+    ),
+    "single_transformer_blocks": (("proj_mlp", "attn.to_q", "attn.to_k", "attn.to_v"),),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="chroma",
+        fused_projections=FUSED_PROJECTIONS,
         # CFG as two unannounced calls per step, each output used only after both: paired by timestep.
         cfg_pairs_by_timestep=True,
         transformer_classes=(TRANSFORMER,),

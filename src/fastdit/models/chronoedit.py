@@ -88,9 +88,19 @@ TP_PLAN = wan_tp_plan(
     ),
 )
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "blocks": (
+        ("attn1.to_q", "attn1.to_k", "attn1.to_v"),
+        ("attn2.to_k", "attn2.to_v"),
+        ("attn2.add_k_proj", "attn2.add_v_proj"),
+    ),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="chronoedit",
+        fused_projections=FUSED_PROJECTIONS,
         # hidden_states is (batch, channels, frames, height, width). The input image's latents and mask are appended
         # as channels and stay put from step to step: they dilute the signal.
         latent=LatentLayout(),

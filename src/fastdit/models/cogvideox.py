@@ -181,9 +181,15 @@ TP_PLAN = TensorParallelPlan(
     "QK-norms per head replicated.",
 )
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "transformer_blocks": (("attn1.to_q", "attn1.to_k", "attn1.to_v"),),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="cogvideox",
+        fused_projections=FUSED_PROJECTIONS,
         # hidden_states is (batch, frames, channels, height, width). Its image-to-video models append their conditioning
         # channels (the first frame's latents, with a mask for some), which stay put from step to step: the filter over
         # all channels still follows the noisy ones, diluted.

@@ -122,9 +122,15 @@ TP_PLAN = TensorParallelPlan(
 # (computed from the latent, a new tensor every step) nor `time_condition_embed` (the timestep).
 STEP_INVARIANT = (StepInvariant("patch_embed.text_proj", inputs=("encoder_hidden_states",)),)
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "transformer_blocks": (("attn1.to_q", "attn1.to_k", "attn1.to_v"),),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="cogview4",
+        fused_projections=FUSED_PROJECTIONS,
         # hidden_states is (batch, channels, height, width).
         latent=LatentLayout(),
         transformer_classes=(TRANSFORMER,),

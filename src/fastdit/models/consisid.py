@@ -178,9 +178,15 @@ TP_PLAN = TensorParallelPlan(
     "QK-norms per head and the face modules replicated.",
 )
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "transformer_blocks": (("attn1.to_q", "attn1.to_k", "attn1.to_v"),),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="consisid",
+        fused_projections=FUSED_PROJECTIONS,
         # hidden_states is (batch, frames, channels, height, width); the reference face's latents are appended as
         # channels and stay put: they dilute the signal.
         latent=LatentLayout(channel_dim=2),

@@ -277,9 +277,18 @@ TP_PLAN = TensorParallelPlan(
     "and QK-norms per head replicated; image-context attention (img_context_dim_in) not covered.",
 )
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "transformer_blocks": (
+        ("attn1.to_q", "attn1.to_k", "attn1.to_v"),
+        ("attn2.to_k", "attn2.to_v"),
+    ),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="cosmos",
+        fused_projections=FUSED_PROJECTIONS,
         # hidden_states is (batch, channels, frames, height, width). The conditioning frames' mask arrives apart
         # (condition_mask).
         latent=LatentLayout(),

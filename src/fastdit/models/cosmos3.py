@@ -153,9 +153,20 @@ _CALL = {
     "output_type": "latent",
 }
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "layers": (
+        ("self_attn.to_q", "self_attn.to_k", "self_attn.to_v"),
+        ("self_attn.add_q_proj", "self_attn.add_k_proj", "self_attn.add_v_proj"),
+        ("mlp.gate_proj", "mlp.up_proj"),
+        ("mlp_moe_gen.gate_proj", "mlp_moe_gen.up_proj"),
+    ),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="cosmos3",
+        fused_projections=FUSED_PROJECTIONS,
         transformer_classes=(TRANSFORMER,),
         block_groups=(
             BlockGroup(path="layers", pattern=ForwardPattern.P1, hidden_arg="gen_seq", encoder_arg="und_seq"),

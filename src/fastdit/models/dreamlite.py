@@ -218,9 +218,20 @@ TP_PLAN = _plan(
 
 _DEFAULTS = {"num_inference_steps": 30, "guidance_scale": 3.5, "height": 1024, "width": 1024}
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "down_blocks.*.attentions.*.transformer_blocks": (("attn2.to_k", "attn2.to_v"),),
+    "mid_block.attentions.*.transformer_blocks": (
+        ("attn1.to_q", "attn1.to_k", "attn1.to_v"),
+        ("attn2.to_k", "attn2.to_v"),
+    ),
+    "up_blocks.*.attentions.*.transformer_blocks": (("attn2.to_k", "attn2.to_v"),),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="dreamlite",
+        fused_projections=FUSED_PROJECTIONS,
         # The UNet's sample is (batch, channels, height, width). The bare transformer (a UNet stage: its
         # hidden_states are features, not the latent) takes no sample, and the spectral signal refuses its calls.
         latent=LatentLayout(arg="sample"),

@@ -120,9 +120,18 @@ TP_PLAN = TensorParallelPlan(
     "gathered output; QK-norms per head replicated; assumes every block is an MMDiT block.",
 )
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "transformer_blocks": (
+        ("attn1.to_q", "attn1.to_k", "attn1.to_v"),
+        ("attn1.add_q_proj", "attn1.add_k_proj", "attn1.add_v_proj"),
+    ),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="easyanimate",
+        fused_projections=FUSED_PROJECTIONS,
         # hidden_states is (batch, channels, frames, height, width). Inpainting latents arrive apart
         # (inpaint_latents).
         latent=LatentLayout(),

@@ -152,9 +152,18 @@ _CALL = {
 # transposed sizes give ids of one shape).
 STEP_INVARIANT = (StepInvariant("text_proj", inputs=("text_bth",)),)
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "layers": (
+        ("self_attention.to_q", "self_attention.to_k", "self_attention.to_v"),
+        ("mlp.up_proj", "mlp.gate_proj"),
+    ),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="ernie_image",
+        fused_projections=FUSED_PROJECTIONS,
         # hidden_states is (batch, channels, height, width).
         latent=LatentLayout(),
         transformer_classes=(TRANSFORMER,),

@@ -157,9 +157,18 @@ TP_PLAN = TensorParallelPlan(
 # new img_ids tensor every step, so no key on the ids would ever hit there.
 STEP_INVARIANT = (StepInvariant("context_embedder", inputs=("encoder_hidden_states",)),)
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "transformer_blocks": (
+        ("attn.to_q", "attn.to_k", "attn.to_v"),
+        ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+    ),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="flux2",
+        fused_projections=FUSED_PROJECTIONS,
         transformer_classes=(TRANSFORMER,),
         block_groups=(
             BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P1),

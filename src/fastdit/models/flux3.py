@@ -219,9 +219,16 @@ _CALL = {
     "guidance_scale": 4.0,
 }
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "mode_blocks.image": (("attn.to_q", "attn.to_k", "attn.to_v", "ff.linear_in"),),
+    "single_transformer_blocks": (("attn.to_q", "attn.to_k", "attn.to_v", "ff.linear_in"),),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="flux3",
+        fused_projections=FUSED_PROJECTIONS,
         transformer_classes=(TRANSFORMER,),
         # The text and reference-image mode blocks are left out of the cache's block lists: they see timestep 0
         # on every step (their output is the same each step), so a front block among them would measure no change

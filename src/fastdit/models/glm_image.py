@@ -182,9 +182,15 @@ TP_PLAN = TensorParallelPlan(
     "size, per-block AdaLN (12 x dim) split with a gathered output; glyph and prior projectors whole.",
 )
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "transformer_blocks": (("attn1.to_q", "attn1.to_k", "attn1.to_v"),),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="glm_image",
+        fused_projections=FUSED_PROJECTIONS,
         # hidden_states is (batch, channels, height, width). The prior tokens and the reference image's KV cache
         # arrive apart.
         latent=LatentLayout(),

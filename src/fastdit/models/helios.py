@@ -131,9 +131,18 @@ TP_PLAN = TensorParallelPlan(
     ),
 )
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "blocks": (
+        ("attn1.to_q", "attn1.to_k", "attn1.to_v"),
+        ("attn2.to_k", "attn2.to_v"),
+    ),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="helios",
+        fused_projections=FUSED_PROJECTIONS,
         # hidden_states is (batch, channels, frames, height, width). The history latents arrive apart; each pyramid
         # stage is a grid of its own.
         latent=LatentLayout(),

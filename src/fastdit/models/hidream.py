@@ -215,9 +215,24 @@ _CALL = {
     "max_sequence_length": 16,
 }
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "double_stream_blocks": (
+        ("block.attn1.to_q", "block.attn1.to_k", "block.attn1.to_v"),
+        ("block.attn1.to_q_t", "block.attn1.to_k_t", "block.attn1.to_v_t"),
+        ("block.ff_i.shared_experts.w1", "block.ff_i.shared_experts.w3"),
+        ("block.ff_t.w1", "block.ff_t.w3"),
+    ),
+    "single_stream_blocks": (
+        ("block.attn1.to_q", "block.attn1.to_k", "block.attn1.to_v"),
+        ("block.ff_i.shared_experts.w1", "block.ff_i.shared_experts.w3"),
+    ),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="hidream",
+        fused_projections=FUSED_PROJECTIONS,
         # hidden_states is (batch, channels, height, width). Non-square sizes too: the pipeline passes the grid,
         # forward patchifies it.
         latent=LatentLayout(),

@@ -146,9 +146,19 @@ TP_PLAN = flux1_tp_plan(
     mlp_width="proj_mlp.out_features",
 )
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "transformer_blocks": (
+        ("attn.to_q", "attn.to_k", "attn.to_v"),
+        ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+    ),
+    "single_transformer_blocks": (("attn.to_q", "attn.to_k", "attn.to_v"),),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="hunyuan_image",
+        fused_projections=FUSED_PROJECTIONS,
         # hidden_states is (batch, channels, height, width).
         latent=LatentLayout(),
         transformer_classes=(TRANSFORMER,),

@@ -274,9 +274,19 @@ TP_PLAN = TensorParallelPlan(
     "split with a gathered output; QK-norms per head and the text token refiner replicated.",
 )
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "transformer_blocks": (
+        ("attn.to_q", "attn.to_k", "attn.to_v"),
+        ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+    ),
+    "single_transformer_blocks": (("attn.to_q", "attn.to_k", "attn.to_v"),),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="hunyuan_video",
+        fused_projections=FUSED_PROJECTIONS,
         # hidden_states is (batch, channels, frames, height, width). Its image-to-video models append their conditioning
         # channels (the first frame's latents, with a mask for some), which stay put from step to step: the filter over
         # all channels still follows the noisy ones, diluted.

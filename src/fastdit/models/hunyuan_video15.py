@@ -225,9 +225,18 @@ TP_PLAN = TensorParallelPlan(
 # The quoted words are glyph text: they reach the ByT5 encoder.
 _CALL = {"prompt": 'a cat holding a sign "hi"', "num_frames": 5, "num_inference_steps": 2}
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "transformer_blocks": (
+        ("attn.to_q", "attn.to_k", "attn.to_v"),
+        ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+    ),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="hunyuan_video15",
+        fused_projections=FUSED_PROJECTIONS,
         # hidden_states is (batch, channels, frames, height, width). The conditioning latents and their mask are
         # appended as channels (zeros for text-to-video) and stay put from step to step: they dilute the signal.
         latent=LatentLayout(),

@@ -192,9 +192,18 @@ TP_PLAN = TensorParallelPlan(
     "QK-norms and RoPE per head replicated; out_layer and its global modulation replicated.",
 )
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "visual_transformer_blocks": (
+        ("self_attention.to_query", "self_attention.to_key", "self_attention.to_value"),
+        ("cross_attention.to_key", "cross_attention.to_value"),
+    ),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="kandinsky5",
+        fused_projections=FUSED_PROJECTIONS,
         # hidden_states is (batch, frames, height, width, channels); image-to-video appends the first frame's
         # latents and a mask as channels, which stay put: they dilute the signal.
         latent=LatentLayout(channel_dim=-1),

@@ -231,9 +231,22 @@ TP_PLAN = TensorParallelPlan(
     "with a gathered output; embeddings and the video and audio output layers whole.",
 )
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "visual_transformer_blocks": (
+        (
+            "video_dec_block.self_attention.to_query",
+            "video_dec_block.self_attention.to_key",
+            "video_dec_block.self_attention.to_value",
+        ),
+        ("video_dec_block.cross_attention.to_key", "video_dec_block.cross_attention.to_value"),
+    ),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="kandinsky6",
+        fused_projections=FUSED_PROJECTIONS,
         # hidden_states is (batch, frames, height, width, channels) with the conditioning latents and mask appended
         # (they stay put: they dilute the signal); the audio latent arrives apart and is not read.
         latent=LatentLayout(channel_dim=-1),

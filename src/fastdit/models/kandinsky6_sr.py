@@ -119,9 +119,15 @@ TP_PLAN = TensorParallelPlan(
     "gathered output; embeddings and out_layer whole.",
 )
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "visual_transformer_blocks": (("self_attention.to_query", "self_attention.to_key", "self_attention.to_value"),),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="kandinsky6_sr",
+        fused_projections=FUSED_PROJECTIONS,
         # hidden_states is the tile's (batch, frames, height, width, channels) with the low-resolution video's
         # latents appended (they stay put: they dilute the signal).
         latent=LatentLayout(channel_dim=-1),

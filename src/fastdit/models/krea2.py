@@ -130,9 +130,18 @@ TP_PLAN = TensorParallelPlan(
     ),
 )
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "transformer_blocks": (
+        ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_gate"),
+        ("ff.gate", "ff.up"),
+    ),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="krea2",
+        fused_projections=FUSED_PROJECTIONS,
         # CFG as two unannounced calls per step, each output used only after both: paired by timestep.
         cfg_pairs_by_timestep=True,
         transformer_classes=(TRANSFORMER,),

@@ -133,9 +133,19 @@ _CALL = {
     "decode_chunk_size": 4,
 }
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "transformer_blocks": (
+        ("attn1.to_q", "attn1.to_k", "attn1.to_v"),
+        ("attn2.to_k", "attn2.to_v"),
+    ),
+    "temporal_transformer_blocks": (("attn1.to_q", "attn1.to_k", "attn1.to_v"),),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="latte",
+        fused_projections=FUSED_PROJECTIONS,
         # hidden_states is (batch, channels, frames, height, width).
         latent=LatentLayout(),
         transformer_classes=(TRANSFORMER,),

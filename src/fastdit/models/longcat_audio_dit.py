@@ -133,9 +133,18 @@ _CALL = {
     "guidance_scale": 4.0,
 }
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "blocks": (
+        ("self_attn.to_q", "self_attn.to_k", "self_attn.to_v"),
+        ("cross_attn.to_k", "cross_attn.to_v"),
+    ),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="longcat_audio_dit",
+        fused_projections=FUSED_PROJECTIONS,
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="blocks", pattern=ForwardPattern.P2, encoder_arg="cond"),),
         cp_plan=CP_PLAN,

@@ -254,9 +254,22 @@ _CALL = {
     "max_sequence_length": 16,
 }
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "transformer_blocks": (
+        ("attn1.to_q", "attn1.to_k", "attn1.to_v"),
+        ("audio_attn1.to_q", "audio_attn1.to_k", "audio_attn1.to_v"),
+        ("attn2.to_k", "attn2.to_v"),
+        ("audio_attn2.to_k", "audio_attn2.to_v"),
+        ("audio_to_video_attn.to_k", "audio_to_video_attn.to_v"),
+        ("video_to_audio_attn.to_k", "video_to_audio_attn.to_v"),
+    ),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="ltx2",
+        fused_projections=FUSED_PROJECTIONS,
         transformer_classes=(TRANSFORMER,),
         block_groups=(
             BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P0, encoder_arg="audio_hidden_states"),

@@ -127,9 +127,18 @@ TP_PLAN = TensorParallelPlan(
     ),
 )
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "layers": (
+        ("attn.to_q", "attn.to_k", "attn.to_v"),
+        ("feed_forward.linear_1", "feed_forward.linear_3"),
+    ),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="lumina2",
+        fused_projections=FUSED_PROJECTIONS,
         # hidden_states is (batch, channels, height, width).
         latent=LatentLayout(),
         # CFG as two unannounced calls per step, each output used only after both: paired by timestep.

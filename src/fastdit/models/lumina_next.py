@@ -142,9 +142,19 @@ TP_PLAN = TensorParallelPlan(
     ),
 )
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "layers": (
+        ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn2.to_q"),
+        ("attn2.to_k", "attn2.to_v"),
+        ("feed_forward.linear_1", "feed_forward.linear_3"),
+    ),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="lumina_next",
+        fused_projections=FUSED_PROJECTIONS,
         # hidden_states is (batch, channels, height, width).
         latent=LatentLayout(),
         transformer_classes=(TRANSFORMER,),

@@ -243,9 +243,15 @@ TP_PLAN = TensorParallelPlan(
 # 124 = 17 * 7 + 5 frames: the shortest clip the checkpoint's 5-second floor allows.
 _T2VA = {"prompt": "a cat", "height": 8, "width": 8, "num_frames": 124, "num_inference_steps": 3}
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "transformer_blocks": (("attn.to_q", "attn.to_k", "attn.to_v"),),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="minimax_h3",
+        fused_projections=FUSED_PROJECTIONS,
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P3),),
         # `timestep` holds the sorted distinct noise levels of the rows: the generated video rows rise from 0 (the

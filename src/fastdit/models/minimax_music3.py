@@ -149,9 +149,15 @@ TP_PLAN = TensorParallelPlan(
     "expert layers.",
 )
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "transformer_blocks": (("attn.to_q", "attn.to_k", "attn.to_v"),),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="minimax_music3",
+        fused_projections=FUSED_PROJECTIONS,
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P3),),
         cp_plan=CP_PLAN,

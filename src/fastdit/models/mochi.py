@@ -124,9 +124,18 @@ TP_PLAN = TensorParallelPlan(
     "per-block RMSNormZero modulation split (gathered), embedders and the output layer replicated.",
 )
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "transformer_blocks": (
+        ("attn1.to_q", "attn1.to_k", "attn1.to_v"),
+        ("attn1.add_q_proj", "attn1.add_k_proj", "attn1.add_v_proj"),
+    ),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="mochi",
+        fused_projections=FUSED_PROJECTIONS,
         # hidden_states is (batch, channels, frames, height, width).
         latent=LatentLayout(),
         transformer_classes=(TRANSFORMER,),

@@ -211,9 +211,23 @@ _CALL = {
     "max_sequence_length": _MAX_TEXT,
 }
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "transformer_blocks": (
+        ("attn.to_q", "attn.to_k", "attn.to_v"),
+        ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+        ("cross_attn.to_k", "cross_attn.to_v"),
+    ),
+    "single_transformer_blocks": (
+        ("attn.to_q", "attn.to_k", "attn.to_v"),
+        ("cross_attn.to_k", "cross_attn.to_v"),
+    ),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="motif_video",
+        fused_projections=FUSED_PROJECTIONS,
         # hidden_states is (batch, channels, frames, height, width). Its image-to-video models append their conditioning
         # channels (the first frame's latents, with a mask for some), which stay put from step to step: the filter over
         # all channels still follows the noisy ones, diluted.

@@ -184,9 +184,18 @@ _CALL = {
     "return_index": -1,  # the tiny text encoder has 2 layers (the pipeline's default reads the 8th from last)
 }
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "transformer_blocks": (
+        ("attn.to_q", "attn.to_k", "attn.to_v"),
+        ("attn.add_k_proj", "attn.add_v_proj"),
+    ),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="nucleusmoe_image",
+        fused_projections=FUSED_PROJECTIONS,
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P2),),
         cp_plan=CP_PLAN,

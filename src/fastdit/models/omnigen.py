@@ -116,9 +116,15 @@ TP_PLAN = TensorParallelPlan(
     "replicated.",
 )
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "layers": (("self_attn.to_q", "self_attn.to_k", "self_attn.to_v"),),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="omnigen",
+        fused_projections=FUSED_PROJECTIONS,
         # hidden_states is (batch, channels, height, width). Input images arrive apart, in input_img_latents.
         latent=LatentLayout(),
         transformer_classes=(TRANSFORMER,),

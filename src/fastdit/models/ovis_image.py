@@ -110,9 +110,19 @@ STEP_INVARIANT = (
     StepInvariant("context_embedder", inputs=("encoder_hidden_states",)),
 )
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "transformer_blocks": (
+        ("attn.to_q", "attn.to_k", "attn.to_v"),
+        ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+    ),
+    "single_transformer_blocks": (("proj_mlp", "attn.to_q", "attn.to_k", "attn.to_v"),),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="ovis_image",
+        fused_projections=FUSED_PROJECTIONS,
         transformer_classes=(TRANSFORMER,),
         block_groups=(
             BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P1),

@@ -160,9 +160,15 @@ TP_PLAN = TensorParallelPlan(
     "modulation split with a gathered output; QK-norms per head; embedders and final layer whole.",
 )
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "blocks": (("gate_proj", "up_proj"),),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="prx",
+        fused_projections=FUSED_PROJECTIONS,
         # hidden_states is (batch, channels, height, width). The pixel-space variant's grid is the image itself.
         latent=LatentLayout(),
         transformer_classes=(TRANSFORMER,),

@@ -206,9 +206,18 @@ STEP_INVARIANT = (
     StepInvariant("pos_embed", inputs=("img_mask",)),
 )
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "transformer_blocks": (
+        ("attn.to_q", "attn.to_k", "attn.to_v"),
+        ("img_mlp.gate_layer", "img_mlp.proj"),
+    ),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="qwenimage21",
+        fused_projections=FUSED_PROJECTIONS,
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P3),),
         cp_plan=CP_PLAN,

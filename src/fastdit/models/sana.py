@@ -184,9 +184,18 @@ _CALL = {
     "use_resolution_binning": False,
 }
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "transformer_blocks": (
+        ("attn1.to_q", "attn1.to_k", "attn1.to_v"),
+        ("attn2.to_k", "attn2.to_v"),
+    ),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="sana",
+        fused_projections=FUSED_PROJECTIONS,
         # hidden_states is (batch, channels, height, width).
         latent=LatentLayout(),
         transformer_classes=(TRANSFORMER,),

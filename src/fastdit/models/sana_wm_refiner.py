@@ -148,9 +148,18 @@ _CALL = {
     "output_type": "latent",
 }
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "transformer_blocks": (
+        ("attn1.to_q", "attn1.to_k", "attn1.to_v"),
+        ("attn2.to_k", "attn2.to_v"),
+    ),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="sana_wm_refiner",
+        fused_projections=FUSED_PROJECTIONS,
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="transformer_blocks", pattern=ForwardPattern.P2),),
         tiny_pipelines=(TinyPipeline(name="refine", build=tiny_refiner, call_kwargs=LazyKwargs(_CALL)),),

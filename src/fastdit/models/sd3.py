@@ -145,9 +145,18 @@ _CALL = {
 # projection repeats. Not `pos_embed`: the patch embedding of the latent.
 STEP_INVARIANT = (StepInvariant("context_embedder", inputs=("encoder_hidden_states",)),)
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "transformer_blocks": (
+        ("attn.to_q", "attn.to_k", "attn.to_v"),
+        ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+    ),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="sd3",
+        fused_projections=FUSED_PROJECTIONS,
         # hidden_states is (batch, channels, height, width).
         latent=LatentLayout(),
         transformer_classes=(TRANSFORMER,),

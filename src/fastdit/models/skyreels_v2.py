@@ -135,9 +135,18 @@ TP_PLAN = wan_tp_plan(
     ),
 )
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "blocks": (
+        ("attn1.to_q", "attn1.to_k", "attn1.to_v"),
+        ("attn2.to_k", "attn2.to_v"),
+    ),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="skyreels_v2",
+        fused_projections=FUSED_PROJECTIONS,
         # hidden_states is (batch, channels, frames, height, width). Its image-to-video models append their conditioning
         # channels (the first frame's latents, with a mask for some), which stay put from step to step: the filter over
         # all channels still follows the noisy ones, diluted.

@@ -178,9 +178,18 @@ TP_PLAN = TensorParallelPlan(
     ),
 )
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "blocks": (
+        ("attn1.to_q", "attn1.to_k", "attn1.to_v"),
+        ("attn2.to_k", "attn2.to_v"),
+    ),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="wan_animate",
+        fused_projections=FUSED_PROJECTIONS,
         # hidden_states is (batch, channels, frames, height, width). The reference and mask channels appended to it
         # stay put from step to step (they dilute the signal); pose and face inputs arrive apart.
         latent=LatentLayout(),

@@ -297,9 +297,19 @@ CP_PLAN = ContextParallelPlan(
     "BlockMask and the reference KV cache on the whole sequence of the rank's heads); cross-attention local.",
 )
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "blocks": (
+        ("self_attn.to_q", "self_attn.to_k", "self_attn.to_v"),
+        ("cross_attn.to_k", "cross_attn.to_v"),
+        ("cross_attn.add_k_proj", "cross_attn.add_v_proj"),
+    ),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="wan_animate2",
+        fused_projections=FUSED_PROJECTIONS,
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="blocks", pattern=ForwardPattern.P2),),
         unstepped_calls={"kv_cache_mode": ("extract",)},

@@ -162,9 +162,18 @@ TP_PLAN = wan_tp_plan(
     notes="Wan's plan over blocks and vace_blocks; the VACE hint projections (dim → dim) stay whole.",
 )
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "blocks": (
+        ("attn1.to_q", "attn1.to_k", "attn1.to_v"),
+        ("attn2.to_k", "attn2.to_v"),
+    ),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="wan_vace",
+        fused_projections=FUSED_PROJECTIONS,
         # hidden_states is (batch, channels, frames, height, width). The control latents arrive apart
         # (control_hidden_states).
         latent=LatentLayout(),

@@ -169,9 +169,18 @@ _CALL = {
     "max_sequence_length": 48,
 }
 
+# Projections each block applies to one tensor (Fuse), traced on the tiny pipelines (the family test checks them).
+FUSED_PROJECTIONS = {
+    "layers": (
+        ("attention.to_q", "attention.to_k", "attention.to_v"),
+        ("feed_forward.w1", "feed_forward.w3"),
+    ),
+}
+
 ADAPTER = register(
     ModelAdapter(
         family="z_image",
+        fused_projections=FUSED_PROJECTIONS,
         transformer_classes=(TRANSFORMER,),
         block_groups=(BlockGroup(path="layers", pattern=ForwardPattern.P3, hidden_arg="x"),),
         # Z-Image pipelines pass (1000 - t) / 1000: the timestep rises during a run.
