@@ -100,6 +100,23 @@ def test_cfg2_with_an_attention_backend_matches_one_process(dist2: WorkerPool, f
 
 @pytest.mark.parametrize(
     ("family", "variant"),
+    [c if c[0] in ATTENTION_DEFAULT else pytest.param(*c, marks=pytest.mark.slow) for c in FIRST_CASES],
+    ids=[f"{f}-{v}" for f, v in FIRST_CASES],
+)
+def test_cfg2_with_fused_projections_matches_one_process(dist2: WorkerPool, family: str, variant: str) -> None:
+    """cfg=2 with the family's projections fused, against the same fusion on one process (or refused on every rank
+    where the call has no unconditional branch, or the family declares no projections to fuse)."""
+    reports = _ladder(dist2, family, variant, [RungSpec("cfg2-fuse", {"cfg": 2}, fuse=True)])
+    row = reports[0]["rows"][1]
+    if row["status"] == Status.NOT_AVAILABLE:
+        assert all(r["rows"][1]["status"] == Status.NOT_AVAILABLE for r in reports)
+        return
+    rows = _passed_and_split(reports)
+    assert all(info["fuse"]["misses"] == 0 for info in rows[1]["summary"].values())
+
+
+@pytest.mark.parametrize(
+    ("family", "variant"),
     [
         ("qwenimage", "qwen-image"),  # sequential, announced
         ("wan", "t2v"),

@@ -142,3 +142,23 @@ def test_family_cache_matrix_on_the_other_layouts(
     dist2: WorkerPool, dist3: WorkerPool, family: str, variant: str, world: int
 ) -> None:
     _check(dist2 if world == 2 else dist3, CASES.index((family, variant)), family, variant, world, slow=True)
+
+
+FUSED_CASES = [
+    (adapter.family, adapter.tiny_pipelines[0].name)
+    for adapter in all_adapters()
+    if adapter.cp_plan is not None and adapter.fused_projections
+]
+
+
+@pytest.mark.parametrize(("family", "variant"), FUSED_CASES, ids=[f"{f}-{v}" for f, v in FUSED_CASES])
+def test_family_fused_under_a_cache_on_two_ranks(dist2: WorkerPool, family: str, variant: str) -> None:
+    """Fused projections (each rank's shard through one matmul per group) under Ulysses-2 and the forced cache, against
+    the same on one process, for every family that declares them (its first tiny pipeline)."""
+    spec = RungSpec("ulysses2-fuse-cache-bn0", LAYOUTS["ulysses2"], cache_bn=0, fuse=True)
+    reports = dist2.run(run_family_ladder, family, variant, [spec], cached_call_overrides(family, variant), timeout=300)
+    rows = assert_rows(reports, _refusals(family, variant, [spec]))
+    for row in rows[1:]:
+        if row["status"] == "pass":
+            fused = [info["fuse"] for info in row["summary"].values()]
+            assert all(f["misses"] == 0 for f in fused) and sum(f["hits"] for f in fused) > 0, fused

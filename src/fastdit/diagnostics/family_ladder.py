@@ -26,6 +26,7 @@ from fastdit.config import (
     CacheConfig,
     Compile,
     DBCache,
+    Fuse,
     MagCache,
     MagCalibration,
     MagCalibrations,
@@ -208,6 +209,8 @@ class RungSpec:
         check_disable: After this rung's ``disable`` the output must equal the baseline bit for bit.
         attention: An :attr:`~fastdit.Attention.backend` for the rung (``None``: the default). Its reference on one
             process uses the same backend (on one device it takes the transformer's attention calls).
+        fuse: Fuse the family's shared-input projections (:class:`~fastdit.Fuse`); its reference on one process
+            fuses them too.
     """
 
     name: str
@@ -218,6 +221,7 @@ class RungSpec:
     check_disable: bool = False
     cache: CacheConfig | None = None
     attention: str | None = None
+    fuse: bool = False
 
     def __post_init__(self) -> None:
         if self.cache is not None and self.cache_bn is not None:
@@ -236,6 +240,8 @@ class RungSpec:
         reference = {} if cache is None else {"cache": cache}
         if self.attention is not None:
             options["attention"] = reference["attention"] = Attention(backend=self.attention)
+        if self.fuse:
+            options["fuse"] = reference["fuse"] = Fuse()
         return fixed_rung(self.name, options, reference=reference or None, check_disable=self.check_disable)
 
 
