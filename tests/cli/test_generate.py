@@ -643,3 +643,34 @@ def test_an_attention_backend_on_one_device(tiny_flux_dir: Path, capsys: Any) ->
     code, stdout, _ = _run(capsys, *args)
     assert code == 0
     assert _last_json(stdout)["acceleration"]["attention"]["backend"] == "math"
+
+
+def test_fuse_with_summary_and_compare(tiny_flux_dir: Path, capsys: Any) -> None:
+    code, stdout, err = _run(
+        capsys,
+        "--model-path",
+        str(tiny_flux_dir),
+        "--prompt",
+        "a cat",
+        *TINY,
+        "--fuse",
+        "--summary",
+        "--compare",
+        "--json",
+    )
+    assert code == 0, err
+    payload = _last_json(stdout)
+    assert payload["acceleration"]["fuse"] == {"type": "Fuse", "exclude": []}
+    report = payload["fused"]["transformer"]
+    assert report["num_groups"] > 0 and report["misses"] == 0 and report["hits"] > 0
+    assert "groups" not in report
+    # float32 on the CPU: the fused matmul's rounding only (identical here: "inf")
+    assert payload["psnr"] == "inf" or payload["psnr"] >= 60, payload["psnr"]
+    assert "projections fused into" in err
+
+
+def test_fuse_names_the_flag_of_a_bad_field(tiny_flux_dir: Path, capsys: Any) -> None:
+    code, _, err = _run(capsys, "--model-path", str(tiny_flux_dir), "--prompt", "a cat", *TINY, "--fuse", "groups=2")
+    assert code == 2
+    (line,) = _error_lines(err)
+    assert line.startswith("fastdit: error: argument --fuse: 'groups=2'") and "exclude" in line

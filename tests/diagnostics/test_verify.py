@@ -47,7 +47,7 @@ def test_selection_keeps_ladder_order_and_expands_groups() -> None:
 
 
 def test_unknown_ladder_entry_names_the_known_ones() -> None:
-    with pytest.raises(LadderError, match=r"unknown ladder entry 'pp'; known: cache, ulysses"):
+    with pytest.raises(LadderError, match=r"unknown ladder entry 'pp'; known: cache, fuse, ulysses"):
         select_rungs("cache,pp")
 
 
@@ -69,6 +69,13 @@ def test_layouts_fill_the_world_or_say_what_they_need() -> None:
     assert _layout("cfg", 2) == fastdit.Parallel(cfg=2)
     assert _layout("cfg", 4) == fastdit.Parallel(cfg=2, ulysses=2)
     assert _layout("cfg", 3) == Skip("needs an even number of processes")
+
+
+def test_the_fuse_rung_runs_where_the_family_declares_groups() -> None:
+    fuse = next(r for r in LADDER if r.name == "fuse")
+    assert fuse.build(LadderContext(1, (get_family("flux"),))) == {"fuse": fastdit.Fuse()}
+    skipped = fuse.build(LadderContext(1, (get_family("flux"), get_family("joyimage"))))
+    assert skipped == Skip("the model family declares no projections that share an input")
 
 
 def test_component_rungs_ride_on_the_plan_the_family_has() -> None:

@@ -184,6 +184,9 @@ def test_refusals_name_the_reason() -> None:
     quantized = SimpleNamespace(base={"quantize": object()}, session=SimpleNamespace(pipe=object()))
     assert "load the adapter with fuse: true" in Driver(quantized).lora_refusal(fuse=False)
     assert "no LoRA support" in Driver(quantized).lora_refusal(fuse=True)  # fused: the loader decides
+    fused = SimpleNamespace(base={"fuse": object()}, session=SimpleNamespace(pipe=object()))
+    assert "load the adapter with fuse: true (merged, then fused)" in Driver(fused).lora_refusal(fuse=False)
+    assert "no LoRA support" in Driver(fused).lora_refusal(fuse=True)
     static = SimpleNamespace(base={"quantize": SimpleNamespace(mode="fp8_static")}, session=SimpleNamespace(pipe=0))
     for fuse in (True, False):  # the scales were recorded without the adapter: refused either way
         assert "static FP8 scales recorded without this adapter" in Driver(static).lora_refusal(fuse=fuse)

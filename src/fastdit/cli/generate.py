@@ -53,6 +53,7 @@ from fastdit.config import (
     CudaGraph,
     DBCache,
     DBPrune,
+    Fuse,
     Loading,
     Offload,
     Parallel,
@@ -119,7 +120,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def add_acceleration_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``--parallel``, ``--dist-timeout``, ``--load``, ``--compile``, ``--cuda-graph``, ``--attention``,
-    ``--offload`` and ``--quantize`` (shared with ``serve``)."""
+    ``--offload``, ``--fuse`` and ``--quantize`` (shared with ``serve``)."""
     group = parser.add_argument_group("parallelism and compilation")
     group.add_argument(
         "--parallel",
@@ -169,6 +170,15 @@ def add_acceleration_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep transformer blocks in host memory and stream them in for their call (a model larger than the "
         "GPU); optional fields, e.g. resident_blocks=20,prefetch=2 (keys: resident_blocks, prefetch, device, "
         "pin_memory)",
+    )
+    group.add_argument(
+        "--fuse",
+        nargs="?",
+        const="",
+        metavar="SPEC",
+        help="compute the projections each block applies to one tensor (Q/K/V, FLUX's single-block Q/K/V + MLP "
+        "input) as one matmul per group, as the model family declares them; optional fields, e.g. "
+        "exclude=single_transformer_blocks.*.proj_mlp (keys: exclude, one fnmatch pattern)",
     )
     group.add_argument(
         "--quantize",
@@ -309,6 +319,8 @@ def acceleration_options(args: argparse.Namespace, num_steps: int | None, model:
         options["attention"] = parse_attention(args.attention)
     if args.offload is not None:
         options["offload"] = parse_config_fields(Offload, args.offload, "--offload")
+    if args.fuse is not None:
+        options["fuse"] = parse_config_fields(Fuse, args.fuse, "--fuse")
     return options
 
 
@@ -438,13 +450,13 @@ def execute(plan: GeneratePlan, *, progress: bool, track_memory: bool) -> Genera
     return GenerateRun(session, load_seconds, results[-1], results[0] if plan.compare else None)
 
 
-def _quantized(summary: Any) -> dict[str, dict[str, Any]]:
-    """Per transformer that was quantized: the mode, layer counts and weight bytes (the per-layer lists left out)."""
+def _per_transformer(summary: Any, technique: str, lists: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """Per transformer that ``technique`` changed: its statistics without the per-layer ``lists``."""
     out = {}
     for name, info in summary.transformers.items() if summary is not None else ():
-        stats = info.get("quantize")
+        stats = info.get(technique)
         if stats:
-            out[name] = {k: v for k, v in stats.items() if k not in ("quantized", "skipped")}
+            out[name] = {k: v for k, v in stats.items() if k not in lists}
     return out
 
 
@@ -487,9 +499,12 @@ def _payload(plan: GeneratePlan, done: GenerateRun) -> dict:
     layout = _layout(result.summary)
     if layout is not None:
         payload["parallel"] = layout
-    quantized = _quantized(result.summary)
-    if quantized:
-        payload["quantized"] = quantized
+    # Quantization: the mode, layer counts and weight bytes; fusion: group and layer counts, shared and recomputed
+    # calls.
+    for key, technique, lists in (("quantized", "quantize", ("quantized", "skipped")), ("fused", "fuse", ("groups",))):
+        report = _per_transformer(result.summary, technique, lists)
+        if report:
+            payload[key] = report
     if "num_frames" in plan.kwargs:
         payload["frames"] = plan.kwargs["num_frames"]
     if result.cache is not None and "cache" in plan.acceleration:

@@ -43,6 +43,7 @@ from fastdit.config import (
     Attention,
     DBCache,
     DBPrune,
+    Fuse,
     Offload,
     Parallel,
     Quantize,
@@ -657,6 +658,7 @@ _ACCELERATION_FIELD_FLAGS: Mapping[tuple[str, str], str] = MappingProxyType(
         **{("CudaGraph", name): "--cuda-graph" for name in ("device", "scope", "warmup", "max_graphs")},
         ("Attention", "backend"): "--attention",
         **{("Offload", name): "--offload" for name, _default, _doc in config_fields(Offload)},
+        **{("Fuse", name): "--fuse" for name, _default, _doc in config_fields(Fuse)},
         **{("Quantize", name): "--quantize" for name, _default, _doc in config_fields(Quantize)},
         # fastdit.accelerate's own refusals of a whole argument (errors.ArgumentError)
         ("accelerate", "cache"): "--cache",
@@ -665,6 +667,7 @@ _ACCELERATION_FIELD_FLAGS: Mapping[tuple[str, str], str] = MappingProxyType(
         ("accelerate", "cuda_graph"): "--cuda-graph",
         ("accelerate", "attention"): "--attention",
         ("accelerate", "offload"): "--offload",
+        ("accelerate", "fuse"): "--fuse",
         ("accelerate", "quantize"): "--quantize",
     }
 )
@@ -679,6 +682,7 @@ _CONFIG_FLAGS: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "CudaGraph": ("--cuda-graph",),
         "Attention": ("--attention",),
         "Offload": ("--offload",),
+        "Fuse": ("--fuse",),
         "Quantize": ("--quantize",),
     }
 )

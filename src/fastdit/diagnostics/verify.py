@@ -35,7 +35,7 @@ from fastdit.bench.compare import compare_outputs
 from fastdit.bench.plain import plain_options
 from fastdit.bench.report import markdown_table
 from fastdit.bench.timing import RunResult, run
-from fastdit.config import Parallel
+from fastdit.config import Fuse, Parallel
 from fastdit.diagnostics.target import TargetError, call_function
 from fastdit.errors import ArgumentError, ShardError, UnavailableError
 from fastdit.metrics.audio import AUDIO_RANGE
@@ -281,8 +281,15 @@ def _pair(inner: str, outer: str) -> Callable[[LadderContext], Options | Skip]:
     return build
 
 
+def _fuse(context: LadderContext) -> Options | Skip:
+    if not all(a.fused_projections for a in context.adapters):
+        return Skip("the model family declares no projections that share an input")
+    return {"fuse": Fuse()}
+
+
 LADDER: tuple[Rung, ...] = (
     Rung(CACHE, (), CACHE, _cache, "the default cache preset (balanced)"),
+    Rung("fuse", (), PARALLEL, _fuse, "the projections that share an input fused, one matmul per group"),
     Rung("ulysses", ("cp",), PARALLEL, _all_ranks("ulysses"), "context parallelism, Ulysses over all ranks"),
     Rung("ring", ("cp",), PARALLEL, _all_ranks("ring"), "context parallelism, ring attention over all ranks"),
     Rung("tp", (), PARALLEL, _all_ranks("tp"), "tensor parallelism of the transformer over all ranks"),

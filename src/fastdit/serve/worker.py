@@ -330,7 +330,8 @@ class Driver:
         so a sharded layer would get a whole adapter: refused rather than computed wrong. Quantization would
         quantize an unfused adapter's own small layers too; a fused adapter is merged into the float weights
         before they are quantized — except under static FP8, whose activation scales were recorded without the
-        adapter: merged weights change every later layer's inputs, which the scales would clip.
+        adapter: merged weights change every later layer's inputs, which the scales would clip. Fused projections
+        (``--fuse``) take merged adapters only, as quantization does.
         """
         parallel = self.runner.base.get("parallel")
         if parallel is not None and (parallel.tp > 1 or parallel.text_encoder):
@@ -344,6 +345,9 @@ class Driver:
             )
         if quantize is not None and not fuse:
             return "its layers are quantized (--quantize): load the adapter with fuse: true (merged, then quantized)"
+        if self.runner.base.get("fuse") is not None and not fuse:
+            # An unmerged adapter wraps each projection in a layer of its own, which a fused group cannot take in.
+            return "its projections are fused (--fuse): load the adapter with fuse: true (merged, then fused)"
         from fastdit.serve.lora import lora_support
 
         return lora_support(self.runner.session.pipe)
