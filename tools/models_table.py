@@ -111,6 +111,17 @@ def cache_status(adapter) -> str:
     return cell
 
 
+def fuse_status(adapter) -> str:
+    """The fused-projections cell: each block list's groups (member paths joined by +), or that there are none."""
+    if not adapter.fused_projections:
+        return "— none: no two Linear layers of a block take one tensor (traced)"
+    lists = [
+        f"`{path}`: " + "; ".join("+".join(group) for group in groups)
+        for path, groups in adapter.fused_projections.items()
+    ]
+    return "✅ " + "; ".join(lists)
+
+
 def render() -> str:
     by_class = {name: adapter for adapter in all_adapters() for name in adapter.transformer_classes}
     rows = []
@@ -128,13 +139,14 @@ def render() -> str:
             tp = tp_status(adapter).replace("|", "\\|")
             cfg = cfg_status(adapter).replace("|", "\\|")
             cache = cache_status(adapter).replace("|", "\\|")
+            fuse = fuse_status(adapter).replace("|", "\\|")
             rows.append(
-                f"| `{cls.__name__}` | `{adapter.family}` | {cache} | {cp} | {tp} | {cfg} | {groups} | {tiny} "
-                f"| {presets} |"
+                f"| `{cls.__name__}` | `{adapter.family}` | {cache} | {cp} | {tp} | {cfg} | {fuse} | {groups} "
+                f"| {tiny} | {presets} |"
             )
         else:
             reason = REASONS.get(cls.__name__, "DiT not integrated yet")
-            rows.append(f"| `{cls.__name__}` | — | ❌ {reason} | | | | | | |")
+            rows.append(f"| `{cls.__name__}` | — | ❌ {reason} | | | | | | | |")
     header = [
         "# Model families",
         "",
@@ -159,15 +171,17 @@ def render() -> str:
         "[tensor_parallel.md](tensor_parallel.md)) — every plan is tested on 2 gloo ranks against one process, alone",
         "and under a step cache — or why there is none. The CFG-parallel column says how the family's calls are",
         "split over two ranks ([cfg_parallel.md](cfg_parallel.md)); a call without an unconditional branch",
-        "(guidance-distilled models) is refused at run time. Text-encoder and VAE parallelism are per component",
-        "class, at the end.",
+        "(guidance-distilled models) is refused at run time. The fused-projections column lists the groups of",
+        "Linear layers each block applies to one tensor, which `Fuse` computes as one matmul per group",
+        "([fusion.md](fusion.md)) — checked against a traced call of every tiny pipeline. Text-encoder and VAE",
+        "parallelism are per component class, at the end.",
         "",
         f"**{supported} transformer classes supported; {with_cp} with context parallelism; {with_tp} with tensor "
         "parallelism.**",
         "",
-        "| diffusers class | family | cache | context parallel | tensor parallel | CFG parallel "
+        "| diffusers class | family | cache | context parallel | tensor parallel | CFG parallel | fused projections "
         "| block lists (pattern) | tiny pipelines | CLI names |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     return "\n".join(header + rows + text_encoder_rows() + vae_rows()) + "\n"
 
