@@ -75,7 +75,8 @@ LAYOUTS = ("single", "ulysses", "ring", "usp", "tp", "tp_ulysses", "cfg", "cfg_u
 # per-tensor activation scales (Quantize(mode="fp8_static")), recorded once on a call with seed + 1 before any mode
 # runs; cudnnfp8: cuDNN's fused FP8 attention (Attention(backend="cudnn-fp8"), one GPU); cudnnfp8s: the same with
 # static Q/K/V scales per attention module (Attention(scales=...)), recorded in the same calibration as q8s's;
-# q8r: q8s with one weight scale per output channel (Quantize(weight_scales="row")).
+# q8r: q8s with one weight scale per output channel (Quantize(weight_scales="row")); fuse: the projections that
+# share an input as one matmul per group (Fuse: each stream's Q/K/V, the single blocks' Q/K/V + proj_mlp).
 OPTIONS = (
     "compile",
     "graph",
@@ -98,6 +99,7 @@ OPTIONS = (
     "q8r",
     "cudnnfp8",
     "cudnnfp8s",
+    "fuse",
 )
 # The static FP8 scales of the q8s option (recorded by run_modes).
 STATIC_SCALES: dict[str, Any] = {}
@@ -256,7 +258,8 @@ def accelerate_mode(pipe: Any, mode: str, world_size: int, steps: int) -> Callab
     attention = fastdit.Attention(backend="cudnn-fp8") if "cudnnfp8" in options else None
     if "cudnnfp8s" in options:
         attention = fastdit.Attention(backend="cudnn-fp8", scales=STATIC_SCALES["scales"])
-    requested = (parallel, compile_config, cache, graphs, quantize, attention)
+    fuse = fastdit.Fuse() if "fuse" in options else None
+    requested = (parallel, compile_config, cache, graphs, quantize, attention, fuse)
     if all(option is None for option in requested):
         return lambda: None
     fastdit.accelerate(
@@ -267,6 +270,7 @@ def accelerate_mode(pipe: Any, mode: str, world_size: int, steps: int) -> Callab
         cache=cache,
         quantize=quantize,
         attention=attention,
+        fuse=fuse,
     )
 
     def undo() -> None:

@@ -12,7 +12,8 @@ is printed beside its time. Modes are ``+``-joined options:
   ``compile_repeated_blocks(fullgraph=True)``, no fastdit; ``anchor+fp8``: after torchao's ``quantize_`` with its FP8
   rowwise config and defaults). An anchor cannot be undone: anchors run last;
 - ``cudnn`` / ``flash`` / ``efficient``: every call (compile included) inside ``sdpa_kernel`` of that backend;
-- ``fuseqkv``: diffusers' ``fuse_qkv_projections()`` (one GEMM for Q, K and V);
+- ``fuseqkv``: diffusers' ``fuse_qkv_projections()`` (one GEMM for Q, K and V); ``fuse``: fastdit's ``Fuse()``
+  (each stream's Q/K/V and the single blocks' Q/K/V + ``proj_mlp`` as one GEMM per group, quantized as a group);
 - ``autotune``: ``Compile(mode="max-autotune-no-cudagraphs")``; ``tma`` (with ``autotune``): inductor's persistent
   TMA matmul templates among the choices; ``cdt``: inductor coordinate-descent tuning;
 - ``fp8`` / ``fp8_tensor``: ``fastdit.Quantize(mode=...)``; ``fp8_static``: static FP8, its scales recorded on one
@@ -56,7 +57,7 @@ from fastdit.bench import device_name, json_ready, markdown_table
 from fastdit.config import FP8_MAX
 from fastdit.io import write_json
 
-OPTIONS = ("eager", "compile", "anchor", "cudnn", "flash", "efficient", "fuseqkv", "autotune", "cdt", "fp8",
+OPTIONS = ("eager", "compile", "anchor", "cudnn", "flash", "efficient", "fuseqkv", "fuse", "autotune", "cdt", "fp8",
            "fp8_tensor", "fp8_static", "rows", "cudnnfp8", "attnfixed", "attnstatic", "graph", "tma",
            "splitout", "catfp8", "ndtile")  # fmt: skip
 CATEGORIES = (
@@ -173,8 +174,11 @@ def apply_mode(pipe: Any, options: list[str], inputs: dict[str, Any] | None = No
             raise SystemExit("attnstatic needs fp8_static (its calibration records the scales) and cudnnfp8")
         attention = fastdit.Attention(backend="cudnn-fp8", scales=scales)
     kept = _proj_out_weights(transformer) if "splitout" in options or "catfp8" in options else {}
-    if compile_config or quantize or graphs or attention:
-        fastdit.accelerate(pipe, compile=compile_config, quantize=quantize, cuda_graph=graphs, attention=attention)
+    fuse = fastdit.Fuse() if "fuse" in options else None
+    if compile_config or quantize or graphs or attention or fuse:
+        fastdit.accelerate(
+            pipe, compile=compile_config, quantize=quantize, cuda_graph=graphs, attention=attention, fuse=fuse
+        )
         undo.append(lambda: fastdit.disable(pipe))
     if kept:
         if scales is None:

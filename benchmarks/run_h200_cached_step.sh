@@ -3,7 +3,7 @@
 # a trace of one more call per mode), and where static FP8's producer kernels could still save time
 # (benchmarks/profile_flux.py: fixed attention scales, coordinate-descent tuning, max-autotune). Expects the diffusers,
 # torchao and cudnn-frontend wheels in .whl/; writes logs and JSON under $OUT:
-#   bash benchmarks/run_h200_cached_step.sh [steps|steps_before|host|fp8|autotune|static|static_e2e|rows|rows_e2e|split|ndtile|tests]...
+#   bash benchmarks/run_h200_cached_step.sh [steps|steps_before|host|fp8|autotune|static|static_e2e|rows|rows_e2e|split|ndtile|fuse|fuse_e2e|producers|tests]...
 # (default: steps fp8). steps_before: the same as steps with another checkout's src in .before/src (a change's
 # baseline, same lease); host: the host time of a cached step on this machine's CPU (host_cached_step.py, against
 # .before/src when present; cache-dit's anchor when its wheels are in .whl2/).
@@ -12,8 +12,11 @@
 # per output channel beside one per tensor, per call and end to end; split: the single blocks' proj_out as two FP8
 # matmuls (splitout) or one over FP8 parts (catfp8), fused Q/K/V projections (fuseqkv), per call, with inductor's generated code of the first mode
 # (output_code.log.gz); ndtile: inductor's 2-D tiling of pointwise kernels (prefer_nd_tiling), alone and with
-# fused Q/K/V; autotune: max-autotune (AUTOTUNE_MODES);
-# tests: the GPU tests of FP8 attention and static FP8.
+# fused Q/K/V; autotune: max-autotune (AUTOTUNE_MODES); fuse: fastdit's fused projections (Fuse) per call, bf16 and
+# static FP8, beside diffusers' fused Q/K/V; fuse_e2e: the same end to end (cp_flux.py, bf16 first as the quality
+# baseline); producers: every FP8 matmul of a call timed at its shape, fused and not, and the single blocks' GELU +
+# concatenation + cast kernel against a tiled Triton kernel (probe_fp8_producers.py);
+# tests: the GPU tests of FP8 attention, static FP8 and fused projections.
 set -uo pipefail
 SITE=$(mktemp -d)
 python3 -m pip install -q --no-index --no-deps --target "$SITE" .whl/*.whl
@@ -61,7 +64,16 @@ for part in ${*:-steps fp8}; do
     ndtile) S=$Q+attnstatic
       timeout 400 python3 benchmarks/profile_flux.py --modes $S,$S+ndtile,$S+fuseqkv+ndtile \
         --out "$OUT/profile_ndtile.json" 2>&1 | grep -v -e Warning -e "Failed to load" | tee "$OUT/profile_ndtile.log" | tail -40 ;;
-    tests) timeout 300 python3 -m pytest -q -m gpu tests/parallel/attention tests/test_quantize_static.py tests/test_quantize_rows.py 2>&1 \
+    fuse) S=$Q+attnstatic B=compile+graph
+      timeout 500 python3 benchmarks/profile_flux.py --modes $B,$B+fuse,$S,$S+fuse,$S+fuseqkv \
+        --out "$OUT/profile_fuse.json" 2>&1 | grep -v -e Warning -e "Failed to load" | tee "$OUT/profile_fuse.log" | tail -60 ;;
+    fuse_e2e) E=single+compile+graph+vae+outer
+      timeout 500 python3 benchmarks/cp_flux.py --modes $E,$E+fuse,$E+q8s+cudnnfp8s,$E+q8s+cudnnfp8s+fuse \
+        --repeat 3 --out "$OUT/single_fuse.json" 2>&1 | grep -v -e Warning -e "Failed to load" \
+        | tee "$OUT/single_fuse.log" | grep "^|" | tail -8 ;;
+    producers) (cd benchmarks && timeout 400 python3 probe_fp8_producers.py --out "$OUT/fp8_producers.json") 2>&1 \
+        | grep -v -e Warning -e "Failed to load" | tee "$OUT/fp8_producers.log" | tail -60 ;;
+    tests) timeout 300 python3 -m pytest -q -m gpu tests/parallel/attention tests/test_quantize_static.py tests/test_quantize_rows.py tests/test_fuse.py 2>&1 \
         | tail -15 | tee "$OUT/gpu_tests.log" ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac

@@ -5,6 +5,7 @@ techniques on one process. Every family's declaration is checked against a trace
 from __future__ import annotations
 
 import functools
+import importlib.util
 from typing import Any
 
 import numpy as np
@@ -271,9 +272,10 @@ def test_inductor_emits_one_matmul_per_group() -> None:
 # --- with quantization ---
 
 
-torchao = pytest.importorskip("torchao")
+needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao")
 
 
+@needs_torchao
 def test_weight_only_quantization_quantizes_the_groups() -> None:
     int8 = Quantize(mode="int8_weight")
     alone, plain = _run(quantize=int8)
@@ -286,6 +288,7 @@ def test_weight_only_quantization_quantizes_the_groups() -> None:
     assert report["num_quantized"] == plain["quantize"]["num_quantized"] - info["fuse"]["num_layers"] + len(groups)
 
 
+@needs_torchao
 def test_static_fp8_takes_the_members_largest_scale() -> None:
     from fastdit.calibration import calibrate_scales
     from fastdit.metrics import compare
@@ -306,6 +309,7 @@ def test_static_fp8_takes_the_members_largest_scale() -> None:
     assert fused.psnr > unfused.psnr - 3 and fused.ssim > 0.98, (fused.psnr, unfused.psnr)
 
 
+@needs_torchao
 def test_calibration_records_the_members_through_their_group() -> None:
     from fastdit.calibration import calibrate_scales
 
@@ -321,3 +325,33 @@ def test_calibration_records_the_members_through_their_group() -> None:
     recorded = {name: float(value) for name, value in recorder.amax.items()}
     table = plain.lookup()
     assert recorded and all(abs(recorded[n] - table[f"transformer.{n}"][0]) < 1e-6 for n in recorded)
+
+
+# --- GPU ---
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_bf16_fused_eager_compiled_and_graphed() -> None:
+    """bf16 on the GPU: fused calls (eager, compiled, compiled + CUDA graphs) within bf16 rounding of unfused ones."""
+    from fastdit.metrics import compare
+
+    pipe, tiny = build_tiny("flux")
+    pipe.to("cuda", torch.bfloat16)
+    expected = run_tiny(pipe, tiny)
+    for name, options in {
+        "eager": {},
+        "compiled": {"compile": fastdit.Compile()},
+        "graphed": {"compile": fastdit.Compile(), "cuda_graph": fastdit.CudaGraph()},
+    }.items():
+        fastdit.accelerate(pipe, fuse=True, **options)
+        try:
+            run_tiny(pipe, tiny)  # warm-up (compile, capture)
+            out = run_tiny(pipe, tiny)
+            fused = fastdit.summary(pipe).transformers["transformer"]["fuse"]
+        finally:
+            fastdit.disable(pipe)
+        quality = compare(list(expected), list(out))
+        assert quality.psnr > 35 and quality.ssim > 0.9, (name, quality.psnr, quality.ssim)
+        assert fused["misses"] == 0, name
+    assert np.array_equal(run_tiny(pipe, tiny), expected)
