@@ -143,6 +143,24 @@ def test_third_party_model_gets_an_adapter_that_caches_bit_identically() -> None
         cached = [model(*inputs, torch.full((1,), t)) for t in (0.9, 0.5, 0.1)]
     fastdit.disable(model)
     assert all(torch.equal(a, b) for a, b in zip(baseline, cached, strict=True))
+    # The projections its blocks share go into the proposal, and fuse as proposed.
+    assert report.fused_projections["single_blocks"] == [["attn.to_q", "attn.to_k", "attn.to_v"]]
+    assert adapter.fused_projections["transformer_blocks"] == (("attn.to_q", "attn.to_k", "attn.to_v"),)
+    fastdit.accelerate(model, adapter=adapter, fuse=True)
+    with torch.no_grad():
+        fused = [model(*inputs, torch.full((1,), t)) for t in (0.9, 0.5, 0.1)]
+        stats = fastdit.summary(model).transformers
+    fastdit.disable(model)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(baseline, fused, strict=True))
+    assert all(info["fuse"]["misses"] == 0 and info["fuse"]["hits"] > 0 for info in stats.values())
+
+
+def test_a_registered_family_is_compared_with_its_fused_projections() -> None:
+    report = report_for("flux")
+    assert report.fused_projections["single_transformer_blocks"] == [
+        ["proj_mlp", "attn.to_q", "attn.to_k", "attn.to_v"]
+    ]
+    assert "ok: every group of projections that shares an input is declared fused" in report.comparison
 
 
 def test_local_folder(tmp_path) -> None:

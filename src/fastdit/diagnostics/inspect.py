@@ -64,6 +64,8 @@ class InspectReport:
         sequence: Where the sequence lives; RoPE and mask sources.
         divisibility: Degree -> what divides it.
         cp, tp: The decisions.
+        fused_projections: Per cache block list, the groups of Linear layers every one of its blocks applied to
+            one tensor in the traced forward (what ``ModelAdapter.fused_projections`` declares; ``Fuse``).
         comparison: For a registered family: ``"ok: ..."`` / ``"MISMATCH: ..."`` / ``"note: ..."`` lines.
         proposed_adapter: For an unregistered model: a ``ModelAdapter(...)`` to paste.
     """
@@ -86,6 +88,7 @@ class InspectReport:
     divisibility: dict[int, dict[str, bool]] = field(default_factory=dict)
     cp: Decision | None = None
     tp: Decision | None = None
+    fused_projections: dict[str, list[list[str]]] = field(default_factory=dict)
     comparison: list[str] = field(default_factory=list)
     proposed_adapter: str | None = None
 
@@ -177,8 +180,24 @@ def inspect_resolved(target: Target, setup: ForwardSetup | None = None) -> Inspe
     ordered = [findings[p] for p in report.main_groups] + report.groups
     report.sequence = sequence_facts(trace, ordered, _hidden_root_arg(trace))
     report.attention_calls = sorted({f"{a.module}: q {a.query} k {a.key}" for a in trace.attention})[:12]
+    if trace.error is None:
+        report.fused_projections = _shared_inputs(setup, [findings[p] for p in declared if p in findings])
     _finish(report, target, trace, structure)
     return report
+
+
+def _shared_inputs(setup: ForwardSetup, lists: list[GroupFinding]) -> dict[str, list[list[str]]]:
+    """The projections each block of ``lists`` applied to one tensor, from one more call of the traced forward."""
+    from fastdit.fuse import declared_form
+
+    groups = [BlockGroup(path=g.path, pattern=ForwardPattern(g.pattern)) for g in lists if g.pattern is not None]
+
+    def run() -> None:
+        with torch.no_grad():
+            setup.model(*setup.args, **setup.kwargs)
+
+    found = declared_form(setup.model, groups, run)
+    return {path: [list(group) for group in found_groups] for path, found_groups in found.items()}
 
 
 def _finish(report: InspectReport, target: Target, trace: Trace, structure: torch.nn.Module) -> None:
@@ -325,9 +344,25 @@ def _compare_tp(report: InspectReport, adapter: ModelAdapter) -> list[str]:
     return lines or [f"ok: TP plan {plan.name!r} divides every head attribute it splits"]
 
 
+def _compare_fused(report: InspectReport, adapter: ModelAdapter) -> list[str]:
+    declared = {path: {frozenset(g) for g in groups} for path, groups in adapter.fused_projections.items()}
+    lines = []
+    for path, groups in report.fused_projections.items():
+        missing = [g for g in groups if frozenset(g) not in declared.get(path, set())]
+        lines += [f"note: {path}: {'+'.join(g)} share an input but are not declared fused" for g in missing]
+    if not lines and report.fused_projections:
+        lines.append("ok: every group of projections that shares an input is declared fused")
+    return lines
+
+
 def compare_adapter(report: InspectReport, adapter: ModelAdapter) -> list[str]:
     """The registered adapter's declarations against what was found."""
-    return _compare_groups(report, adapter) + _compare_cp(report, adapter) + _compare_tp(report, adapter)
+    return (
+        _compare_groups(report, adapter)
+        + _compare_cp(report, adapter)
+        + _compare_tp(report, adapter)
+        + _compare_fused(report, adapter)
+    )
 
 
 def _group_text(finding: GroupFinding, indent: str) -> str:
@@ -340,6 +375,17 @@ def _group_text(finding: GroupFinding, indent: str) -> str:
         pairs = ", ".join(f"{i}: ForwardPattern.P{p}" for i, p in sorted(finding.overrides.items()))
         args.append(f"pattern_overrides={{{pairs}}}")
     return f"{indent}BlockGroup({', '.join(args)})"
+
+
+def _fused_text(report: InspectReport) -> str:
+    """The proposed adapter's ``fused_projections=`` argument (empty when no block shares an input)."""
+    if not report.fused_projections:
+        return ""
+    lines = ["    fused_projections={"]
+    for path, groups in report.fused_projections.items():
+        members = ", ".join("(" + ", ".join(f'"{m}"' for m in group) + ")" for group in groups)
+        lines.append(f'        "{path}": ({members},),')
+    return "\n".join(lines) + "\n    },\n"
 
 
 def propose_adapter(report: InspectReport, target: Target, trace: Trace) -> str:
@@ -368,6 +414,7 @@ def propose_adapter(report: InspectReport, target: Target, trace: Trace) -> str:
         f'    transformer_classes=("{qualified_name(target.cls)}",),\n'
         f"    block_groups=(\n{body}\n    ),\n"
         f"    timestep_arg={timestep_text},\n"
+        f"{_fused_text(report)}"
         ")\n"
         f"# CP sketch: {cp}; TP sketch: {tp} (see the CP and TP sections of this report)\n"
     )

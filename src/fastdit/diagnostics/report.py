@@ -95,6 +95,8 @@ def render_text(report: InspectReport) -> str:
     out += _section("Divisibility (full-size heads, traced lengths)", _divisibility(report))
     out += _section("Context parallelism", _decision(report.cp))
     out += _section("Tensor parallelism", _decision(report.tp))
+    fused = [f"{path}: {'; '.join('+'.join(g) for g in groups)}" for path, groups in report.fused_projections.items()]
+    out += _section("Projections that share an input (fuse=True)", fused or ["none found"])
     if report.family:
         out += _section(f"Adapter '{report.family}' vs findings", report.comparison)
     if report.proposed_adapter:
