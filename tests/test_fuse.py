@@ -117,6 +117,19 @@ def test_a_member_called_on_another_tensor_computes_on_its_own_input() -> None:
     applied.undo()
 
 
+def test_inference_mode_tensors_share_by_identity() -> None:
+    torch.manual_seed(0)
+    model = _Model().eval()
+    x = torch.randn(2, 5, 8)
+    expected = model(x)
+    applied = apply_fuse(model, GROUPS, Fuse())
+    with torch.inference_mode():
+        out = model(x.clone())  # an inference tensor: no version counter
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+    assert applied.state.stats()["hits"] == 4 and applied.state.stats()["misses"] == 0
+    applied.undo()
+
+
 def test_exclude_leaves_a_group_unfused() -> None:
     model = _Model().eval()
     applied = apply_fuse(model, GROUPS, Fuse(exclude=("blocks.1.q",)))

@@ -91,8 +91,10 @@ class FusedGroup:
         # Identity, not value: the members of a block receive the very same tensor; the version counter catches an
         # in-place change between two members' calls. Under dynamo the counters and the version are left out (an
         # integer read there would be guarded on, and recompile every call); what remains traces to one matmul.
+        # Tensors made under torch.inference_mode have no version counter: identity alone decides for them.
         compiling = torch.compiler.is_compiling()
-        if self._output is not None and self._input is x and (compiling or self._version == x._version):
+        versioned = not compiling and not x.is_inference()
+        if self._output is not None and self._input is x and (not versioned or self._version == x._version):
             output = self._output
             self._left -= 1
             if self._left <= 0:
@@ -104,7 +106,7 @@ class FusedGroup:
             self.misses += 1  # a member before this one was left uncalled, or called on another tensor
         output = self.linear(x)
         self._input, self._output, self._left = x, output, len(self.spans) - 1
-        if not compiling:
+        if versioned:
             self._version = x._version
         return output
 
