@@ -16,7 +16,7 @@ import fastdit
 from fastdit.config import Fuse, Quantize
 from fastdit.context import context_of
 from fastdit.errors import ArgumentError, FieldError
-from fastdit.fuse import apply_fuse, declared_form, group_name, plan_groups, shared_input_groups
+from fastdit.fuse import apply_fuse, declared_form, expand_group, group_name, plan_groups, shared_input_groups
 from fastdit.models.base import BlockGroup, ForwardPattern, ModelAdapter
 from fastdit.models.registry import get_family
 from fastdit.testing.pipelines import build_tiny, run_tiny
@@ -168,6 +168,27 @@ def test_discovery_finds_what_the_blocks_share() -> None:
     assert group_name("blocks.0", ("q", "k")) == "blocks.0.[q,k]"
 
 
+def test_starred_members_make_one_group_per_match() -> None:
+    class _Experts(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.experts = torch.nn.ModuleList(
+                torch.nn.ModuleDict({"w1": torch.nn.Linear(4, 8), "w3": torch.nn.Linear(4, 8)}) for _ in range(3)
+            )
+
+    block = _Experts()
+    assert expand_group(block, ("experts.*.w1", "experts.*.w3")) == [
+        ("experts.0.w1", "experts.0.w3"),
+        ("experts.1.w1", "experts.1.w3"),
+        ("experts.2.w1", "experts.2.w3"),
+    ]
+    assert expand_group(block, ("a", "b")) == [("a", "b")]
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList([block])
+    planned, _ = plan_groups(model, {"blocks": (("experts.*.w1", "experts.*.w3"),)}, Fuse())
+    assert [g.name for g in planned] == [f"blocks.0.[experts.{i}.w1,experts.{i}.w3]" for i in range(3)]
+
+
 def test_adapter_refuses_a_bad_declaration() -> None:
     groups = (BlockGroup(path="blocks", pattern=ForwardPattern.P2),)
     with pytest.raises(ValueError, match="not a block list of the adapter"):
@@ -175,6 +196,13 @@ def test_adapter_refuses_a_bad_declaration() -> None:
     with pytest.raises(ValueError, match="two or more distinct layers"):
         ModelAdapter(
             family="x", transformer_classes=("a.B",), block_groups=groups, fused_projections={"blocks": (("q",),)}
+        )
+    with pytest.raises(ValueError, match="as many '\\*' as the first"):
+        ModelAdapter(
+            family="x",
+            transformer_classes=("a.B",),
+            block_groups=groups,
+            fused_projections={"blocks": (("e.*.a", "b"),)},
         )
 
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from fastdit.attrs import resolve_attr
+from fastdit.attrs import expand_path, is_pattern, resolve_attr
 from fastdit.config import Fuse
 from fastdit.hooks.state import Applied, park_on_host
 
@@ -40,6 +40,7 @@ __all__ = [
     "FusedGroup",
     "apply_fuse",
     "declared_form",
+    "expand_group",
     "group_name",
     "plan_groups",
     "shared_input_groups",
@@ -157,8 +158,6 @@ class PlannedGroup:
 
 
 def _block_lists(transformer: torch.nn.Module, declared: ProjectionGroups) -> Iterator[tuple[str, Any]]:
-    from fastdit.attrs import expand_path, is_pattern
-
     for path in declared:
         names = expand_path(transformer, path) if is_pattern(path) else [path]
         for name in names:
@@ -186,6 +185,26 @@ def _member(block: torch.nn.Module, block_name: str, path: str) -> torch.nn.Line
     if "forward" in module.__dict__:
         raise ValueError(f"fused projection {where!r}: its forward is already replaced (another technique)")
     return module
+
+
+def expand_group(block: torch.nn.Module, group: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """``group`` made concrete in ``block``: itself, or — when its members have ``*`` components (one routed expert's
+    projections, ``("ff.experts.*.w1", "ff.experts.*.w3")``) — one group per match of its first member, the other
+    members' stars filled with the same names, in module order."""
+    if not is_pattern(group[0]):
+        return [group]
+    stars = [i for i, part in enumerate(group[0].split(".")) if part == "*"]
+    out = []
+    for match in expand_path(block, group[0]):
+        values = [match.split(".")[i] for i in stars]
+        concrete = []
+        for member in group:
+            parts = member.split(".")
+            for value, index in zip(values, (i for i, part in enumerate(parts) if part == "*"), strict=False):
+                parts[index] = value
+            concrete.append(".".join(parts))
+        out.append(tuple(concrete))
+    return out
 
 
 def _check_group(block_name: str, members: list[tuple[str, torch.nn.Linear]]) -> None:
@@ -228,7 +247,7 @@ def plan_groups(transformer: torch.nn.Module, declared: ProjectionGroups, config
     for path, (list_name, blocks) in _block_lists(transformer, declared):
         for index, block in enumerate(blocks):
             block_name = f"{list_name}.{index}"
-            for group in declared[path]:
+            for group in (g for declared_group in declared[path] for g in expand_group(block, declared_group)):
                 members = [(rel, _member(block, block_name, rel)) for rel in group]
                 _check_group(block_name, members)
                 full = tuple(f"{block_name}.{rel}" for rel in group)

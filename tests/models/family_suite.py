@@ -8,8 +8,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import fastdit
+from fastdit.attrs import expand_path, is_pattern, resolve_attr
 from fastdit.errors import FieldError
-from fastdit.fuse import declared_form
+from fastdit.fuse import declared_form, expand_group
 from fastdit.models.registry import get_family
 from fastdit.models.validate import check_adapter, probe_patterns
 from fastdit.parallel.attention.dispatch import processor_sites
@@ -192,9 +193,9 @@ class FamilySuite:
         and disable gives the baseline back bit for bit. A family that declares none has fusion refused."""
         pipe, tiny = self._pipe(built, variant)
         adapter = get_family(self.family)
-        declared = {path: {frozenset(g) for g in groups} for path, groups in adapter.fused_projections.items()}
         left_out = {frozenset(g) for g in self.fused_left_out}
         for transformer in _transformers(pipe, adapter):
+            declared = _declared_groups(transformer, adapter.fused_projections)
             found = declared_form(transformer, adapter.block_groups, lambda: run_tiny(pipe, tiny))
             for path, groups in found.items():
                 missing = {g for g in groups if frozenset(g) not in declared.get(path, set()) | left_out}
@@ -364,6 +365,16 @@ def _assert_step_invariant_served(stats, name: str) -> None:
         assert not invariant["skipped"], (name, component, invariant)
         for module, counts in invariant["modules"].items():
             assert counts["served"] > 0, (name, component, module, counts)
+
+
+def _declared_groups(transformer, declared) -> dict[str, set[frozenset]]:
+    """Per declared block list, every group its blocks hold (``*`` members made concrete), as sets of names."""
+    out: dict[str, set[frozenset]] = {}
+    for path, groups in declared.items():
+        for name in expand_path(transformer, path) if is_pattern(path) else [path]:
+            for block in resolve_attr(transformer, name):
+                out.setdefault(path, set()).update(frozenset(g) for d in groups for g in expand_group(block, d))
+    return out
 
 
 def _instance_forwards(pipe) -> set[str]:

@@ -361,7 +361,9 @@ class ModelAdapter:
         fused_projections: Linear layers each block applies to one tensor, which :class:`~fastdit.config.Fuse`
             computes as one matmul per group: block-list path (a :attr:`block_groups` path or an interleaved one)
             → groups of member paths relative to one block (``{"single_transformer_blocks": (("proj_mlp",
-            "attn.to_q", "attn.to_k", "attn.to_v"),)}``); empty: the family declares none and fusion is refused.
+            "attn.to_q", "attn.to_k", "attn.to_v"),)}``); members with a ``*`` component stand for one group per
+            match, the stars filled alike (``("ff.experts.*.w1", "ff.experts.*.w3")``: each routed expert's pair);
+            empty: the family declares none and fusion is refused.
     """
 
     family: str
@@ -415,6 +417,8 @@ class ModelAdapter:
                 valid = isinstance(members, tuple) and all(isinstance(m, str) and m for m in members)
                 if not valid or len(members) < 2 or len(set(members)) != len(members):
                     raise ValueError(f"{where}: group {members!r} must name two or more distinct layers")
+                if len({m.split(".").count("*") for m in members}) != 1:
+                    raise ValueError(f"{where}: group {members!r}: every member needs as many '*' as the first")
 
     @property
     def cache_plan(self) -> CachePlan:

@@ -221,11 +221,13 @@ FUSED_PROJECTIONS = {
         ("block.attn1.to_q", "block.attn1.to_k", "block.attn1.to_v"),
         ("block.attn1.to_q_t", "block.attn1.to_k_t", "block.attn1.to_v_t"),
         ("block.ff_i.shared_experts.w1", "block.ff_i.shared_experts.w3"),
+        ("block.ff_i.experts.*.w1", "block.ff_i.experts.*.w3"),  # each routed expert's pair, on its tokens
         ("block.ff_t.w1", "block.ff_t.w3"),
     ),
     "single_stream_blocks": (
         ("block.attn1.to_q", "block.attn1.to_k", "block.attn1.to_v"),
         ("block.ff_i.shared_experts.w1", "block.ff_i.shared_experts.w3"),
+        ("block.ff_i.experts.*.w1", "block.ff_i.experts.*.w3"),
     ),
 }
 

@@ -240,6 +240,13 @@ FUSED_PROJECTIONS = {
             "video_dec_block.self_attention.to_value",
         ),
         ("video_dec_block.cross_attention.to_key", "video_dec_block.cross_attention.to_value"),
+        # The audio stream's groups: called whole in the audio variants, not at all without audio.
+        (
+            "audio_dec_block.self_attention.to_query",
+            "audio_dec_block.self_attention.to_key",
+            "audio_dec_block.self_attention.to_value",
+        ),
+        ("audio_dec_block.cross_attention.to_key", "audio_dec_block.cross_attention.to_value"),
     ),
 }
 
