@@ -35,7 +35,10 @@ def test_interleaved_temporal_blocks_skipped_when_discarded_without_changing_out
     baseline = run_tiny(pipe, tiny)
     patched, patched_counts = _cached_run(pipe, tiny, ADAPTER)
     (group,) = ADAPTER.block_groups
-    undeclared = dataclasses.replace(ADAPTER, block_groups=(dataclasses.replace(group, interleaved=None),))
+    fused = {path: groups for path, groups in ADAPTER.fused_projections.items() if path == group.path}
+    undeclared = dataclasses.replace(
+        ADAPTER, block_groups=(dataclasses.replace(group, interleaved=None),), fused_projections=fused
+    )
     plain, plain_counts = _cached_run(pipe, tiny, undeclared)
     np.testing.assert_array_equal(patched, plain)
     # 2 steps, one CFG-batched call each: the cached step skips temporal block 1 only (its output is replaced by
