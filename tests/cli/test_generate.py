@@ -646,18 +646,8 @@ def test_an_attention_backend_on_one_device(tiny_flux_dir: Path, capsys: Any) ->
 
 
 def test_fuse_with_summary_and_compare(tiny_flux_dir: Path, capsys: Any) -> None:
-    code, stdout, err = _run(
-        capsys,
-        "--model-path",
-        str(tiny_flux_dir),
-        "--prompt",
-        "a cat",
-        *TINY,
-        "--fuse",
-        "--summary",
-        "--compare",
-        "--json",
-    )
+    flags = ("--fuse", "--summary", "--compare", "--json")
+    code, stdout, err = _run(capsys, "--model-path", str(tiny_flux_dir), "--prompt", "a cat", *TINY, *flags)
     assert code == 0, err
     payload = _last_json(stdout)
     assert payload["acceleration"]["fuse"] == {"type": "Fuse", "exclude": []}
