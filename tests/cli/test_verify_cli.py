@@ -83,7 +83,10 @@ def test_pipeline_directory_target(tiny_flux_dir: Path, capsys: pytest.CaptureFi
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--ladder", "cache,pp"], "argument --ladder cache,pp: unknown ladder entry 'pp'; known: cache, fuse, ulysses"),
+        (
+            ["--ladder", "cache,pp"],
+            "argument --ladder cache,pp: unknown ladder entry 'pp'; known: cache, fuse, ulysses",
+        ),
         (["no-such-model"], "unknown target 'no-such-model': not a registered model name, tiny:FAMILY"),
         (["tiny:no-such-family"], "unknown target 'tiny:no-such-family'"),
         (["tiny:flux:nope"], "unknown target 'tiny:flux:nope': family 'flux' has no tiny pipeline 'nope'"),
